@@ -1,0 +1,30 @@
+"""explain: gradient-based explanations (Grad-CAM and friends) for PyTorch vision models.
+
+    from explain import GradCAM
+    e = GradCAM(model, "layer4").explain(img)   # img: path, PIL, ndarray or tensor
+    e.show(); e.save("cam.png")
+"""
+
+from .capture import LayerNotFoundError, LayerNotRunError, find_layers
+from .explanation import Explanation
+from .inputs import Normalize, load_image
+from .methods import CAM, REGISTRY, Explainer, GradCAM, get_method
+from .render import colorize, overlay
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CAM",
+    "REGISTRY",
+    "Explainer",
+    "Explanation",
+    "GradCAM",
+    "LayerNotFoundError",
+    "LayerNotRunError",
+    "Normalize",
+    "colorize",
+    "find_layers",
+    "get_method",
+    "load_image",
+    "overlay",
+]

@@ -1,0 +1,221 @@
+"""Hooks: find layers by name, capture their outputs, and remove every hook afterwards.
+
+This module is the only place in the toolkit that registers hooks on a model.
+Every hook lives inside a ``with`` block and is removed in a ``finally``, so a
+model carries no hook of ours between calls, also when a call raises.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from contextlib import contextmanager
+from typing import Iterator, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+LayerSpec = Union[str, nn.Module, type]
+"""A layer: its ``named_modules()`` name, a glob over names, the module itself, or a module type."""
+
+
+class LayerNotFoundError(ValueError):
+    """A layer name, module or type that the model does not contain."""
+
+
+class LayerNotRunError(RuntimeError):
+    """A target layer that did not run (or ran more than once) in a forward pass."""
+
+
+def _is_glob(text: str) -> bool:
+    return any(character in text for character in "*?[")
+
+
+def _unknown_name_message(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=6, cutoff=0.4)
+    if not close:  # fall back to names that share the first dotted component
+        head = name.split(".")[0]
+        close = [candidate for candidate in names if candidate.split(".")[0] == head][:6]
+    if not close:
+        close = [candidate for candidate in names if "." not in candidate][:12]
+    listed = ", ".join(repr(candidate) for candidate in close)
+    return (
+        f"the model has no layer named {name!r}. Closest names: {listed}. "
+        "Run `explain layers MODEL` (or explain.list_layers(model)) to see every name."
+    )
+
+
+def find_layers(
+    model: nn.Module, layers: LayerSpec | Sequence[LayerSpec]
+) -> list[tuple[str, nn.Module]]:
+    """Resolve layer specifications to ``(name, module)`` pairs, in the order given.
+
+    Each specification is a name as ``model.named_modules()`` spells it
+    (``"layer4"``, ``"features.29"``), a glob over those names (``"layer*"``,
+    ``"blocks.*.norm1"``), a module of the model, or a module type
+    (``nn.Conv2d``: every module of that type). Duplicates are dropped.
+    """
+    if isinstance(layers, (str, nn.Module, type)):
+        layers = [layers]
+    named = dict(model.named_modules())
+    names = [name for name in named if name]
+    name_of = {id(module): name for name, module in named.items()}
+    found: dict[str, nn.Module] = {}
+    for spec in layers:
+        if isinstance(spec, str):
+            if spec in named:
+                matches = [spec]
+            elif _is_glob(spec):
+                matches = [name for name in names if fnmatch.fnmatchcase(name, spec)]
+                if not matches:
+                    raise LayerNotFoundError(
+                        f"the pattern {spec!r} matches no layer name of the model. "
+                        "Run `explain layers MODEL` to see every name."
+                    )
+            else:
+                raise LayerNotFoundError(_unknown_name_message(spec, names))
+        elif isinstance(spec, nn.Module):
+            if id(spec) not in name_of:
+                raise LayerNotFoundError(
+                    f"the module {type(spec).__name__} passed as a layer is not part of the "
+                    "model (was the model copied or rebuilt after the module was taken?)."
+                )
+            matches = [name_of[id(spec)]]
+        elif isinstance(spec, type) and issubclass(spec, nn.Module):
+            matches = [name for name in names if isinstance(named[name], spec)]
+            if not matches:
+                raise LayerNotFoundError(f"the model has no module of type {spec.__name__}.")
+        else:
+            raise TypeError(
+                f"a layer is given by its name, a glob, the module or a module type; got {type(spec).__name__}."
+            )
+        for name in matches:
+            found[name] = named[name]
+    return list(found.items())
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a model with neither)."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of the model's first floating parameter (float32 if none)."""
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+@contextmanager
+def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> Iterator[None]:
+    """Run a block with the model in eval mode; restore every module's train/eval flag after.
+
+    Explainers run the model in eval mode so that BatchNorm uses (and never
+    updates) its running statistics and dropout is off: a map is then a
+    deterministic function of the image. Each module's own flag is restored,
+    so models with mixed modes (frozen BatchNorm in a training model) come
+    back exactly as they were.
+    """
+    training_flags = [(module, module.training) for module in model.modules()]
+    try:
+        if eval_mode:
+            model.eval()
+        yield
+    finally:
+        for module, was_training in training_flags:
+            module.training = was_training
+
+
+class ActivationCapture:
+    """Forward hooks that capture target layers' outputs so that gradients can be taken at them.
+
+    Use as a context manager around one forward pass::
+
+        with ActivationCapture(model, [("layer4", model.layer4)], graph_from_first_layer=True) as capture:
+            with torch.no_grad():
+                output = model(batch)
+        activations = capture.activations()   # one tensor per layer, (N, C, h, w)
+
+    With ``graph_from_first_layer`` the forward is meant to run under
+    ``torch.no_grad()``: the first target layer's hook turns gradients back on
+    and replaces that layer's output by a fresh leaf tensor, so the autograd
+    graph covers only the rest of the network (Grad-CAM costs one forward).
+    Otherwise the captured outputs stay connected to the graph built so far.
+
+    Each hook hands a clone of the captured output on to the rest of the
+    network: an in-place operation after the layer (``ReLU(inplace=True)``)
+    changes the clone, not the captured activation, and the gradient taken at
+    the captured tensor is the gradient of the layer's true output.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[tuple[str, nn.Module]], *, graph_from_first_layer: bool):
+        self.model = model
+        self.layers = list(layers)
+        self.graph_from_first_layer = graph_from_first_layer
+        self._captured: dict[str, Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _hook_for(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: object) -> Tensor:
+            if name in self._captured:
+                raise LayerNotRunError(
+                    f"layer {name!r} ran more than once in one forward pass (a module used in several "
+                    "places, such as the one `relu` of a torchvision BasicBlock). A map needs a layer "
+                    f"that runs once: choose a parent block (e.g. {name.rsplit('.', 1)[0]!r}) or "
+                    "another layer."
+                )
+            if not isinstance(output, Tensor):
+                raise TypeError(
+                    f"layer {name!r} returned a {type(output).__name__}, not a tensor; "
+                    "choose a layer whose output is a tensor of feature maps."
+                )
+            if self.graph_from_first_layer and not torch.is_grad_enabled():
+                activation = output.detach().requires_grad_(True)
+                torch.set_grad_enabled(True)  # the enclosing no_grad() restores the caller's mode on exit
+            else:
+                activation = output
+            self._captured[name] = activation
+            return activation.clone()
+
+        return hook
+
+    def __enter__(self) -> "ActivationCapture":
+        self._captured.clear()
+        try:
+            for name, module in self.layers:
+                self._handles.append(module.register_forward_hook(self._hook_for(name)))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def activations(self) -> list[Tensor]:
+        """The captured output of each target layer, in the order the layers were given.
+
+        Raises LayerNotRunError for a layer that did not run in the forward pass.
+        """
+        missing = [name for name, _ in self.layers if name not in self._captured]
+        if missing:
+            raise LayerNotRunError(
+                f"layer {missing[0]!r} did not run during the model's forward pass, so there is "
+                "nothing to explain at it. Choose a layer that the forward uses "
+                "(`explain layers MODEL` lists them with their output shapes)."
+            )
+        return [self._captured[name] for name, _ in self.layers]
+
+    def clear(self) -> None:
+        """Drop the captured tensors (and with them the autograd graph they hold)."""
+        self._captured.clear()

@@ -1,0 +1,113 @@
+"""The result of every method: maps, targets, scores and display images; show and save."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+from PIL import Image
+from torch import Tensor
+
+from . import render
+
+VECTOR_FORMATS = {".pdf", ".svg", ".eps", ".ps"}
+
+
+@dataclass
+class Explanation:
+    """Heatmaps for N images × K targets.
+
+    map_grid: (N, K, H, W) float maps at the input's resolution, on the model's
+        device; in [0, 1] with the default normalisation ([-1, 1] for signed maps).
+    raw_map_grid: (N, K, H, W), the same maps before normalisation.
+    scores: (N, K) the model's output for each explained target (e.g. the class logit).
+    class_indices: (N, K) long class indices, or None for callable targets.
+    images: (N, H, W, 3) float RGB display images in [0, 1] (CPU).
+    method: the method's name; layer: the layer(s) explained, or None.
+    keep_target_dim: whether ``maps`` keeps the K dimension.
+    low_res_maps: per layer, (N, K, h, w) maps at the layer's resolution before
+        upsampling and normalisation (CAM methods), else None.
+    probabilities: (N, K) softmax probability of each explained class, None for callable targets.
+    """
+
+    map_grid: Tensor
+    raw_map_grid: Tensor
+    scores: Tensor
+    class_indices: Optional[Tensor]
+    images: Tensor
+    method: str
+    layer: Union[str, list[str], None] = None
+    keep_target_dim: bool = False
+    low_res_maps: Optional[list[Tensor]] = None
+    probabilities: Optional[Tensor] = None
+    class_names: Optional[Sequence[str]] = field(default=None, repr=False)
+
+    @property
+    def maps(self) -> Tensor:
+        """(N, H, W) for one target per image, (N, K, H, W) for K targets per image."""
+        return self.map_grid if self.keep_target_dim else self.map_grid[:, 0]
+
+    @property
+    def raw_maps(self) -> Tensor:
+        """``maps`` before normalisation, same shape."""
+        return self.raw_map_grid if self.keep_target_dim else self.raw_map_grid[:, 0]
+
+    @property
+    def targets(self) -> Optional[Tensor]:
+        """Class indices explained: (N,) or (N, K) like ``maps``; None for callable targets."""
+        if self.class_indices is None:
+            return None
+        return self.class_indices if self.keep_target_dim else self.class_indices[:, 0]
+
+    def __len__(self) -> int:
+        return self.map_grid.shape[0]
+
+    def title(self, image_index: int, target_index: int = 0) -> str:
+        """'class name (index): score' for one map."""
+        index = None if self.class_indices is None else int(self.class_indices[image_index, target_index])
+        score = float(self.scores[image_index, target_index])
+        return f"{render.label_text(index, self.class_names)}: {score:.3g}"
+
+    def description(self) -> str:
+        """'method @ layer'."""
+        if self.layer is None:
+            return self.method
+        layer = ", ".join(self.layer) if isinstance(self.layer, list) else self.layer
+        return f"{self.method} @ {layer}"
+
+    def overlay(self, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+        """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets."""
+        return render.overlay(self.images, self.maps, alpha=alpha, cmap=cmap)
+
+    def figure(self, alpha: float = 0.5, cmap: str = "jet", **options):
+        """A matplotlib Figure: each image with its overlays under it, titled with class and score."""
+        return render.explanation_figure(self, alpha=alpha, cmap=cmap, **options)
+
+    def show(self, alpha: float = 0.5, cmap: str = "jet", **options) -> None:
+        """Draw the figure with matplotlib's pyplot (in a notebook or a window)."""
+        import matplotlib.pyplot as plt
+
+        render.explanation_figure(self, alpha=alpha, cmap=cmap, figure=plt.figure(), **options)
+        plt.show()
+
+    def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: str = "jet", dpi: int = 150) -> Path:
+        """Write the overlays to ``path``.
+
+        PNG/JPG and other raster formats: the overlays at the input's own
+        resolution, images side by side, one row per target. PDF/SVG/EPS: the
+        titled figure of ``figure()`` as vector graphics.
+        """
+        path = Path(path)
+        if path.suffix.lower() in VECTOR_FORMATS:
+            render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
+        else:
+            Image.fromarray(render.tile(render.overlay(self.images, self.map_grid, alpha=alpha, cmap=cmap))).save(path)
+        return path
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure().savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()

@@ -1,0 +1,227 @@
+"""Inputs: a path, PIL image, ndarray or tensor (or a list of them) → a model batch and display images.
+
+Images (paths, PIL, ndarrays) are RGB, turned into float tensors in [0, 1] and
+passed through a ``preprocess`` callable (default: ImageNet mean/std
+normalisation, size kept). Tensors are taken as already preprocessed model
+input. For every input the toolkit keeps a display image, (H, W, 3) float in
+[0, 1] at the batch's resolution, on which heatmaps are drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, Tensor]
+Inputs = Union[ImageInput, Sequence[ImageInput]]
+
+
+class Normalize:
+    """The default preprocess: RGB image → (3, H, W) float tensor, ``(x - mean) / std``, size kept.
+
+    Accepts a PIL image, an (H, W, 3) ndarray or a (3, H, W) float tensor in [0, 1].
+    Its ``mean`` and ``std`` are also used to turn model input back into a display image.
+    """
+
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
+        self.mean = tuple(float(value) for value in mean)
+        self.std = tuple(float(value) for value in std)
+
+    def __call__(self, image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
+        tensor = image if isinstance(image, Tensor) else image_to_tensor(image)
+        mean = torch.tensor(self.mean, dtype=tensor.dtype).view(-1, 1, 1)
+        std = torch.tensor(self.std, dtype=tensor.dtype).view(-1, 1, 1)
+        return (tensor - mean) / std
+
+    def __repr__(self) -> str:
+        return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+def load_image(path: Union[str, os.PathLike]) -> Image.Image:
+    """Open an image file as an RGB PIL image (palette, grayscale and CMYK files are converted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no image file at {str(path)!r}.")
+    try:
+        image = Image.open(path)
+        image.load()
+    except OSError as error:
+        raise ValueError(f"{str(path)!r} could not be read as an image: {error}") from error
+    return _checked_rgb(image, source=str(path))
+
+
+def _checked_rgb(image: Image.Image, source: str = "the image") -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        raise ValueError(
+            f"{source} has an alpha channel (mode {image.mode}); the model needs RGB. Composite it on "
+            "a background first, e.g. image.convert('RGB') (drops transparency) or "
+            "Image.alpha_composite(white_background, image).convert('RGB')."
+        )
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        raise ValueError(
+            f"{source} has {image.mode} pixels (16/32-bit), which cannot be mapped to RGB without "
+            "choosing a range. Scale it yourself, e.g. to a float ndarray in [0, 1] with 3 channels."
+        )
+    return image.convert("RGB")  # grayscale, palette, CMYK, YCbCr: unambiguous conversions
+
+
+def image_to_tensor(image: Union[Image.Image, np.ndarray]) -> Tensor:
+    """A PIL image or an (H, W), (H, W, 1) or (H, W, 3) ndarray → (3, H, W) float32 tensor in [0, 1].
+
+    uint8 arrays are divided by 255; float arrays must already lie in [0, 1].
+    Grayscale arrays are repeated to three channels; other channel counts,
+    16-bit arrays and out-of-range floats are refused with an error.
+    """
+    if isinstance(image, Image.Image):
+        array = np.asarray(_checked_rgb(image, source="the PIL image"))
+    else:
+        array = np.asarray(image)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or array.shape[2] not in (1, 3):
+        channels = f" with {array.shape[2]} channels" if array.ndim == 3 else ""
+        hint = " (RGBA: drop or composite the alpha channel)" if array.ndim == 3 and array.shape[2] == 4 else ""
+        raise ValueError(
+            f"an image array must be (H, W, 3) RGB, or (H, W) grayscale; got shape {array.shape}{channels}{hint}. "
+            "A channels-first image is a tensor input: torch.as_tensor(array)."
+        )
+    if array.dtype == np.uint8:
+        tensor = torch.from_numpy(array.astype(np.float32)) / 255.0
+    elif np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all():
+            raise ValueError("the image array contains NaN or inf values.")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise ValueError(
+                f"a float image array must lie in [0, 1]; this one spans [{low:.3g}, {high:.3g}]. "
+                "Divide by 255 (for 0-255 values) or pass model-ready data as a tensor."
+            )
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32))
+    else:
+        raise ValueError(
+            f"image arrays must be uint8 (0-255) or float in [0, 1]; got dtype {array.dtype}. "
+            "Scale 16-bit images yourself, e.g. (array / 65535).astype('float32')."
+        )
+    tensor = tensor.permute(2, 0, 1)
+    if tensor.shape[0] == 1:
+        tensor = tensor.expand(3, -1, -1)
+    return tensor.contiguous()
+
+
+def display_from_model_input(batch: Tensor, preprocess: Optional[Callable] = None) -> Tensor:
+    """Model input (N, C, H, W) → display images (N, H, W, 3) float in [0, 1] on the CPU.
+
+    Undoes the preprocess's ``mean``/``std`` when it has them and the channel
+    count matches; otherwise rescales each image to [0, 1] by its min and max.
+    """
+    batch = batch.detach().to("cpu", torch.float32)
+    channels = batch.shape[1]
+    mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
+    if mean is not None and std is not None and len(mean) == channels == len(std):
+        images = batch * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+    else:
+        low = batch.amin(dim=(1, 2, 3), keepdim=True)
+        high = batch.amax(dim=(1, 2, 3), keepdim=True)
+        images = (batch - low) / (high - low).clamp_min(1e-12)
+    if channels != 3:
+        images = images.mean(dim=1, keepdim=True).expand(-1, 3, -1, -1)
+    return images.clamp(0.0, 1.0).permute(0, 2, 3, 1).contiguous()
+
+
+@dataclass
+class PreparedInputs:
+    """batch: (N, C, H, W) model input on the model's device; images: (N, H, W, 3) float [0, 1], CPU."""
+
+    batch: Tensor
+    images: Tensor
+
+
+def _flatten(inputs: Inputs) -> list:
+    if isinstance(inputs, (str, os.PathLike, Image.Image)):
+        return [inputs]
+    if isinstance(inputs, Tensor):
+        if inputs.dim() == 4:
+            return list(inputs.unbind(0))
+        if inputs.dim() in (2, 3):
+            return [inputs]
+        raise ValueError(f"a tensor input must be (C, H, W) or (N, C, H, W); got shape {tuple(inputs.shape)}.")
+    if isinstance(inputs, np.ndarray):
+        return list(inputs) if inputs.ndim == 4 else [inputs]
+    if isinstance(inputs, (list, tuple)):
+        items = []
+        for item in inputs:
+            if isinstance(item, (list, tuple)):
+                raise TypeError("inputs may be a list of images, not a list of lists.")
+            items.extend(_flatten(item))
+        return items
+    raise TypeError(
+        f"cannot explain a {type(inputs).__name__}: give a path, a PIL image, an (H, W, 3) ndarray, "
+        "a (C, H, W) or (N, C, H, W) tensor, or a list of these."
+    )
+
+
+def _prepare_one(item: Any, preprocess: Callable) -> tuple[Tensor, Tensor]:
+    """One input → (model input (C, H, W), display image (H, W, 3))."""
+    if isinstance(item, Tensor):
+        model_input = item.unsqueeze(0) if item.dim() == 2 else item
+        return model_input, display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
+    if isinstance(item, (str, os.PathLike)):
+        pil_image: Optional[Image.Image] = load_image(item)
+        image = image_to_tensor(pil_image)
+    elif isinstance(item, Image.Image):
+        pil_image = _checked_rgb(item, source="the PIL image")
+        image = image_to_tensor(pil_image)
+    else:
+        image = image_to_tensor(item)
+        pil_image = None
+    if isinstance(preprocess, Normalize):
+        model_input = preprocess(image)
+    else:  # user pipelines (torchvision transforms) expect PIL images
+        if pil_image is None:
+            pil_image = Image.fromarray((image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+        model_input = preprocess(pil_image)
+        if not isinstance(model_input, Tensor):
+            raise TypeError(f"preprocess must return a tensor; it returned a {type(model_input).__name__}.")
+    if model_input.dim() == 4 and model_input.shape[0] == 1:
+        model_input = model_input[0]
+    if tuple(model_input.shape[-2:]) == tuple(image.shape[-2:]):
+        display = image.permute(1, 2, 0)
+    else:  # the preprocess resized or cropped: show what the model saw
+        display = display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
+    return model_input, display
+
+
+def prepare_inputs(
+    inputs: Inputs, preprocess: Callable, device: torch.device, dtype: torch.dtype = torch.float32
+) -> PreparedInputs:
+    """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
+    items = _flatten(inputs)
+    if not items:
+        raise ValueError("there is nothing to explain: the input batch is empty.")
+    prepared = [_prepare_one(item, preprocess) for item in items]
+    shapes = {tuple(model_input.shape) for model_input, _ in prepared}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"the inputs have different sizes after preprocessing ({sorted(shapes)}); a batch needs one "
+            "size. Pass a preprocess that resizes (e.g. torchvision weights.transforms()) or explain "
+            "the images one at a time."
+        )
+    batch = torch.stack([model_input for model_input, _ in prepared]).to(device)
+    if batch.is_floating_point():
+        batch = batch.to(dtype)
+    if not torch.isfinite(batch).all():
+        raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
+    images = torch.stack([display for _, display in prepared]).float()
+    return PreparedInputs(batch=batch, images=images)

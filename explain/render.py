@@ -1,0 +1,161 @@
+"""Rendering shared by every method: colour maps, overlays on images, figures.
+
+All functions take maps in [0, 1] (tensors or ndarrays, any leading batch
+dimensions) and RGB images, (H, W, 3) or (N, H, W, 3), uint8 or float in
+[0, 1]; they return RGB. Maps are resized to the image they are drawn on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+import matplotlib
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .explanation import Explanation
+
+ArrayLike = Union[np.ndarray, Tensor]
+
+
+def _as_float_tensor(values: ArrayLike) -> Tensor:
+    if isinstance(values, Tensor):
+        return values.detach().to("cpu", torch.float32)
+    return torch.as_tensor(np.asarray(values), dtype=torch.float32)
+
+
+def image_as_float(images: ArrayLike) -> Tensor:
+    """RGB images, uint8 (0-255) or float (0-1), → float tensor in [0, 1] of the same shape."""
+    is_uint8 = (isinstance(images, np.ndarray) and images.dtype == np.uint8) or (
+        isinstance(images, Tensor) and images.dtype == torch.uint8
+    )
+    tensor = _as_float_tensor(images)
+    if is_uint8:
+        tensor = tensor / 255.0
+    if tensor.shape[-1] != 3:
+        raise ValueError(f"images must be RGB, (..., H, W, 3); got shape {tuple(tensor.shape)}.")
+    return tensor.clamp(0.0, 1.0)
+
+
+def resize_maps(maps: ArrayLike, size: tuple[int, int]) -> Tensor:
+    """Maps (..., h, w) → (..., H, W) by bilinear interpolation (float tensor, CPU)."""
+    tensor = _as_float_tensor(maps)
+    if tuple(tensor.shape[-2:]) == tuple(size):
+        return tensor
+    leading = tensor.shape[:-2]
+    flat = tensor.reshape(-1, 1, *tensor.shape[-2:])
+    resized = F.interpolate(flat, size=size, mode="bilinear", align_corners=False)
+    return resized.reshape(*leading, *size)
+
+
+def colormap_table(cmap: str = "jet") -> Tensor:
+    """The 256 RGB colours of a matplotlib colour map, (256, 3) float in [0, 1]."""
+    colours = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, 256))[:, :3]
+    return torch.as_tensor(colours, dtype=torch.float32)
+
+
+def colorize(maps: ArrayLike, cmap: str = "jet") -> Tensor:
+    """Maps (..., H, W) in [0, 1] → RGB (..., H, W, 3) float in [0, 1] through a colour map.
+
+    A value v takes the colour map's entry round(v * 255); values outside [0, 1] are clipped.
+    """
+    values = _as_float_tensor(maps).nan_to_num(0.0).clamp(0.0, 1.0)
+    indices = (values * 255.0).round().long()
+    return colormap_table(cmap)[indices]
+
+
+def overlay(
+    images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet"
+) -> np.ndarray:
+    """Blend colour-mapped heatmaps on RGB images: ``(1 - alpha) * image + alpha * colour``.
+
+    images: (H, W, 3) or (N, H, W, 3), uint8 or float in [0, 1].
+    maps: (h, w), (N, h, w) or (N, K, h, w) in [0, 1]; resized to the images' size.
+        With a K dimension each image gets K overlays.
+    Returns uint8 RGB, shape (..., H, W, 3) following the maps' leading dimensions.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1]; got {alpha}.")
+    image_tensor = image_as_float(images)
+    height, width = image_tensor.shape[-3:-1]
+    heat = colorize(resize_maps(maps, (height, width)), cmap)
+    extra_dims = heat.dim() - image_tensor.dim()
+    if extra_dims < 0:
+        raise ValueError(
+            f"got {tuple(image_tensor.shape)} images for maps of shape {tuple(_as_float_tensor(maps).shape)}."
+        )
+    if image_tensor.dim() == 4 and extra_dims == 1:  # (N, H, W, 3) images with (N, K, H, W) maps
+        image_tensor = image_tensor.unsqueeze(1)
+    blended = (1.0 - alpha) * image_tensor + alpha * heat
+    return (blended * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def tile(images: np.ndarray) -> np.ndarray:
+    """(H, W, 3), (N, H, W, 3) or (N, K, H, W, 3) uint8 → one image: images in columns, targets in rows."""
+    if images.ndim == 3:
+        return images
+    if images.ndim == 4:
+        return np.concatenate(list(images), axis=1)
+    columns = [np.concatenate(list(per_image), axis=0) for per_image in images]
+    return np.concatenate(columns, axis=1)
+
+
+def explanation_figure(
+    explanation: "Explanation",
+    alpha: float = 0.5,
+    cmap: str = "jet",
+    panel_size: float = 2.4,
+    show_original: bool = True,
+    image_titles: Optional[Sequence[str]] = None,
+    figure: Optional["Figure"] = None,
+) -> "Figure":
+    """A matplotlib figure of an explanation: one column per image, the image on top and
+    one overlay per target under it, titled with the class and the score.
+
+    Draws into ``figure`` when given (e.g. one made by pyplot), else into a new Figure.
+    """
+    from matplotlib.figure import Figure
+
+    maps = explanation.map_grid  # (N, K, H, W)
+    count, targets_per_image = maps.shape[:2]
+    overlays = overlay(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
+    rows = targets_per_image + int(show_original)
+    size = (panel_size * count, panel_size * rows + 0.3)
+    if figure is None:
+        figure = Figure(figsize=size, layout="constrained")
+    else:
+        figure.set_size_inches(*size)
+        figure.set_layout_engine("constrained")
+    axes = figure.subplots(rows, count, squeeze=False)
+    for image_index in range(count):
+        if show_original:
+            axes[0, image_index].imshow(explanation.images[image_index].numpy())
+            title = image_titles[image_index] if image_titles is not None else f"image {image_index}"
+            axes[0, image_index].set_title(title, fontsize=9)
+        for target_index in range(targets_per_image):
+            axis = axes[target_index + int(show_original), image_index]
+            axis.imshow(overlays[image_index, target_index])
+            axis.set_title(explanation.title(image_index, target_index), fontsize=9)
+    for axis in axes.flat:
+        axis.set_axis_off()
+    figure.suptitle(explanation.description(), fontsize=10)
+    return figure
+
+
+def save_figure(figure: "Figure", path: str, dpi: Optional[int] = 150) -> None:
+    """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...)."""
+    figure.savefig(path, dpi=dpi)
+
+
+def label_text(class_index: Optional[int], class_names: Optional[Sequence[str]]) -> str:
+    """'name (index)' when class names are known, 'class index' otherwise."""
+    if class_index is None:
+        return "target"
+    if class_names is not None and 0 <= class_index < len(class_names):
+        return f"{class_names[class_index]} ({class_index})"
+    return f"class {class_index}"

@@ -1,0 +1,81 @@
+"""Tiny models whose Grad-CAM can be worked out by hand, and helpers to check model state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+torch.set_num_threads(2)
+
+
+class ConvGapLinear(nn.Module):
+    """conv → (optional in-place ReLU) → global average pool → linear.
+
+    Grad-CAM at ``conv``: ∂y_c/∂A_k(i, j) = W[c, k] / (h w) (times 1[A > 0] with the ReLU),
+    so the map is ReLU(Σ_k W[c, k] A_k) / (h w): the classic CAM.
+    """
+
+    def __init__(self, in_channels: int = 3, channels: int = 4, classes: int = 3, relu: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, channels, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True) if relu else nn.Identity()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.relu(self.conv(x))).flatten(1))
+
+
+class SmallCNN(nn.Module):
+    """A small CNN with BatchNorm, dropout and in-place ReLUs, for state and memory checks."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        )
+        self.dropout = nn.Dropout(0.5)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.head(self.dropout(self.features(x).mean(dim=(2, 3))))
+
+
+def hook_count(model: nn.Module) -> int:
+    """Forward, forward-pre and backward hooks registered on any module of the model."""
+    total = 0
+    for module in model.modules():
+        total += len(module._forward_hooks) + len(module._forward_pre_hooks)
+        total += len(module._backward_hooks) + len(module._backward_pre_hooks)
+    return total
+
+
+def model_state(model: nn.Module) -> dict:
+    """Everything an explainer must leave unchanged: tensors, flags, modes, module identities."""
+    return {
+        "tensors": {name: value.detach().clone() for name, value in model.state_dict(keep_vars=True).items()},
+        "requires_grad": {name: p.requires_grad for name, p in model.named_parameters()},
+        "grads": {name: p.grad for name, p in model.named_parameters()},
+        "training": {name: m.training for name, m in model.named_modules()},
+        "modules": {name: id(m) for name, m in model.named_modules()},
+        "hooks": hook_count(model),
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+
+
+def assert_state_equal(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for name, tensor in before["tensors"].items():
+        assert torch.equal(tensor, after["tensors"][name]), f"{name} changed"
+    for key in ("requires_grad", "training", "modules", "hooks", "grad_enabled"):
+        assert before[key] == after[key], f"{key} changed"
+    assert all(after["grads"][name] is before["grads"][name] for name in before["grads"]), "a .grad changed"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

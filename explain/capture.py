@@ -8,7 +8,7 @@ model carries no hook of ours between calls, also when a call raises.
 from __future__ import annotations
 
 import difflib
-import fnmatch
+import re
 from contextlib import contextmanager
 from typing import Iterator, Sequence, Union
 
@@ -29,6 +29,31 @@ class LayerNotRunError(RuntimeError):
 
 def _is_glob(text: str) -> bool:
     return any(character in text for character in "*?[")
+
+
+def glob_pattern(pattern: str) -> "re.Pattern[str]":
+    """A layer-name glob as a regex: ``*`` and ``?`` stay inside one dotted component
+    (``"layer*"`` is layer1…layer4, not their children), ``**`` crosses components,
+    ``[...]`` is a character class."""
+    parts, index = [], 0
+    while index < len(pattern):
+        if pattern.startswith("**", index):
+            parts.append(".*")
+            index += 2
+        elif pattern[index] == "*":
+            parts.append("[^.]*")
+            index += 1
+        elif pattern[index] == "?":
+            parts.append("[^.]")
+            index += 1
+        elif pattern[index] == "[" and "]" in pattern[index:]:
+            end = pattern.index("]", index)
+            parts.append(pattern[index : end + 1])
+            index = end + 1
+        else:
+            parts.append(re.escape(pattern[index]))
+            index += 1
+    return re.compile("".join(parts) + r"\Z")
 
 
 def _unknown_name_message(name: str, names: Sequence[str]) -> str:
@@ -52,7 +77,7 @@ def find_layers(
 
     Each specification is a name as ``model.named_modules()`` spells it
     (``"layer4"``, ``"features.29"``), a glob over those names (``"layer*"``,
-    ``"blocks.*.norm1"``), a module of the model, or a module type
+    ``"blocks.*.norm1"``; ``*`` stays within one dotted part, ``**`` crosses parts), a module of the model, or a module type
     (``nn.Conv2d``: every module of that type). Duplicates are dropped.
     """
     if isinstance(layers, (str, nn.Module, type)):
@@ -66,7 +91,8 @@ def find_layers(
             if spec in named:
                 matches = [spec]
             elif _is_glob(spec):
-                matches = [name for name in names if fnmatch.fnmatchcase(name, spec)]
+                regex = glob_pattern(spec)
+                matches = [name for name in names if regex.match(name)]
                 if not matches:
                     raise LayerNotFoundError(
                         f"the pattern {spec!r} matches no layer name of the model. "

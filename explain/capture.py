@@ -113,7 +113,8 @@ def find_layers(
                 raise LayerNotFoundError(f"the model has no module of type {spec.__name__}.")
         else:
             raise TypeError(
-                f"a layer is given by its name, a glob, the module or a module type; got {type(spec).__name__}."
+                "a layer is given by its name, a glob, the module or a module type; "
+                f"got {type(spec).__name__}."
             )
         for name in matches:
             found[name] = named[name]

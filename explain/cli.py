@@ -87,8 +87,11 @@ def run_demo(out: str = "explain-demo.png", count: int = 6) -> Path:
     explanation = explainer.explain(list(data.images))
     titles = [f"true class: {CLASS_NAMES[label]}" for label in data.labels]
     figure = explanation.figure(image_titles=titles)
-    figure.suptitle("Grad-CAM at layer4 of the demo model: the class is the filled shape; rings, bars and boxes are distractors",
-                    fontsize=9)
+    figure.suptitle(
+        "Grad-CAM at layer4 of the demo model: the class is the filled shape; "
+        "rings, bars and boxes are distractors",
+        fontsize=9,
+    )
     figure.savefig(out, dpi=120)
     for index in range(count):
         print(f"image {index}: {titles[index]}, predicted {_describe(explanation, index, 0)}")

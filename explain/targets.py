@@ -70,7 +70,9 @@ def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:
     return indices, True
 
 
-def select_targets(output: Any, target: Target = None, topk: Optional[int] = None, batch_size: Optional[int] = None) -> SelectedTargets:
+def select_targets(
+    output: Any, target: Target = None, topk: Optional[int] = None, batch_size: Optional[int] = None
+) -> SelectedTargets:
     """Select the scalar(s) to explain from a model's output.
 
     output: the model's output; (N, C) class scores for class targets, anything a

@@ -61,12 +61,12 @@ def slow_gradcam_resnet(model: torchvision.models.ResNet, x: torch.Tensor, class
     tail, the tail's Jacobian from torch.autograd.functional, one image at a time."""
     maps = []
     with torch.no_grad():
-        head = lambda t: model.layer4(model.layer3(model.layer2(model.layer1(model.maxpool(model.relu(model.bn1(model.conv1(t))))))))  # noqa: E731
-        activations = head(x)
+        stem = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        activations = model.layer4(model.layer3(model.layer2(model.layer1(stem))))
     for n, c in enumerate(classes):
         a = activations[n : n + 1]
 
-        def tail(features):
+        def tail(features, c=c):
             return model.fc(torch.flatten(model.avgpool(features), 1))[0, c]
 
         gradient = torch.autograd.functional.jacobian(tail, a)[0]  # (C, h, w)
@@ -95,9 +95,11 @@ def test_resnet18_accepts_path_pil_ndarray_and_tensor_alike(tmp_path, rng):
     pixels = rng.integers(0, 256, size=(64, 80, 3), dtype=np.uint8)
     path = tmp_path / "image.png"
     Image.fromarray(pixels).save(path)
-    tensor = (torch.from_numpy(pixels).permute(2, 0, 1).float() / 255 - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    scaled = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255
+    tensor = (scaled - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
     explainer = GradCAM(model, "layer4")
-    results = [explainer.explain(item, target=4) for item in (str(path), Image.fromarray(pixels), pixels, pixels / 255.0, tensor)]
+    inputs = (str(path), Image.fromarray(pixels), pixels, pixels / 255.0, tensor)
+    results = [explainer.explain(item, target=4) for item in inputs]
     for result in results:
         assert result.maps.shape == (1, 64, 80)
         torch.testing.assert_close(result.maps, results[0].maps, rtol=1e-4, atol=1e-5)

@@ -103,4 +103,5 @@ def test_overlay_resizes_maps_and_is_batched():
 def test_colorize_is_a_lookup_of_the_colour_map():
     viridis = matplotlib.colormaps["viridis"]
     values = torch.tensor([0.0, 0.5, 1.0, 2.0])
-    np.testing.assert_allclose(colorize(values, "viridis").numpy(), [viridis(i)[:3] for i in (0, 128, 255, 255)], atol=1e-6)
+    expected = [viridis(i)[:3] for i in (0, 128, 255, 255)]
+    np.testing.assert_allclose(colorize(values, "viridis").numpy(), expected, atol=1e-6)

@@ -47,11 +47,13 @@ def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
     flat = maps.reshape(*maps.shape[:-2], -1)
     if how == "max":
         scale = flat.abs().amax(dim=-1, keepdim=True)
-        normalized = torch.where(scale > 0, flat / scale.clamp_min(torch.finfo(flat.dtype).tiny), torch.zeros_like(flat))
+        tiny = torch.finfo(flat.dtype).tiny
+        normalized = torch.where(scale > 0, flat / scale.clamp_min(tiny), torch.zeros_like(flat))
     elif how == "minmax":
         low = flat.amin(dim=-1, keepdim=True)
         span = flat.amax(dim=-1, keepdim=True) - low
-        normalized = torch.where(span > 0, (flat - low) / span.clamp_min(torch.finfo(flat.dtype).tiny), torch.zeros_like(flat))
+        tiny = torch.finfo(flat.dtype).tiny
+        normalized = torch.where(span > 0, (flat - low) / span.clamp_min(tiny), torch.zeros_like(flat))
     else:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {how!r}.")
     return normalized.reshape(maps.shape)

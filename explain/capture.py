@@ -77,8 +77,9 @@ def find_layers(
 
     Each specification is a name as ``model.named_modules()`` spells it
     (``"layer4"``, ``"features.29"``), a glob over those names (``"layer*"``,
-    ``"blocks.*.norm1"``; ``*`` stays within one dotted part, ``**`` crosses parts), a module of the model, or a module type
-    (``nn.Conv2d``: every module of that type). Duplicates are dropped.
+    ``"blocks.*.norm1"``; ``*`` stays within one dotted part, ``**`` crosses
+    parts), a module of the model, or a module type (``nn.Conv2d``: every
+    module of that type). Duplicates are dropped.
     """
     if isinstance(layers, (str, nn.Module, type)):
         layers = [layers]

@@ -5,9 +5,11 @@
     e.show(); e.save("cam.png")
 """
 
-from .capture import LayerNotFoundError, LayerNotRunError, find_layers
+from .capture import Call, Captured, LayerNotFoundError, LayerNotRunError, LayerRecord, capture, find_layers
+from .edit import edit
 from .explanation import Explanation
 from .inputs import Normalize, load_image
+from .layers import LayerInfo, format_layers, list_layers
 from .methods import CAM, REGISTRY, Explainer, GradCAM, get_method
 from .render import colorize, overlay
 
@@ -15,6 +17,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CAM",
+    "Call",
+    "Captured",
+    "LayerInfo",
+    "LayerRecord",
+    "capture",
+    "edit",
+    "format_layers",
+    "list_layers",
     "REGISTRY",
     "Explainer",
     "Explanation",

@@ -1,4 +1,7 @@
-"""Hooks: find layers by name, capture their outputs, and remove every hook afterwards.
+"""Hooks: find layers by name, capture their inputs, outputs and gradients, remove every hook after.
+
+``capture`` is the public API (read any layer); ``ActivationCapture`` is what the
+explainers use (feature maps that gradients are taken at).
 
 This module is the only place in the toolkit that registers hooks on a model.
 Every hook lives inside a ``with`` block and is removed in a ``finally``, so a
@@ -10,7 +13,8 @@ from __future__ import annotations
 import difflib
 import re
 from contextlib import contextmanager
-from typing import Iterator, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -247,3 +251,173 @@ class ActivationCapture:
     def clear(self) -> None:
         """Drop the captured tensors (and with them the autograd graph they hold)."""
         self._captured.clear()
+
+
+def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
+    """Apply ``function`` to every tensor in a nested tuple / list / dict structure."""
+    if isinstance(value, Tensor):
+        return function(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_tensors(item, function) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, function) for item in value)
+    if isinstance(value, dict):
+        return type(value)((key, map_tensors(item, function)) for key, item in value.items())
+    return value
+
+
+@dataclass
+class Call:
+    """One call of a module during a forward pass.
+
+    args, kwargs: its positional and keyword inputs (with ``inputs=True``, else None).
+    output: what it returned (with ``outputs=True``, else None).
+    grad: the gradient of the loss with respect to ``output``, once a backward pass
+        has run inside the ``capture`` block (with ``grads=True``; None before, or for
+        an output that does not require grad). Same structure as ``output``.
+    """
+
+    args: Optional[tuple] = None
+    kwargs: Optional[dict] = None
+    output: Any = None
+    grad: Any = None
+
+
+@dataclass
+class LayerRecord:
+    """What ``capture`` recorded for one layer: one ``Call`` per time the module ran, in call order."""
+
+    name: str
+    calls: list[Call] = field(default_factory=list)
+
+    def _single(self, attribute: str) -> Any:
+        if len(self.calls) != 1:
+            ran = "did not run" if not self.calls else f"ran {len(self.calls)} times"
+            raise LayerNotRunError(
+                f"layer {self.name!r} {ran} in the captured forward pass(es); "
+                f"read .calls[i].{attribute} (or .{attribute}s) for each call."
+            )
+        return getattr(self.calls[0], attribute)
+
+    @property
+    def output(self) -> Any:
+        """The output of the layer's only call (an error if it ran several times: use ``outputs``)."""
+        return self._single("output")
+
+    @property
+    def grad(self) -> Any:
+        """The output gradient of the layer's only call (after a backward pass)."""
+        return self._single("grad")
+
+    @property
+    def args(self) -> Optional[tuple]:
+        """The positional inputs of the layer's only call."""
+        return self._single("args")
+
+    @property
+    def kwargs(self) -> Optional[dict]:
+        """The keyword inputs of the layer's only call."""
+        return self._single("kwargs")
+
+    @property
+    def outputs(self) -> list:
+        """Outputs of every call, in call order."""
+        return [call.output for call in self.calls]
+
+    @property
+    def grads(self) -> list:
+        """Output gradients of every call, in call order."""
+        return [call.grad for call in self.calls]
+
+
+class Captured(dict):
+    """``capture``'s result: layer name → LayerRecord, in the order the layers were selected."""
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{name!r}: {len(record.calls)} call(s)" for name, record in self.items())
+        return f"Captured({{{rows}}})"
+
+
+@contextmanager
+def capture(
+    model: nn.Module,
+    layers: LayerSpec | Sequence[LayerSpec],
+    *,
+    inputs: bool = False,
+    outputs: bool = True,
+    grads: bool = False,
+    detach: bool = True,
+    to: Union[str, torch.device, None] = None,
+) -> Iterator[Captured]:
+    """Record layers' inputs, outputs and output gradients while the block runs the model.
+
+    layers: names, modules, globs (``"layer*"``, ``"encoder.layers.*.dropout2"``) or
+        a module type (``nn.Conv2d``); see ``find_layers``.
+    inputs / outputs / grads: what to record. Gradients are recorded when a
+        backward pass runs inside the block.
+    detach: True (default) stores detached copies, safe from later in-place
+        operations; False keeps the outputs in the autograd graph, so a loss on
+        them back-propagates into the model (feature distillation).
+    to: a device to move recorded tensors to (e.g. "cpu").
+
+    Yields a ``Captured`` dict: name → LayerRecord, whose ``calls`` list holds one
+    ``Call`` per time the module ran. Every hook is removed when the block ends,
+    also when it raises::
+
+        with explain.capture(model, "layer4", grads=True) as captured:
+            model(x)[0, 3].backward()
+        captured["layer4"].output, captured["layer4"].grad
+    """
+    selected = find_layers(model, layers)
+    captured = Captured((name, LayerRecord(name)) for name, _ in selected)
+    handles: list = []
+
+    def keep(tensor: Tensor) -> Tensor:
+        kept = tensor.detach().clone() if detach else tensor
+        return kept.to(to) if to is not None else kept
+
+    def make_hook(record: LayerRecord):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            call = Call()
+            record.calls.append(call)
+            if inputs:
+                call.args, call.kwargs = map_tensors(args, keep), map_tensors(kwargs, keep)
+            if outputs:
+                call.output = map_tensors(output, keep)
+            needs_protection = grads or (outputs and not detach)
+            if not needs_protection:
+                return None
+            if grads:
+                _record_output_grads(call, output, handles, keep)
+            # hand a clone on, so that an in-place op after the layer changes neither
+            # the recorded output nor the tensor whose gradient is recorded
+            return map_tensors(output, lambda tensor: tensor.clone())
+
+        return hook
+
+    try:
+        for name, module in selected:
+            handles.append(module.register_forward_hook(make_hook(captured[name]), with_kwargs=True))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _record_output_grads(call: Call, output: Any, handles: list, keep: Callable[[Tensor], Tensor]) -> None:
+    """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output)."""
+    leaves: list[Tensor] = []
+    map_tensors(output, leaves.append)
+    gradients: list[Optional[Tensor]] = [None] * len(leaves)
+
+    def store(index: int):
+        def tensor_hook(gradient: Tensor) -> None:
+            gradients[index] = keep(gradient)
+            iterator = iter(gradients)
+            call.grad = map_tensors(output, lambda _: next(iterator))
+
+        return tensor_hook
+
+    for index, tensor in enumerate(leaves):
+        if tensor.requires_grad:
+            handles.append(tensor.register_hook(store(index)))

@@ -4,6 +4,7 @@
     explain IMAGE... --model resnet50 [--weights PATH|NAME] [--method gradcam] [--layer layer4]
                      [--target CLASS | --topk K] [--out DIR]
     explain methods                                # every method with one line each
+    explain layers MODEL [--input-size 3 224 224]  # layer names with output shapes
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Optional, Sequence
 import torch
 
 from .capture import LayerNotRunError
+from .layers import format_layers, list_layers
 from .methods import CAM, REGISTRY, Explainer, get_method
 from .models import LoadedModel, WeightsUnavailableError, load_model
 
 DEMO_SEED = 2024
-SUBCOMMANDS = ("demo", "methods")
 
 
 def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **options) -> Explainer:
@@ -32,7 +33,7 @@ def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **opt
             if loaded.name != "demo":
                 raise ValueError(
                     f"{cls.name} needs a layer: pass --layer NAME (e.g. layer4 for a ResNet; "
-                    "print(model) shows the names)."
+                    f"`explain layers {loaded.name}` lists the names)."
                 )
             layer = "layer4"
         return cls(loaded.model, layer, **common)
@@ -108,7 +109,7 @@ def _image_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="explain",
         description="Explain images with a vision model and write heatmap overlays.",
-        epilog="Other commands: `explain demo` (no network needed), `explain methods`.",
+        epilog="Other commands: `explain demo` (no network needed), `explain methods`, `explain layers MODEL`.",
     )
     parser.add_argument("images", nargs="+", help="image files")
     parser.add_argument("--model", required=True, help="'demo' or a torchvision model name (resnet50, vgg16, ...)")
@@ -136,6 +137,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if argv and argv[0] == "methods":
             print(list_methods())
+            return 0
+        if argv and argv[0] == "layers":
+            parser = argparse.ArgumentParser(prog="explain layers", description="List layer names and output shapes.")
+            parser.add_argument("model", help="'demo' or a torchvision model name")
+            parser.add_argument("--weights", help="a state-dict file or a torchvision weights name")
+            parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"),
+                                help="input size (default: 3 64 64 for demo, 3 224 224 otherwise)")
+            arguments = parser.parse_args(argv[1:])
+            loaded = load_model(arguments.model, arguments.weights)
+            size = arguments.input_size or ((3, 64, 64) if loaded.name == "demo" else (3, 224, 224))
+            print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))
     except (ValueError, TypeError, FileNotFoundError, WeightsUnavailableError, LayerNotRunError) as error:

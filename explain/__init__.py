@@ -10,12 +10,32 @@ from .edit import edit
 from .explanation import Explanation
 from .inputs import Normalize, load_image
 from .layers import LayerInfo, format_layers, list_layers
-from .methods import CAM, REGISTRY, Explainer, GradCAM, get_method
+from .methods import (
+    CAM,
+    REGISTRY,
+    AblationCAM,
+    EigenCAM,
+    Explainer,
+    GradCAM,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    ScoreCAM,
+    XGradCAM,
+    get_method,
+)
 from .render import colorize, overlay
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AblationCAM",
+    "EigenCAM",
+    "GradCAMPlusPlus",
+    "HiResCAM",
+    "LayerCAM",
+    "ScoreCAM",
+    "XGradCAM",
     "CAM",
     "Call",
     "Captured",

@@ -19,6 +19,8 @@ Target = Union[None, int, Sequence[int], Sequence[Sequence[int]], Tensor, Callab
 - a sequence of N sequences of K ints (or an (N, K) tensor): K classes per image;
 - a callable ``f(output) -> Tensor[N]`` (or ``Tensor[N, K]``): any scalar(s) per image,
   computed from the model's output (segmentation, detection, embedding targets).
+  Perturbation methods (Score-CAM, Ablation-CAM) apply it to outputs of batches of
+  perturbed copies, so it must score each row of the output on its own.
 """
 
 
@@ -36,6 +38,19 @@ class SelectedTargets:
     class_indices: Optional[Tensor]
     keep_target_dim: bool
     probabilities: Optional[Tensor] = None
+    target_function: Optional[Callable[[Any], Tensor]] = None
+
+    def scores_for(self, output: Any, image_index: Tensor) -> Tensor:
+        """The same targets' scores on another forward pass, e.g. of perturbed copies.
+
+        output: the model's output for R rows, row r being a copy of image ``image_index[r]``.
+        Returns (R, K). A callable target is applied to the rows as they are, so it must
+        score each row on its own.
+        """
+        if self.target_function is not None:
+            scores = self.target_function(output)
+            return scores.reshape(scores.shape[0], -1)
+        return output.gather(1, self.class_indices[image_index].to(output.device))
 
 
 def _is_integer(value: object) -> bool:
@@ -93,7 +108,7 @@ def select_targets(
                 f"the target callable returned {scores.shape[0]} scores for a batch of {batch_size} images."
             )
         keep = scores.dim() == 2
-        return SelectedTargets(scores.reshape(scores.shape[0], -1), None, keep)
+        return SelectedTargets(scores.reshape(scores.shape[0], -1), None, keep, target_function=target)
 
     if not isinstance(output, Tensor) or output.dim() != 2:
         shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__

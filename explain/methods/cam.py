@@ -9,14 +9,13 @@ target, and hands (A, G) to the method's ``layer_map``.
 from __future__ import annotations
 
 import warnings
-from abc import abstractmethod
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..capture import ActivationCapture, LayerSpec, find_layers
-from ..targets import Target, select_targets
+from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, register, upsample_maps
 
 COMBINATIONS = ("mean", "max", "sum")
@@ -53,9 +52,13 @@ class CAM(Explainer):
     relu: keep only positive evidence (the papers' ReLU); False keeps signed maps.
     combine: how maps of several layers are merged: "mean", "max" or "sum".
     Other keyword arguments: see ``Explainer``.
+
+    A subclass gives its formula as ``layer_map(A, G)``; methods that weight the
+    feature maps by other means (perturbations) override ``layer_maps``.
     """
 
-    uses_gradients = True
+    uses_gradients: ClassVar[bool] = True
+    """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""
 
     def __init__(
         self,
@@ -73,49 +76,60 @@ class CAM(Explainer):
         self.relu = relu
         self.combine = combine
 
-    @abstractmethod
+    @property
+    def layer_names(self) -> list[str]:
+        return [name for name, _ in self.layers]
+
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         """The method's formula: A (N, C, h, w) and G = ∂y/∂A (N, C, h, w) → map (N, h, w), before ReLU."""
+        raise TypeError(f"{type(self).__name__} defines neither layer_map nor layer_maps.")
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        with torch.enable_grad():  # also inside a caller's no_grad(): gradients are needed here
-            capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=True)
+        # also inside a caller's no_grad(): gradient methods need a graph here
+        with torch.enable_grad() if self.uses_gradients else torch.no_grad():
+            capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)
             with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
                 output = self.model(batch)
             activations = capture.activations()
             for name, activation in zip(self.layer_names, activations):
                 check_feature_maps(name, activation)
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
-            targets_per_image = selected.scores.shape[1]
-            per_target: list[list[Tensor]] = []  # [target][layer] → (N, h, w)
-            for target_index in range(targets_per_image):
-                gradients = gradients_at(
-                    selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
-                )
-                per_target.append(
-                    [self._rectify(self.layer_map(a.detach(), g)) for a, g in zip(activations, gradients)]
-                )
+            maps = self.layer_maps(batch, activations, selected)
         selected.scores = selected.scores.detach()
-        return self._combine_layers(per_target, selected, batch.shape[-2:])
+        maps = [torch.relu(layer_maps) if self.relu else layer_maps for layer_maps in maps]
+        return self._combine_layers(maps, selected, batch.shape[-2:])
 
-    @property
-    def layer_names(self) -> list[str]:
-        return [name for name, _ in self.layers]
+    def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
+        """Per layer, (N, K, h, w) maps before ReLU, from ``layer_map`` of each target's gradients."""
+        targets_per_image = selected.scores.shape[1]
+        if not self.uses_gradients:  # the same map for every target
+            return [
+                self.layer_map(activation, None).unsqueeze(1).expand(-1, targets_per_image, -1, -1)
+                for activation in activations
+            ]
+        per_layer: list[list[Tensor]] = [[] for _ in activations]
+        for target_index in range(targets_per_image):
+            gradients = gradients_at(
+                selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
+            )
+            for maps, activation, gradient in zip(per_layer, activations, gradients):
+                maps.append(self.layer_map(activation.detach(), gradient))
+        return [torch.stack(maps, dim=1) for maps in per_layer]
 
-    def _rectify(self, layer_map: Tensor) -> Tensor:
-        return torch.relu(layer_map) if self.relu else layer_map
-
-    def _combine_layers(self, per_target: list[list[Tensor]], selected, input_size) -> Attribution:
-        """[target][layer] (N, h, w) maps → Attribution with (N, K, H, W) maps, layers combined."""
-        low_res = [torch.stack([maps[layer] for maps in per_target], dim=1) for layer in range(len(self.layers))]
+    def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size) -> Attribution:
+        """Per layer (N, K, h, w) maps → Attribution with (N, K, H, W) maps, layers combined."""
         if len(low_res) == 1:
-            maps = low_res[0]
-            layer: str | list[str] = self.layer_names[0]
-        else:
-            resized = torch.stack([upsample_maps(maps, input_size) for maps in low_res])
-            maps = {"mean": resized.mean(0), "max": resized.amax(0), "sum": resized.sum(0)}[self.combine]
-            layer = self.layer_names
-        return Attribution(maps=maps, selected=selected, low_res_maps=low_res, layer=layer)
+            return Attribution(maps=low_res[0], selected=selected, low_res_maps=low_res, layer=self.layer_names[0])
+        resized = torch.stack([upsample_maps(maps, input_size) for maps in low_res])
+        maps = {"mean": resized.mean(0), "max": resized.amax(0), "sum": resized.sum(0)}[self.combine]
+        return Attribution(maps=maps, selected=selected, low_res_maps=low_res, layer=self.layer_names)
+
+
+def weighted_sum(channel_weights: Tensor, activations: Tensor) -> Tensor:
+    """Σ_k w_k A_k: weights (N, C) or (N, K, C) and A (N, C, h, w) → (N, h, w) or (N, K, h, w)."""
+    if channel_weights.dim() == 2:
+        return torch.einsum("nc,nchw->nhw", channel_weights, activations)
+    return torch.einsum("nkc,nchw->nkhw", channel_weights, activations)
 
 
 def check_feature_maps(name: str, activation: Tensor) -> None:
@@ -136,5 +150,81 @@ class GradCAM(CAM):
     summary = "Grad-CAM: feature maps weighted by their spatially averaged gradients"
 
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
-        channel_weights = gradients.mean(dim=(2, 3), keepdim=True)  # (N, C, 1, 1)
-        return (channel_weights * activations).sum(dim=1)
+        return weighted_sum(gradients.mean(dim=(2, 3)), activations)
+
+
+@register
+class GradCAMPlusPlus(CAM):
+    """Grad-CAM++ (Chattopadhyay et al. 2018): w_k = Σ_ij α_ij ReLU(G_ij), with the closed form
+    α = G² / (2 G² + Σ_ab A_ab · G³) of the paper for an exponential score (α = 0 where that is 0/0)."""
+
+    name = "gradcam++"
+    summary = "Grad-CAM++: pixel-wise weighted positive gradients (better for several instances)"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        squared, cubed = gradients.pow(2), gradients.pow(3)
+        denominator = 2 * squared + activations.sum(dim=(2, 3), keepdim=True) * cubed
+        safe = torch.where(denominator != 0, denominator, torch.ones_like(denominator))
+        alpha = torch.where(denominator != 0, squared / safe, torch.zeros_like(denominator))
+        return weighted_sum((alpha * torch.relu(gradients)).sum(dim=(2, 3)), activations)
+
+
+@register
+class XGradCAM(CAM):
+    """XGrad-CAM (Fu et al. 2020): w_k = Σ_ij (A_k,ij / Σ_ab A_k,ab) G_k,ij (0 for a channel summing to 0)."""
+
+    name = "xgradcam"
+    summary = "XGrad-CAM: gradients weighted by normalised activations (axiom-based)"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        channel_sums = activations.sum(dim=(2, 3))
+        safe = torch.where(channel_sums != 0, channel_sums, torch.ones_like(channel_sums))
+        weights = torch.where(channel_sums != 0, (activations * gradients).sum(dim=(2, 3)) / safe, 0.0)
+        return weighted_sum(weights, activations)
+
+
+@register
+class HiResCAM(CAM):
+    """HiResCAM (Draelos & Carin 2020): Σ_k G_k ⊙ A_k, element-wise (no pooling of the gradient)."""
+
+    name = "hirescam"
+    summary = "HiResCAM: element-wise gradient × activation, faithful to the score for CNNs"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return (gradients * activations).sum(dim=1)
+
+
+@register
+class LayerCAM(CAM):
+    """Layer-CAM (Jiang et al. 2021): Σ_k ReLU(G_k) ⊙ A_k, element-wise."""
+
+    name = "layercam"
+    summary = "Layer-CAM: element-wise positive gradient × activation (good at shallow layers)"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return (torch.relu(gradients) * activations).sum(dim=1)
+
+
+@register
+class EigenCAM(CAM):
+    """Eigen-CAM (Muhammad & Yeasin 2020): the feature maps projected on their first principal
+    component (channels as variables, positions as samples); gradient-free and class-agnostic.
+
+    The SVD's sign is arbitrary; it is fixed so that the map correlates positively with the
+    activation mass Σ_k A_k (other libraries return inverted maps for about half the images).
+    """
+
+    name = "eigencam"
+    summary = "Eigen-CAM: first principal component of the feature maps (class-agnostic, no gradient)"
+    uses_gradients = False
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        count, channels, height, width = activations.shape
+        samples = activations.float().reshape(count, channels, -1).transpose(1, 2)  # (N, hw, C)
+        centered = samples - samples.mean(dim=1, keepdim=True)
+        _, _, right_vectors = torch.linalg.svd(centered, full_matrices=False)
+        projection = torch.einsum("npc,nc->np", centered, right_vectors[:, 0])  # (N, hw)
+        mass = samples.sum(dim=2)
+        correlation = ((projection - projection.mean(1, keepdim=True)) * (mass - mass.mean(1, keepdim=True))).sum(1)
+        sign = torch.where(correlation < 0, -1.0, 1.0).to(projection.dtype)
+        return (projection * sign[:, None]).reshape(count, height, width).to(activations.dtype)

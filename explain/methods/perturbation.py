@@ -1,0 +1,209 @@
+"""CAMs whose channel weights come from forward passes on perturbed inputs or features.
+
+Both run without any autograd graph, batch their forward passes (``batch_size``
+copies per pass) and show a progress bar on long runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..edit import edit
+from ..targets import SelectedTargets
+from .base import register
+from .cam import CAM, weighted_sum
+
+PROGRESS_THRESHOLD = 8
+"""With ``progress=None`` a bar is shown when a call needs more forward passes than this."""
+
+
+class PerturbationCAM(CAM):
+    """Shared by Score-CAM and Ablation-CAM.
+
+    batch_size: perturbed copies of the input per forward pass (bounds memory).
+    progress: show a progress bar: True, False, or None (when more than
+        PROGRESS_THRESHOLD forward passes are needed).
+    """
+
+    uses_gradients = False
+
+    def __init__(self, model: nn.Module, layer, *, batch_size: int = 32, progress: Optional[bool] = None, **options):
+        super().__init__(model, layer, **options)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
+        self.batch_size = batch_size
+        self.progress = progress
+
+    def _chunks(self, total: int, description: str, per_pass: Optional[int] = None) -> Iterator[slice]:
+        """Slices of ``per_pass`` (default ``batch_size``) over ``total`` items, one per forward
+        pass, with a progress bar when asked or when the run is long."""
+        per_pass = per_pass or self.batch_size
+        passes = -(-total // per_pass)
+        show = self.progress if self.progress is not None else passes > PROGRESS_THRESHOLD
+        for start in tqdm(range(0, total, per_pass), total=passes, desc=description, disable=not show, leave=False):
+            yield slice(start, min(start + per_pass, total))
+
+    def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
+        return [
+            weighted_sum(self.channel_weights(batch, layer_index, activation, selected), activation)
+            for layer_index, activation in enumerate(activations)
+        ]
+
+    def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
+        """(N, K, C) weight of each channel of the layer for each target."""
+        raise TypeError(f"{type(self).__name__} does not define channel_weights.")
+
+
+@register
+class ScoreCAM(PerturbationCAM):
+    """Score-CAM (Wang et al. 2020): each channel, upsampled to the input and min-max normalised
+    to [0, 1], masks the input; the weights are the softmax over channels of the target's score
+    on the masked inputs.
+
+    Exact, with no wasted work: channels whose masks are identical (all-zero or constant
+    channels, duplicates) are scored once. Cost: one forward per distinct channel mask.
+    """
+
+    name = "scorecam"
+    summary = "Score-CAM: channels weighted by the score of the input masked by them (gradient-free)"
+
+    def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
+        count, channels = activation.shape[:2]
+        low_res = activation.float().flatten(2)
+        low = low_res.amin(dim=2, keepdim=True)
+        span = low_res.amax(dim=2, keepdim=True) - low
+        # min-max normalisation commutes with the (linear) upsampling, so equal normalised
+        # low-resolution maps give equal masks: score each distinct one once
+        normalized = torch.where(span > 0, (low_res - low) / torch.where(span > 0, span, 1.0), 0.0)
+        image_index, mask_index, inverse = [], [], []
+        for image in range(count):
+            distinct, where = torch.unique(normalized[image], dim=0, return_inverse=True)
+            first = torch.full((len(distinct),), channels, dtype=torch.long, device=where.device)
+            first = first.scatter_reduce(0, where, torch.arange(channels, device=where.device), reduce="amin")
+            inverse.append(where + len(mask_index))
+            image_index.extend([image] * len(distinct))
+            mask_index.extend(first.tolist())
+        image_index_tensor = torch.tensor(image_index, device=batch.device)
+        mask_index_tensor = torch.tensor(mask_index, device=batch.device)
+        scores = []
+        for rows in self._chunks(len(image_index), "Score-CAM"):
+            images, masks = image_index_tensor[rows], mask_index_tensor[rows]
+            upsampled = F.interpolate(activation[images, masks][:, None].float(), size=batch.shape[-2:],
+                                      mode="bilinear", align_corners=False)
+            low_up = upsampled.amin(dim=(2, 3), keepdim=True)
+            span_up = upsampled.amax(dim=(2, 3), keepdim=True) - low_up
+            mask = torch.where(span_up > 0, (upsampled - low_up) / torch.where(span_up > 0, span_up, 1.0), 0.0)
+            output = self.model(batch[images] * mask.to(batch.dtype))
+            scores.append(selected.scores_for(output, images).float())
+        distinct_scores = torch.cat(scores)  # (distinct masks, K)
+        per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
+        return per_channel.softmax(dim=1).transpose(1, 2).to(activation.dtype)
+
+
+@register
+class AblationCAM(PerturbationCAM):
+    """Ablation-CAM (Desai & Ramaswamy 2020): w_k = (y − y_k) / y, y_k the score with channel k
+    of the layer's output set to zero.
+
+    Only the network after the target layer depends on the ablation: the layers before it
+    run once per forward pass, and the layer's output is expanded, inside the pass, into a
+    batch of ablated copies that only the rest of the network processes. Where the model's
+    structure does not allow that (the rest of the network also uses tensors from before
+    the layer, e.g. a residual connection around it), it falls back, with a warning, to
+    full forward passes of copies of the input.
+    """
+
+    name = "ablationcam"
+    summary = "Ablation-CAM: channels weighted by the score drop when each is zeroed (gradient-free)"
+
+    REPLAY_BUDGET = 2**26
+    """Elements of ablated copies of the layer's output per forward pass (256 MB in float32)."""
+
+    def __init__(self, model: nn.Module, layer, *, replay_batch_size: Optional[int] = None, **options):
+        """replay_batch_size: ablated copies of the layer's output per forward pass; default: as
+        many as fit in REPLAY_BUDGET elements. ``batch_size`` applies to the fallback's input copies."""
+        super().__init__(model, layer, **options)
+        self.replay_batch_size = replay_batch_size
+
+    def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
+        module = self.layers[layer_index][1]
+        count, channels = activation.shape[:2]
+        reference = selected.scores.detach().float()  # (N, K)
+        try:
+            ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference)
+        except _ReplayNotPossible as reason:
+            warnings.warn(
+                f"Ablation-CAM cannot replay only the part of the model after layer "
+                f"{self.layers[layer_index][0]!r} ({reason}); running full forward passes instead (slower).",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected)
+        safe_reference = torch.where(reference.abs() > 1e-12, reference, torch.full_like(reference, 1e-12))
+        weights = (reference[:, :, None] - ablated) / safe_reference[:, :, None]  # (N, K, C)
+        return weights.to(activation.dtype)
+
+    def _ablated_scores_replaying_tail(self, batch, module, activation, selected, reference) -> Tensor:
+        """(N, K, C) ablated scores; each pass expands the layer's output into ablated copies."""
+        count, channels = activation.shape[:2]
+        # row r of a pass: image r // per_image, channel (start + r % per_image); channel -1: no ablation
+        copies_per_pass = self.replay_batch_size or self.REPLAY_BUDGET // activation[0].numel()
+        per_image = max(1, copies_per_pass // count)
+        ablated = torch.empty(count, reference.shape[1], channels, device=batch.device)
+        check_done = False
+        for chunk in self._chunks(channels, "Ablation-CAM", per_pass=per_image):
+            channel_ids = torch.arange(chunk.start, chunk.stop, device=batch.device)
+            if not check_done:  # one unablated copy per image checks that the replay is faithful
+                channel_ids = torch.cat([torch.tensor([-1], device=batch.device), channel_ids])
+            copies = len(channel_ids)
+
+            def expand(output: Tensor, channel_ids=channel_ids, copies=copies) -> Tensor:
+                expanded = output.repeat_interleave(copies, dim=0)  # (N * copies, C, h, w)
+                keep = torch.ones(count * copies, output.shape[1], device=output.device, dtype=output.dtype)
+                rows = torch.arange(count * copies, device=output.device)
+                ids = channel_ids.repeat(count)
+                ablate = ids >= 0
+                keep[rows[ablate], ids[ablate]] = 0
+                return expanded * keep[:, :, None, None]
+
+            try:
+                with edit(self.model, module, expand):
+                    output = self.model(batch)
+                image_index = torch.arange(count, device=batch.device).repeat_interleave(copies)
+                scores = selected.scores_for(output, image_index).float().reshape(count, copies, -1)
+            except (RuntimeError, ValueError, IndexError) as error:
+                raise _ReplayNotPossible(f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+            if not check_done:
+                replayed, scores = scores[:, 0], scores[:, 1:]
+                if not torch.allclose(replayed, reference, rtol=1e-3, atol=1e-4):
+                    raise _ReplayNotPossible("the replayed scores differ from the model's")
+                check_done = True
+            ablated[:, :, chunk] = scores.transpose(1, 2)
+        return ablated
+
+    def _ablated_scores_full_forwards(self, batch, module, count, channels, selected) -> Tensor:
+        """(N, K, C) ablated scores from full forward passes of input copies, one channel zeroed in each."""
+        pairs = torch.cartesian_prod(torch.arange(count), torch.arange(channels)).to(batch.device)  # (N*C, 2)
+        scores = []
+        for rows in self._chunks(len(pairs), "Ablation-CAM"):
+            images, ablated_channels = pairs[rows, 0], pairs[rows, 1]
+
+            def zero_channel(output: Tensor, ablated_channels=ablated_channels) -> Tensor:
+                keep = torch.ones(output.shape[:2], device=output.device, dtype=output.dtype)
+                keep[torch.arange(len(ablated_channels), device=output.device), ablated_channels] = 0
+                return output * keep[:, :, None, None]
+
+            with edit(self.model, module, zero_channel):
+                output = self.model(batch[images])
+            scores.append(selected.scores_for(output, images).float())
+        return torch.cat(scores).reshape(count, channels, -1).transpose(1, 2)
+
+
+class _ReplayNotPossible(Exception):
+    """The part of the model after the layer cannot run on a batch of ablated copies."""

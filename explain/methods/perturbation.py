@@ -165,12 +165,10 @@ class AblationCAM(PerturbationCAM):
 
             def expand(output: Tensor, channel_ids=channel_ids, copies=copies) -> Tensor:
                 expanded = output.repeat_interleave(copies, dim=0)  # (N * copies, C, h, w)
-                keep = torch.ones(count * copies, output.shape[1], device=output.device, dtype=output.dtype)
-                rows = torch.arange(count * copies, device=output.device)
                 ids = channel_ids.repeat(count)
                 ablate = ids >= 0
-                keep[rows[ablate], ids[ablate]] = 0
-                return expanded * keep[:, :, None, None]
+                expanded[torch.arange(len(ids), device=output.device)[ablate], ids[ablate]] = 0
+                return expanded
 
             try:
                 with edit(self.model, module, expand):
@@ -195,9 +193,9 @@ class AblationCAM(PerturbationCAM):
             images, ablated_channels = pairs[rows, 0], pairs[rows, 1]
 
             def zero_channel(output: Tensor, ablated_channels=ablated_channels) -> Tensor:
-                keep = torch.ones(output.shape[:2], device=output.device, dtype=output.dtype)
-                keep[torch.arange(len(ablated_channels), device=output.device), ablated_channels] = 0
-                return output * keep[:, :, None, None]
+                output = output.clone()
+                output[torch.arange(len(ablated_channels), device=output.device), ablated_channels] = 0
+                return output
 
             with edit(self.model, module, zero_channel):
                 output = self.model(batch[images])

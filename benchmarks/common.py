@@ -1,0 +1,54 @@
+"""Helpers shared by the benchmarks: timing, machine description, writing RESULTS.md sections."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """One line: CPU model, cores, threads torch uses, torch version, and the GPU if any."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def write_section(title: str, body: str) -> None:
+    """Replace (or append) the ``## title`` section of RESULTS.md, stamped with date and machine."""
+    stamp = f"Measured {datetime.date.today().isoformat()} on {machine()}."
+    section = f"## {title}\n\n{stamp}\n\n{body.strip()}\n"
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in benchmarks/.\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    RESULTS.write_text(text.rstrip() + "\n")

@@ -48,7 +48,8 @@ def write_section(title: str, body: str) -> None:
     """Replace (or append) the ``## title`` section of RESULTS.md, stamped with date and machine."""
     stamp = f"Measured {datetime.date.today().isoformat()} on {machine()}."
     section = f"## {title}\n\n{stamp}\n\n{body.strip()}\n"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in benchmarks/.\n"
+    header = "# Benchmark results\n\nWritten by the scripts in benchmarks/.\n"
+    text = RESULTS.read_text() if RESULTS.exists() else header
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")

@@ -160,7 +160,9 @@ def slow_ablation_tiny(model: ConvGapLinear, x: torch.Tensor, classes) -> list[n
     with torch.no_grad():
         a = model.conv(x)
         for n, c in enumerate(classes):
-            tail = lambda features: model.fc(torch.relu(features).mean(dim=(1, 2)))[c].item()  # noqa: E731
+            def tail(features, c=c):
+                return model.fc(torch.relu(features).mean(dim=(1, 2)))[c].item()
+
             y = tail(a[n])
             cam = torch.zeros(a.shape[-2:])
             for k in range(a.shape[1]):

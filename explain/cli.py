@@ -18,17 +18,17 @@ import torch
 
 from .capture import LayerNotRunError
 from .layers import format_layers, list_layers
-from .methods import CAM, REGISTRY, Explainer, get_method
+from .methods import REGISTRY, Explainer, get_method
 from .models import LoadedModel, WeightsUnavailableError, load_model
 
 DEMO_SEED = 2024
 
 
 def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **options) -> Explainer:
-    """Build a registered method for a loaded model; CAM methods get the layer."""
+    """Build a registered method for a loaded model; methods that need a layer get it."""
     cls = get_method(method)
     common = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **options)
-    if issubclass(cls, CAM):
+    if cls.needs_layer:
         if layer is None:
             if loaded.name != "demo":
                 raise ValueError(

@@ -31,6 +31,9 @@ class Explanation:
     low_res_maps: per layer, (N, K, h, w) maps at the layer's resolution before
         upsampling and normalisation (CAM methods), else None.
     probabilities: (N, K) softmax probability of each explained class, None for callable targets.
+    attributions: (N, K, C, H, W) signed per-channel attributions at the input, before the
+        channels are reduced to one map (gradient and guided methods), else None.
+    diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients.
     """
 
     map_grid: Tensor
@@ -43,6 +46,8 @@ class Explanation:
     keep_target_dim: bool = False
     low_res_maps: Optional[list[Tensor]] = None
     probabilities: Optional[Tensor] = None
+    attributions: Optional[Tensor] = None
+    diagnostics: dict = field(default_factory=dict)
     class_names: Optional[Sequence[str]] = field(default=None, repr=False)
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
@@ -27,12 +27,16 @@ class Attribution:
     selected: the targets explained and their scores.
     low_res_maps: per layer, (N, K, h, w) maps at the layer's resolution (CAM methods).
     layer: the layer name(s), for the Explanation.
+    attributions: (N, K, C, H, W) per-channel attributions at the input (gradient methods).
+    diagnostics: method-specific figures, e.g. Integrated Gradients' completeness error.
     """
 
     maps: Tensor
     selected: SelectedTargets
     low_res_maps: Optional[list[Tensor]] = None
     layer: Optional[str | list[str]] = None
+    attributions: Optional[Tensor] = None
+    diagnostics: dict = field(default_factory=dict)
 
 
 def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
@@ -80,6 +84,8 @@ class Explainer(ABC):
 
     name: ClassVar[str] = ""
     """Registry name, as the command line's ``--method`` takes it."""
+    needs_layer: ClassVar[bool] = False
+    """Whether the constructor takes a target layer after the model (CAM methods)."""
     summary: ClassVar[str] = ""
     """One line for ``explain methods``."""
 
@@ -130,6 +136,8 @@ class Explainer(ABC):
             keep_target_dim=selected.keep_target_dim,
             low_res_maps=attribution.low_res_maps,
             probabilities=selected.probabilities,
+            attributions=None if attribution.attributions is None else attribution.attributions.detach(),
+            diagnostics=attribution.diagnostics,
             class_names=self.class_names,
         )
 

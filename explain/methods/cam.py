@@ -57,6 +57,7 @@ class CAM(Explainer):
     feature maps by other means (perturbations) override ``layer_maps``.
     """
 
+    needs_layer = True
     uses_gradients: ClassVar[bool] = True
     """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""
 

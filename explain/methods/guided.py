@@ -1,0 +1,162 @@
+"""Guided backpropagation, deconvnet and Guided Grad-CAM: ReLUs with a rewritten backward pass.
+
+During a call only, a ``torch.overrides.TorchFunctionMode`` reroutes every ReLU
+of the forward pass through an autograd function with the method's backward
+rule. It catches ``nn.ReLU`` modules (in place or not, reused or not) and the
+functional calls ``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place
+variants inside ``forward``; no module of the model is replaced. (Libraries that
+only swap ``nn.ReLU`` modules silently return the plain gradient for a model
+that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not caught.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..capture import LayerSpec
+from ..targets import Target
+from .base import Attribution, register, upsample_maps
+from .cam import CAM, GradCAM
+from .gradients import GradientExplainer, reduce_channels
+
+RULES = ("guided", "deconvnet")
+
+
+class RectifierWithRule(torch.autograd.Function):
+    """ReLU forward; backward by a rule: "guided" passes grad⁺ where the input was positive,
+    "deconvnet" passes grad⁺ everywhere (the forward input's sign is ignored)."""
+
+    @staticmethod
+    def forward(ctx, inputs: Tensor, rule: str) -> Tensor:
+        ctx.rule = rule
+        ctx.save_for_backward(inputs > 0)  # a private mask: later in-place ops cannot touch it
+        return inputs.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (positive_input,) = ctx.saved_tensors
+        positive_grad = grad_output.clamp(min=0)
+        if ctx.rule == "guided":
+            positive_grad = positive_grad * positive_input
+        return positive_grad, None
+
+
+_OUT_OF_PLACE = {torch.relu, Tensor.relu}
+_IN_PLACE = {torch.relu_, Tensor.relu_}
+
+
+class _ReLUBackwardOverride(TorchFunctionMode):
+    def __init__(self, rule: str):
+        super().__init__()
+        self.rule = rule
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.relu:
+            in_place = kwargs.get("inplace", args[1] if len(args) > 1 else False)
+            return self._rectify(args[0], in_place)
+        if func in _OUT_OF_PLACE:
+            return self._rectify(args[0], False)
+        if func in _IN_PLACE:
+            return self._rectify(args[0], True)
+        return func(*args, **kwargs)
+
+    def _rectify(self, inputs: Tensor, in_place: bool) -> Tensor:
+        self.calls += 1
+        rectified = RectifierWithRule.apply(inputs, self.rule)
+        return inputs.copy_(rectified) if in_place else rectified
+
+
+@contextmanager
+def relu_backward_rule(rule: str) -> Iterator[_ReLUBackwardOverride]:
+    """Within the block, every ReLU of every forward pass back-propagates by ``rule``.
+    Yields the mode, whose ``calls`` counts the ReLUs it rerouted."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
+    with _ReLUBackwardOverride(rule) as mode:
+        yield mode
+
+
+class _RectifiedGradient(GradientExplainer):
+    rule = "guided"
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        with relu_backward_rule(self.rule) as mode:
+            gradients, selected = self.gradients(batch, target, topk)
+        return self.attribution_from(gradients, selected, relu_calls=mode.calls)
+
+
+@register
+class GuidedBackprop(_RectifiedGradient):
+    """Guided backpropagation (Springenberg et al. 2015): at every ReLU only positive gradients
+    flow back, and only where the forward input was positive."""
+
+    name = "guidedbackprop"
+    summary = "Guided backprop: gradient with negative signals stopped at every ReLU"
+    rule = "guided"
+
+
+@register
+class Deconvnet(_RectifiedGradient):
+    """Deconvnet (Zeiler & Fergus 2014): at every ReLU the backward pass rectifies the gradient
+    itself, whatever the sign of the forward input."""
+
+    name = "deconvnet"
+    summary = "Deconvnet: backward pass with ReLUs applied to the gradient"
+    rule = "deconvnet"
+
+
+@register
+class GuidedGradCAM(GradientExplainer):
+    """Guided Grad-CAM (Selvaraju et al. 2017): guided backprop ⊙ an upsampled CAM.
+
+    layer: the CAM's target layer. cam: the CAM method, a class (default GradCAM)
+        or a CAM instance built on the same model.
+    """
+
+    name = "guidedgradcam"
+    summary = "Guided Grad-CAM: guided backprop multiplied by the (upsampled) Grad-CAM"
+    needs_layer = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: Union[LayerSpec, Sequence[LayerSpec], None] = None,
+        *,
+        cam: Union[type, CAM] = GradCAM,
+        **options,
+    ):
+        super().__init__(model, **options)
+        if isinstance(cam, CAM):
+            if cam.model is not model:
+                raise ValueError("the CAM given to GuidedGradCAM must be built on the same model.")
+            self.cam = cam
+        elif isinstance(cam, type) and issubclass(cam, CAM):
+            if layer is None:
+                raise ValueError("GuidedGradCAM needs the CAM's target layer, e.g. GuidedGradCAM(model, 'layer4').")
+            self.cam = cam(model, layer, normalize=None)
+        else:
+            raise TypeError(f"cam must be a CAM class or instance; got {cam!r}.")
+        self.guided = GuidedBackprop(model, reduce=self.reduce)
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        cam = self.cam.attribute(batch, target, topk)
+        selected = cam.selected
+        fixed_targets = selected.target_function or selected.class_indices
+        guided = self.guided.attribute(batch, fixed_targets, None)
+        cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).to(guided.attributions.dtype)  # (N, K, H, W)
+        attributions = guided.attributions * cam_maps[:, :, None]
+        return Attribution(
+            maps=reduce_channels(attributions, self.reduce),
+            selected=selected,
+            low_res_maps=cam.low_res_maps,
+            layer=cam.layer,
+            attributions=attributions,
+        )

@@ -230,12 +230,15 @@ def test_no_module_replaced_no_mode_left_also_when_the_call_raises():
     torch.manual_seed(0)
     model = FunctionalReLUNet().train()
     before = model_state(model)
-    for method in (explain.GuidedBackprop, explain.Deconvnet, explain.Saliency, explain.IntegratedGradients):
+    methods = (explain.GuidedBackprop, explain.Deconvnet, explain.Saliency, explain.InputXGradient,
+               explain.IntegratedGradients, explain.SmoothGrad, explain.VarGrad, explain.GuidedGradCAM)
+    for method in methods:
+        build = (lambda m, method=method: method(m, "conv4")) if method.needs_layer else method
         with pytest.raises(ValueError, match="out of range"):
-            method(model).explain(torch.randn(2, 3, 6, 6), target=[0, 7])
+            build(model).explain(torch.randn(2, 3, 6, 6), target=[0, 7])
         assert_state_equal(before, model_state(model))
         assert not torch._C._is_torch_function_mode_enabled()
-        method(model).explain(torch.randn(2, 3, 6, 6), target=[0, 1])
+        build(model).explain(torch.randn(2, 3, 6, 6), target=[0, 1])
         assert_state_equal(before, model_state(model))
         assert not torch._C._is_torch_function_mode_enabled()
     assert all(p.grad is None for p in model.parameters())

@@ -5,6 +5,7 @@
     e.show(); e.save("cam.png")
 """
 
+from .batch import run
 from .capture import Call, Captured, LayerNotFoundError, LayerNotRunError, LayerRecord, capture, find_layers
 from .edit import edit
 from .explanation import Explanation
@@ -58,6 +59,7 @@ __all__ = [
     "LayerInfo",
     "LayerRecord",
     "capture",
+    "run",
     "edit",
     "format_layers",
     "list_layers",

@@ -5,11 +5,14 @@
                      [--target CLASS | --topk K] [--out DIR]
     explain methods                                # every method with one line each
     explain layers MODEL [--input-size 3 224 224]  # layer names with output shapes
+    explain batch DIR --model NAME --out OUT [--overlays]   # a whole folder, resumable;
+                                                   # under torchrun, sharded across processes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -105,23 +108,68 @@ def list_methods() -> str:
     return "\n".join(f"{name:<{width}}  {cls.summary}" for name, cls in sorted(REGISTRY.items()))
 
 
-def _image_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="explain",
-        description="Explain images with a vision model and write heatmap overlays.",
-        epilog="Other commands: `explain demo` (no network needed), `explain methods`, `explain layers MODEL`.",
-    )
-    parser.add_argument("images", nargs="+", help="image files")
+def run_batch(argv: Sequence[str]) -> int:
+    """``explain batch``: every image of a folder, written to OUT (see explain.batch)."""
+    from .batch import Shard, merge_shard_indexes, run
+
+    parser = argparse.ArgumentParser(prog="explain batch", description=run_batch.__doc__)
+    parser.add_argument("folder", help="folder of images (searched recursively)")
+    _add_model_options(parser)
+    parser.add_argument("--out", required=True, help="output folder: index.csv, maps/, overlays/")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--overlays", action="store_true", help="also write overlay PNGs")
+    parser.add_argument("--no-progress", action="store_true")
+    arguments = parser.parse_args(argv)
+    shard = Shard.from_environment()
+    distributed = shard.world_size > 1 and not torch.distributed.is_initialized()
+    if distributed:  # launched by torchrun: one shard per process
+        backend = "nccl" if arguments.device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend)
+        if arguments.device.startswith("cuda"):
+            arguments.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    try:
+        loaded = load_model(arguments.model, arguments.weights)
+        loaded.model.to(torch.device(arguments.device))
+        explainer = make_explainer(arguments.method, loaded, arguments.layer)
+        target = parse_target(arguments.target, loaded.class_names)
+        index = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
+                    batch_size=arguments.batch_size, overlays=arguments.overlays,
+                    progress=not arguments.no_progress, shard=shard)
+        if shard.world_size > 1:
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            if shard.rank == 0:
+                index = merge_shard_indexes(arguments.out)
+        if shard.rank == 0:
+            print(f"results in {arguments.out}; index {index}")
+    finally:
+        if distributed:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="'demo' or a torchvision model name (resnet50, vgg16, ...)")
     parser.add_argument("--weights", help="a state-dict file, or a torchvision weights name (DEFAULT, IMAGENET1K_V2)")
     parser.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
     parser.add_argument("--layer", help="target layer name for CAM methods, e.g. layer4")
     parser.add_argument("--target", help="class index or name to explain (default: the top class)")
     parser.add_argument("--topk", type=int, help="explain the k top classes of each image")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _image_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="explain",
+        description="Explain images with a vision model and write heatmap overlays.",
+        epilog="Other commands: `explain demo` (no network needed), `explain methods`, `explain layers MODEL`, "
+        "`explain batch DIR`.",
+    )
+    parser.add_argument("images", nargs="+", help="image files")
+    _add_model_options(parser)
     parser.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")
     parser.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1]")
     parser.add_argument("--cmap", default="jet", help="matplotlib colour map (jet, viridis, cividis, ...)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser
 
 
@@ -138,6 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if argv and argv[0] == "methods":
             print(list_methods())
             return 0
+        if argv and argv[0] == "batch":
+            return run_batch(argv[1:])
         if argv and argv[0] == "layers":
             parser = argparse.ArgumentParser(prog="explain layers", description="List layer names and output shapes.")
             parser.add_argument("model", help="'demo' or a torchvision model name")

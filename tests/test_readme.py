@@ -24,6 +24,7 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
     image_path = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(image_path)
     namespace = {
+        "torch": torch,
         "model": torchvision.models.resnet18().eval(),
         "vit": torchvision.models.VisionTransformer(
             image_size=64, patch_size=16, num_layers=4, num_heads=2, hidden_dim=32, mlp_dim=64

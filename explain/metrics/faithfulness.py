@@ -1,0 +1,252 @@
+"""Faithfulness: does the model's score follow what the map calls relevant?
+
+Inputs are anything ``explain()`` accepts (made into model input by ``preprocess``,
+default ImageNet normalisation) or a model-ready (N, C, H, W) tensor; maps are
+an Explanation or (N, H, W) tensor, resized to the input. Pixels are removed or
+imputed in model-input space. The class scored is the explanation's, else
+``target``, else each image's top class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torchvision.transforms.functional as TF
+from torch import Tensor, nn
+
+from ..inputs import Inputs
+from ..targets import Target
+from ._common import MapsLike, as_maps, class_scores, fixed_classes, model_inputs, ranking
+
+Substrate = Union[str, Callable[[Tensor], Tensor]]
+
+
+@dataclass
+class Curve:
+    """fractions: (S,) share of pixels changed at each step; curves: (N, S) scores;
+    area: (N,) normalised area under the curve (trapezoid over fractions in [0, 1])."""
+
+    fractions: Tensor
+    curves: Tensor
+    area: Tensor
+
+
+def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
+    """What removed pixels become: "zeros" (zero model input: the mean colour under ImageNet
+    normalisation), "blur" (Gaussian, σ = size / 16, as RISE's insertion), "noise" (uniform
+    in each image's value range, seeded) or a callable ``batch -> tensor`` of the same shape."""
+    if callable(substrate):
+        result = substrate(batch)
+        if not isinstance(result, Tensor) or result.shape != batch.shape:
+            raise ValueError("a substrate callable must return a tensor shaped like its input batch.")
+        return result.to(batch.dtype)
+    if substrate == "zeros":
+        return torch.zeros_like(batch)
+    if substrate == "blur":
+        sigma = max(batch.shape[-2:]) / 16
+        kernel = 2 * math.ceil(3 * sigma) + 1
+        return TF.gaussian_blur(batch, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
+    if substrate == "noise":
+        generator = torch.Generator().manual_seed(seed)
+        low = batch.amin(dim=(1, 2, 3), keepdim=True)
+        high = batch.amax(dim=(1, 2, 3), keepdim=True)
+        return low + (high - low) * torch.rand(batch.shape, generator=generator).to(batch.device, batch.dtype)
+    raise ValueError(f"substrate must be 'zeros', 'blur', 'noise' or a callable; got {substrate!r}.")
+
+
+def _area(fractions: Tensor, curves: Tensor) -> Tensor:
+    widths = fractions[1:] - fractions[:-1]
+    return ((curves[:, 1:] + curves[:, :-1]) / 2 * widths).sum(dim=1) / (fractions[-1] - fractions[0])
+
+
+def _perturbation_curve(
+    model, batch, heat, classes, steps, start_from_substrate, substrate, score, batch_size
+) -> Curve:
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}.")
+    count, _, height, width = batch.shape
+    pixels = height * width
+    fill = substrate_for(batch, substrate)
+    ranks = ranking(heat).to(batch.device)  # (N, H, W), 0 = most relevant
+    counts = torch.round(torch.arange(steps + 1, device=batch.device) * pixels / steps)
+    curves = []
+    for image in range(count):  # one image's steps at a time bounds memory
+        changed = (ranks[image][None] < counts.view(-1, 1, 1))[:, None]  # (S, 1, H, W): most relevant first
+        if start_from_substrate:  # insertion: the relevant pixels are put back into the substrate
+            images = torch.where(changed, batch[image][None], fill[image][None])
+        else:  # deletion: the relevant pixels are replaced by the substrate
+            images = torch.where(changed, fill[image][None], batch[image][None])
+        curves.append(class_scores(model, images, classes[image].repeat(steps + 1), score, batch_size).cpu())
+    fractions = (counts / pixels).cpu()
+    curves = torch.stack(curves)
+    return Curve(fractions=fractions, curves=curves, area=_area(fractions, curves))
+
+
+def deletion(
+    model: nn.Module,
+    inputs: Inputs,
+    maps: MapsLike,
+    target: Target = None,
+    *,
+    steps: int = 32,
+    substrate: Substrate = "zeros",
+    score: str = "probability",
+    batch_size: int = 64,
+    preprocess: Optional[Callable] = None,
+) -> Curve:
+    """Deletion (Petsiuk et al. 2018): the score as the most relevant pixels are replaced by the
+    substrate, in ``steps`` equal steps. Area in [0, 1] for probabilities; lower is better."""
+    batch = model_inputs(model, inputs, preprocess)
+    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
+    classes = fixed_classes(model, batch, maps, target)
+    return _perturbation_curve(model, batch, heat, classes, steps, False, substrate, score, batch_size)
+
+
+def insertion(
+    model: nn.Module,
+    inputs: Inputs,
+    maps: MapsLike,
+    target: Target = None,
+    *,
+    steps: int = 32,
+    substrate: Substrate = "blur",
+    score: str = "probability",
+    batch_size: int = 64,
+    preprocess: Optional[Callable] = None,
+) -> Curve:
+    """Insertion (Petsiuk et al. 2018): the score as the most relevant pixels are put back into
+    the substrate (a blurred image by default). Area in [0, 1] for probabilities; higher is better."""
+    batch = model_inputs(model, inputs, preprocess)
+    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
+    classes = fixed_classes(model, batch, maps, target)
+    return _perturbation_curve(model, batch, heat, classes, steps, True, substrate, score, batch_size)
+
+
+# ------------------------------------------------------------------ ROAD
+
+
+DIRECT_WEIGHT, DIAGONAL_WEIGHT = 1 / 6, 1 / 12
+"""ROAD's linear imputation: direct neighbours weigh 1/6, diagonal ones 1/12."""
+
+
+def neighbour_sum(values: Tensor) -> Tensor:
+    """Σ_j w_j x_j over each pixel's 8 neighbours inside the image, (..., H, W) → (..., H, W).
+    (Shifted slices of a zero-padded copy: much faster than a one-channel conv2d.)"""
+    padded = torch.nn.functional.pad(values, (1, 1, 1, 1))
+    height, width = values.shape[-2:]
+    direct = (padded[..., :height, 1:-1] + padded[..., 2:, 1:-1]
+              + padded[..., 1:-1, :width] + padded[..., 1:-1, 2:])
+    diagonal = (padded[..., :height, :width] + padded[..., :height, 2:]
+                + padded[..., 2:, :width] + padded[..., 2:, 2:])
+    return DIRECT_WEIGHT * direct + DIAGONAL_WEIGHT * diagonal
+
+
+def noisy_linear_imputation(
+    batch: Tensor, removed: Tensor, noise: float = 0.01, seed: int = 0, iterations: int = 400, tolerance: float = 1e-4
+) -> Tensor:
+    """Replace the ``removed`` pixels ((N, H, W) bool) of ``batch`` (N, C, H, W) by the solution of
+    x_i = Σ_j w_ij x_j / Σ_j w_ij over each pixel's neighbours j (ROAD, Rong et al. 2022), solved
+    by conjugate gradients for all images and channels at once (until the residual is below
+    ``tolerance`` relative to the right-hand side, at most ``iterations``), then add Gaussian noise of
+    ``noise`` × the image's value range to the imputed pixels (seeded)."""
+    count, channels, height, width = batch.shape
+    image = batch.float().reshape(count * channels, 1, height, width)
+    unknown = removed.to(batch.device).repeat_interleave(channels, dim=0)[:, None].float()
+    known = 1.0 - unknown
+    degree = neighbour_sum(torch.ones_like(image))  # Σ_j w_ij over the neighbours inside the image
+
+    def operator(values: Tensor) -> Tensor:  # (D − W) restricted to the unknown pixels: symmetric, positive
+        values = values * unknown
+        return (degree * values - neighbour_sum(values)) * unknown + 1e-7 * values
+
+    right_side = neighbour_sum(image * known) * unknown
+    solution = (image * known + right_side / degree) * unknown  # start: mean of known neighbours
+    residual = right_side - operator(solution)
+    direction = residual.clone()
+    residual_norm = (residual * residual).sum(dim=(1, 2, 3), keepdim=True)
+    scale = (right_side * right_side).sum(dim=(1, 2, 3), keepdim=True).clamp_min(1e-30)
+    for _ in range(iterations):
+        if (residual_norm / scale).max().sqrt() < tolerance:
+            break
+        applied = operator(direction)
+        step = residual_norm / (direction * applied).sum(dim=(1, 2, 3), keepdim=True).clamp_min(1e-30)
+        solution = solution + step * direction
+        residual = residual - step * applied
+        new_norm = (residual * residual).sum(dim=(1, 2, 3), keepdim=True)
+        direction = residual + new_norm / residual_norm.clamp_min(1e-30) * direction
+        residual_norm = new_norm
+    imputed = image * known + solution * unknown
+    if noise > 0:
+        generator = torch.Generator().manual_seed(seed)
+        spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).float().repeat_interleave(channels)
+        jitter = torch.randn(imputed.shape, generator=generator).to(batch.device)
+        imputed = imputed + jitter * noise * spread.view(-1, 1, 1, 1) * unknown
+    return imputed.reshape(batch.shape).to(batch.dtype)
+
+
+def road(
+    model: nn.Module,
+    inputs: Inputs,
+    maps: MapsLike,
+    target: Target = None,
+    *,
+    order: str = "morf",
+    percentages: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    noise: float = 0.01,
+    score: str = "probability",
+    batch_size: int = 64,
+    preprocess: Optional[Callable] = None,
+) -> Curve:
+    """ROAD, RemOve And Debias (Rong et al. 2022): the score after removing a share of the pixels,
+    "morf" most relevant first (lower area is better) or "lerf" least relevant first (higher is
+    better), the removed pixels filled by noisy linear imputation so that the removal's shape
+    does not leak class information. ``area`` is the mean score over the percentages."""
+    if order not in ("morf", "lerf"):
+        raise ValueError(f"order must be 'morf' or 'lerf'; got {order!r}.")
+    batch = model_inputs(model, inputs, preprocess)
+    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
+    classes = fixed_classes(model, batch, maps, target)
+    ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
+    pixels = heat.shape[-1] * heat.shape[-2]
+    curves = []
+    for share in percentages:
+        imputed = noisy_linear_imputation(batch, ranks < round(share * pixels), noise=noise)
+        curves.append(class_scores(model, imputed, classes, score, batch_size).cpu())
+    curves_tensor = torch.stack(curves, dim=1)
+    return Curve(fractions=torch.tensor(list(percentages)), curves=curves_tensor, area=curves_tensor.mean(dim=1))
+
+
+# ------------------------------------------------------------------ confidence change
+
+
+@dataclass
+class ConfidenceChange:
+    """drop: (N,) max(0, Y − O) / Y; increase: (N,) 1 where O > Y; Y the class probability on the
+    image, O on the image multiplied by its map. Average drop = 100 · mean(drop), lower is better;
+    increase in confidence = 100 · mean(increase), higher is better."""
+
+    drop: Tensor
+    increase: Tensor
+
+
+def confidence_change(
+    model: nn.Module,
+    inputs: Inputs,
+    maps: MapsLike,
+    target: Target = None,
+    *,
+    batch_size: int = 64,
+    preprocess: Optional[Callable] = None,
+) -> ConfidenceChange:
+    """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
+    what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""
+    batch = model_inputs(model, inputs, preprocess)
+    heat = as_maps(maps, batch.shape[-2:]).to(batch.device).clamp(0, 1)
+    classes = fixed_classes(model, batch, maps, target)
+    original = class_scores(model, batch, classes, "probability", batch_size)
+    masked = class_scores(model, batch * heat[:, None].to(batch.dtype), classes, "probability", batch_size)
+    drop = (original - masked).clamp_min(0) / original.clamp_min(1e-12)
+    return ConfidenceChange(drop=drop.cpu(), increase=(masked > original).float().cpu())

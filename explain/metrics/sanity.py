@@ -1,0 +1,152 @@
+"""Sanity check by cascading model-parameter randomisation (Adebayo et al. 2018).
+
+The layers are re-initialised one after the other, from the output back to the
+input, on a copy of the model; after each stage the maps are compared with the
+trained model's. A method whose maps barely change while the model forgets what
+it learned is not explaining the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..inputs import Inputs, prepare_inputs
+from ..methods.base import Explainer
+from ..targets import Target
+
+
+def average_ranks(values: Tensor) -> Tensor:
+    """(N, P) values → (N, P) ranks 1…P along each row, ties given their average rank."""
+    order = values.argsort(dim=1, stable=True)
+    sorted_values = values.gather(1, order)
+    ranks = torch.empty_like(values, dtype=torch.float64)
+    for row in range(values.shape[0]):
+        _, inverse, counts = torch.unique_consecutive(sorted_values[row], return_inverse=True, return_counts=True)
+        ends = counts.cumsum(0).double()
+        averages = ends - (counts.double() - 1) / 2  # mean of the positions a run of ties occupies
+        ranks[row, order[row]] = averages[inverse]
+    return ranks
+
+
+def spearman(first: Tensor, second: Tensor) -> Tensor:
+    """Spearman rank correlation of each pair of maps, (N, ...) each → (N,) in [-1, 1]
+    (0 where a map is constant)."""
+    a = average_ranks(first.reshape(first.shape[0], -1).double().cpu())
+    b = average_ranks(second.reshape(second.shape[0], -1).double().cpu())
+    a, b = a - a.mean(1, keepdim=True), b - b.mean(1, keepdim=True)
+    denominator = (a.norm(dim=1) * b.norm(dim=1))
+    return torch.where(denominator > 0, (a * b).sum(1) / denominator.clamp_min(1e-300), 0.0).float()
+
+
+def ssim(first: Tensor, second: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
+    """Structural similarity (Wang et al. 2004) of each pair of (N, H, W) maps in [0, 1],
+    Gaussian window, data range 1 → (N,) in [-1, 1], 1 for equal maps."""
+    x, y = first.double()[:, None].cpu(), second.double()[:, None].cpu()
+    window = min(window, x.shape[-1], x.shape[-2])
+    window -= 1 - window % 2  # odd, and no larger than the maps
+    coordinates = torch.arange(window, dtype=torch.float64) - window // 2
+    gauss = torch.exp(-(coordinates**2) / (2 * sigma**2))
+    kernel = (gauss[:, None] * gauss[None, :] / gauss.sum() ** 2)[None, None]
+
+    def blur(values: Tensor) -> Tensor:
+        return F.conv2d(values, kernel)
+
+    mean_x, mean_y = blur(x), blur(y)
+    var_x = blur(x * x) - mean_x**2
+    var_y = blur(y * y) - mean_y**2
+    covariance = blur(x * y) - mean_x * mean_y
+    c1, c2 = 0.01**2, 0.03**2
+    index = ((2 * mean_x * mean_y + c1) * (2 * covariance + c2)) / ((mean_x**2 + mean_y**2 + c1) * (var_x + var_y + c2))
+    return index.mean(dim=(1, 2, 3)).float()
+
+
+@dataclass
+class RandomizationStage:
+    """After re-initialising ``layers`` (this stage's and all above): per image, the Spearman rank
+    correlation of |map| and the SSIM of the [0, 1]-scaled |map| against the trained model's.
+    Both 1 for unchanged maps; a faithful method's values fall as layers are randomised."""
+
+    layer: str
+    layers: list[str]
+    rank_correlation: Tensor
+    ssim: Tensor
+
+
+def _execution_order(model: nn.Module, names: Sequence[str], batch: Tensor) -> list[str]:
+    order: list[str] = []
+    handles = [
+        module.register_forward_hook(lambda module, args, output, name=name: order.append(name))
+        for name, module in find_layers(model, list(names))
+    ]
+    try:
+        with torch.no_grad(), preserved_model_state(model):
+            model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(dict.fromkeys(order))
+
+
+def reinitialize(module: nn.Module, generator_seed: int) -> None:
+    """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(generator_seed)
+        for submodule in module.modules():
+            if hasattr(submodule, "reset_parameters"):
+                submodule.reset_parameters()
+            elif hasattr(submodule, "reset_running_stats"):
+                submodule.reset_running_stats()
+
+
+def _magnitude(maps: Tensor) -> Tensor:
+    magnitude = maps.abs().reshape(maps.shape[0], -1)
+    scale = magnitude.amax(dim=1, keepdim=True)
+    return torch.where(scale > 0, magnitude / scale.clamp_min(1e-30), 0.0).reshape(maps.shape)
+
+
+def cascading_randomization(
+    explainer: Explainer,
+    inputs: Inputs,
+    target: Target = None,
+    *,
+    stages: Optional[Sequence[str]] = None,
+    seed: int = 0,
+    explain_options: Optional[dict] = None,
+) -> list[RandomizationStage]:
+    """Cascading randomisation, top layer first, on a deep copy of the explainer and its model.
+
+    stages: layer names to randomise, in any order (they are run from the last executed to the
+        first); default: the model's top-level children that have parameters.
+    The classes explained stay those of the trained model's maps. The given model is not changed.
+    Returns one RandomizationStage per layer.
+    """
+    model = explainer.model
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    options = explain_options or {}
+    trained = explainer.explain(batch, target, **options)
+    classes = trained.class_indices if trained.class_indices is not None else target
+    if stages is None:
+        stages = [name for name, child in model.named_children() if any(True for _ in child.parameters())]
+    order = _execution_order(model, stages, batch)
+    randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
+    modules = dict(randomized.model.named_modules())
+    reference = _magnitude(trained.map_grid[:, 0])
+    results = []
+    for index, name in enumerate(reversed(order)):
+        reinitialize(modules[name], seed + index)
+        maps = randomized.explain(batch, classes, **options).map_grid[:, 0]
+        current = _magnitude(maps)
+        results.append(RandomizationStage(
+            layer=name,
+            layers=list(reversed(order))[: index + 1],
+            rank_correlation=spearman(reference, current),
+            ssim=ssim(reference, current),
+        ))
+    return results

@@ -163,7 +163,7 @@ def main() -> None:
             if LAYERS[model_name] is None:  # token layouts come with issue 7: gradient methods only
                 configs = [m for m in configs if m in ("forward", "saliency", "guidedbackprop")]
             for method in configs:
-                repeats = 5 if batch == 1 else 3
+                repeats = 15 if batch == 1 else 3
                 if method in SLOW:
                     repeats = 1
                 command = [sys.executable, __file__, "--device", arguments.device, "--one", model_name, str(batch),

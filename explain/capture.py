@@ -155,12 +155,13 @@ def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> Iterator[
     """
     training_flags = [(module, module.training) for module in model.modules()]
     try:
-        if eval_mode:
+        if eval_mode and any(was_training for _, was_training in training_flags):
             model.eval()
         yield
     finally:
         for module, was_training in training_flags:
-            module.training = was_training
+            if module.training != was_training:  # nn.Module.__setattr__ is slow: touch only what changed
+                module.training = was_training
 
 
 class ActivationCapture:

@@ -6,7 +6,16 @@
 """
 
 from .batch import run
-from .capture import Call, Captured, LayerNotFoundError, LayerNotRunError, LayerRecord, capture, find_layers
+from .capture import (
+    Call,
+    Captured,
+    LayerNotFoundError,
+    LayerNotRunError,
+    LayerRecord,
+    ModelInputError,
+    capture,
+    find_layers,
+)
 from .edit import edit
 from .explanation import Explanation
 from .inputs import Normalize, load_image
@@ -69,6 +78,7 @@ __all__ = [
     "GradCAM",
     "LayerNotFoundError",
     "LayerNotRunError",
+    "ModelInputError",
     "Normalize",
     "colorize",
     "find_layers",

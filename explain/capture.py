@@ -31,6 +31,27 @@ class LayerNotRunError(RuntimeError):
     """A target layer that did not run (or ran more than once) in a forward pass."""
 
 
+class ModelInputError(RuntimeError):
+    """The model itself failed on the input it was given (wrong size, channels or dtype)."""
+
+
+def run_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, with the model's own failures turned into a ModelInputError that says
+    what was passed and how to fix it (our hooks' errors pass through unchanged)."""
+    try:
+        return model(inputs)
+    except (LayerNotRunError, LayerNotFoundError, ModelInputError):
+        raise
+    except (RuntimeError, AssertionError, ValueError, IndexError) as error:
+        shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelInputError(
+            f"the model failed on an input of shape {shape}: {first_line}. If it expects another size "
+            "or channel count, pass a preprocess that produces it (e.g. torchvision weights.transforms() "
+            "for its 224 px models), or resize the tensor yourself."
+        ) from error
+
+
 def _is_glob(text: str) -> bool:
     return any(character in text for character in "*?[")
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .capture import LayerNotRunError
+from .capture import LayerNotRunError, ModelInputError
 from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
 from .models import LoadedModel, WeightsUnavailableError, load_model
@@ -200,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))
-    except (ValueError, TypeError, FileNotFoundError, WeightsUnavailableError, LayerNotRunError) as error:
+    except (ValueError, TypeError, FileNotFoundError, WeightsUnavailableError, LayerNotRunError,
+            ModelInputError) as error:
         print(f"explain: error: {error}", file=sys.stderr)
         return 2
 

@@ -301,3 +301,12 @@ def test_reductions_by_hand():
     assert reduce_channels(attributions, "maxabs").item() == 3.0
     assert reduce_channels(attributions, "sumabs").item() == 6.0
     assert reduce_channels(attributions, "sum").item() == 0.0
+
+
+def test_guided_backprop_warns_when_the_model_has_no_relu():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).eval()
+    x = torch.randn(1, 3, 6, 6)
+    with pytest.warns(RuntimeWarning, match="no ReLU"):
+        result = explain.GuidedBackprop(model, normalize=None).explain(x)
+    assert result.diagnostics["relu_calls"] == 0
+    torch.testing.assert_close(result.attributions, explain.Saliency(model, normalize=None).explain(x).attributions)

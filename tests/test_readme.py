@@ -23,6 +23,8 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
     torch.manual_seed(0)
     image_path = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(image_path)
+    (tmp_path / "images").mkdir()
+    Image.open(image_path).save(tmp_path / "images" / "first.png")
     namespace = {
         "torch": torch,
         "model": torchvision.models.resnet18().eval(),
@@ -31,5 +33,6 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
         ).eval(),
         "x": torch.randn(1, 3, 64, 64),
         "img": str(image_path),
+        "dataloader": torch.utils.data.DataLoader(torch.randn(4, 3, 64, 64), batch_size=2),
     }
     exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), namespace)

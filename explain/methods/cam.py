@@ -14,7 +14,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture import ActivationCapture, LayerSpec, find_layers
+from ..capture import ActivationCapture, LayerSpec, find_layers, run_model
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, register, upsample_maps
 
@@ -90,7 +90,7 @@ class CAM(Explainer):
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)
             with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
-                output = self.model(batch)
+                output = run_model(self.model, batch)
             activations = capture.activations()
             for name, activation in zip(self.layer_names, activations):
                 check_feature_maps(name, activation)

@@ -15,6 +15,7 @@ import torch
 import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 
+from ..capture import run_model
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, register
 
@@ -35,18 +36,19 @@ def reduce_channels(attributions: Tensor, how: str) -> Tensor:
 
 
 def input_gradients(
-    model: nn.Module, inputs: Tensor, scores_of: Callable[[object], Tensor]
+    forward: Callable[[Tensor], object], inputs: Tensor, scores_of: Callable[[object], Tensor]
 ) -> tuple[Tensor, Tensor]:
     """∂scores/∂inputs for each of K scores per row: ((R, K, C, H, W) gradients, (R, K) scores).
 
-    scores_of: the model's output → (R, K) scores. Rows do not interact in eval
-    mode, so one backward pass per target gives every row its own gradient.
+    forward: runs the model on the inputs; scores_of: the model's output → (R, K) scores.
+    Rows do not interact in eval mode, so one backward pass per target gives every row
+    its own gradient.
     """
     if not inputs.is_floating_point():
         raise TypeError(f"gradients need a floating-point input; got {inputs.dtype}.")
     with torch.enable_grad():
         inputs = inputs.detach().requires_grad_(True)
-        scores = scores_of(model(inputs))
+        scores = scores_of(forward(inputs))
         gradients = []
         for target_index in range(scores.shape[1]):
             score = scores[:, target_index].sum()
@@ -73,6 +75,10 @@ class GradientExplainer(Explainer):
             raise ValueError(f"reduce must be one of {REDUCTIONS}; got {reduce!r}.")
         self.reduce = reduce
 
+    def forward(self, inputs: Tensor) -> object:
+        """The model's forward pass, as the method runs it (guided methods change its ReLUs)."""
+        return run_model(self.model, inputs)
+
     def gradients(self, batch: Tensor, target: Target, topk: Optional[int]) -> tuple[Tensor, SelectedTargets]:
         """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch."""
         selection: dict[str, SelectedTargets] = {}
@@ -81,7 +87,7 @@ class GradientExplainer(Explainer):
             selection["targets"] = select_targets(output, target, topk, batch_size=batch.shape[0])
             return selection["targets"].scores
 
-        gradients, scores = input_gradients(self.model, batch, scores_of)
+        gradients, scores = input_gradients(self.forward, batch, scores_of)
         selected = selection["targets"]
         selected.scores = scores
         return gradients, selected
@@ -178,8 +184,9 @@ class IntegratedGradients(GradientExplainer):
         count = batch.shape[0]
         baseline = self.baseline_for(batch)
         with torch.no_grad():
-            selected = select_targets(self.model(batch), target, topk, batch_size=count)
-            baseline_scores = selected.scores_for(self.model(baseline), torch.arange(count, device=batch.device))
+            selected = select_targets(run_model(self.model, batch), target, topk, batch_size=count)
+            baseline_output = run_model(self.model, baseline)
+            baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))
         alphas, weights = integration_nodes(self.steps, self.rule)
         alphas = torch.as_tensor(alphas, dtype=batch.dtype, device=batch.device)
         weights = torch.as_tensor(weights, dtype=torch.float64, device=batch.device)
@@ -192,7 +199,10 @@ class IntegratedGradients(GradientExplainer):
             images = image_of_row[start : start + self.batch_size]
             steps = step_of_row[start : start + self.batch_size]
             points = baseline[images] + alphas[steps].view(-1, 1, 1, 1) * difference[images]
-            gradients, _ = input_gradients(self.model, points, lambda output, i=images: selected.scores_for(output, i))
+            def scores_of(output, images=images):
+                return selected.scores_for(output, images)
+
+            gradients, _ = input_gradients(self.forward, points, scores_of)
             integral.index_add_(0, images, gradients.double() * weights[steps].view(-1, 1, 1, 1, 1))
         attributions = (difference[:, None].double() * integral).to(batch.dtype)
         score_change = selected.scores.detach().float() - baseline_scores.float()

@@ -11,6 +11,7 @@ that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not ca
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Union
 
@@ -87,10 +88,27 @@ def relu_backward_rule(rule: str) -> Iterator[_ReLUBackwardOverride]:
 class _RectifiedGradient(GradientExplainer):
     rule = "guided"
 
-    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+    def forward(self, inputs: Tensor) -> object:
+        """The model's forward with every ReLU rerouted; the rule is active during the forward only
+        (the backward pass uses the autograd function recorded then), so a target callable that
+        runs another explainer sees the model's plain ReLUs."""
         with relu_backward_rule(self.rule) as mode:
-            gradients, selected = self.gradients(batch, target, topk)
-        return self.attribution_from(gradients, selected, relu_calls=mode.calls)
+            output = super().forward(inputs)
+        self._relu_calls += mode.calls
+        return output
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        self._relu_calls = 0
+        gradients, selected = self.gradients(batch, target, topk)
+        relu_calls, self._relu_calls = self._relu_calls, 0
+        if relu_calls == 0:
+            warnings.warn(
+                f"{type(self).__name__} found no ReLU in the model's forward pass (GELU, SiLU and "
+                "clamp(min=0) are not ReLUs), so its map is the plain gradient (saliency).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return self.attribution_from(gradients, selected, relu_calls=relu_calls)
 
 
 @register

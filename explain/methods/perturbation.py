@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..capture import run_model
 from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
@@ -99,7 +100,7 @@ class ScoreCAM(PerturbationCAM):
             low_up = upsampled.amin(dim=(2, 3), keepdim=True)
             span_up = upsampled.amax(dim=(2, 3), keepdim=True) - low_up
             mask = torch.where(span_up > 0, (upsampled - low_up) / torch.where(span_up > 0, span_up, 1.0), 0.0)
-            output = self.model(batch[images] * mask.to(batch.dtype))
+            output = run_model(self.model, batch[images] * mask.to(batch.dtype))
             scores.append(selected.scores_for(output, images).float())
         distinct_scores = torch.cat(scores)  # (distinct masks, K)
         per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
@@ -198,7 +199,7 @@ class AblationCAM(PerturbationCAM):
                 return output
 
             with edit(self.model, module, zero_channel):
-                output = self.model(batch[images])
+                output = run_model(self.model, batch[images])
             scores.append(selected.scores_for(output, images).float())
         return torch.cat(scores).reshape(count, channels, -1).transpose(1, 2)
 

@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..capture import run_model
 from ..targets import Target, select_targets
 from .base import Attribution, Explainer, register
 from .gradients import Saliency
@@ -61,7 +62,7 @@ class SmoothGrad(Explainer):
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         with torch.no_grad():
-            clean = select_targets(self.model(batch), target, topk, batch_size=count)
+            clean = select_targets(run_model(self.model, batch), target, topk, batch_size=count)
         spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).view(-1, 1, 1, 1) * self.noise
         generator = torch.Generator().manual_seed(self.seed)
         samples_per_pass = max(1, self.batch_size // count)

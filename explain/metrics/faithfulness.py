@@ -57,6 +57,13 @@ def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     raise ValueError(f"substrate must be 'zeros', 'blur', 'noise' or a callable; got {substrate!r}.")
 
 
+def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess):
+    """(model batch (N, C, H, W), maps resized to it (N, H, W), classes to score (N,))."""
+    batch = model_inputs(model, inputs, preprocess)
+    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
+    return batch, heat, fixed_classes(model, batch, maps, target)
+
+
 def _area(fractions: Tensor, curves: Tensor) -> Tensor:
     widths = fractions[1:] - fractions[:-1]
     return ((curves[:, 1:] + curves[:, :-1]) / 2 * widths).sum(dim=1) / (fractions[-1] - fractions[0])
@@ -99,9 +106,7 @@ def deletion(
 ) -> Curve:
     """Deletion (Petsiuk et al. 2018): the score as the most relevant pixels are replaced by the
     substrate, in ``steps`` equal steps. Area in [0, 1] for probabilities; lower is better."""
-    batch = model_inputs(model, inputs, preprocess)
-    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
-    classes = fixed_classes(model, batch, maps, target)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     return _perturbation_curve(model, batch, heat, classes, steps, False, substrate, score, batch_size)
 
 
@@ -119,9 +124,7 @@ def insertion(
 ) -> Curve:
     """Insertion (Petsiuk et al. 2018): the score as the most relevant pixels are put back into
     the substrate (a blurred image by default). Area in [0, 1] for probabilities; higher is better."""
-    batch = model_inputs(model, inputs, preprocess)
-    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
-    classes = fixed_classes(model, batch, maps, target)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     return _perturbation_curve(model, batch, heat, classes, steps, True, substrate, score, batch_size)
 
 
@@ -206,9 +209,7 @@ def road(
     does not leak class information. ``area`` is the mean score over the percentages."""
     if order not in ("morf", "lerf"):
         raise ValueError(f"order must be 'morf' or 'lerf'; got {order!r}.")
-    batch = model_inputs(model, inputs, preprocess)
-    heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
-    classes = fixed_classes(model, batch, maps, target)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
     pixels = heat.shape[-1] * heat.shape[-2]
     curves = []
@@ -243,9 +244,8 @@ def confidence_change(
 ) -> ConfidenceChange:
     """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
     what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""
-    batch = model_inputs(model, inputs, preprocess)
-    heat = as_maps(maps, batch.shape[-2:]).to(batch.device).clamp(0, 1)
-    classes = fixed_classes(model, batch, maps, target)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
+    heat = heat.clamp(0, 1)
     original = class_scores(model, batch, classes, "probability", batch_size)
     masked = class_scores(model, batch * heat[:, None].to(batch.dtype), classes, "probability", batch_size)
     drop = (original - masked).clamp_min(0) / original.clamp_min(1e-12)

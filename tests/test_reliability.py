@@ -1,0 +1,240 @@
+"""Reliability: every method leaves the model as found, keeps memory flat, nests, runs in threads,
+and answers bad input with a clear error. Property-based tests over random small CNNs."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import tracemalloc
+import warnings
+
+import psutil
+import pytest
+import torch
+import torchvision
+from conftest import SmallCNN, assert_state_equal, model_state
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import explain
+from explain.methods.perturbation import PerturbationCAM
+
+ALL_METHODS = sorted(explain.REGISTRY)
+BATCH_INDEPENDENT = [name for name in ALL_METHODS if name not in ("smoothgrad", "vargrad")]  # noise depends on N
+
+
+def build(name: str, model: nn.Module, layer: str, **extra):
+    """A method with small settings (few samples and steps) so that many calls stay fast."""
+    cls = explain.get_method(name)
+    options = dict(extra)
+    if issubclass(cls, PerturbationCAM):
+        options["progress"] = False
+    if cls in (explain.SmoothGrad, explain.VarGrad):
+        options["samples"] = 3
+    if cls is explain.IntegratedGradients:
+        options["steps"] = 4
+    return cls(model, layer, **options) if cls.needs_layer else cls(model, **options)
+
+
+def no_global_mode_left() -> bool:
+    return torch.is_grad_enabled() and not torch._C._is_torch_function_mode_enabled()
+
+
+# ------------------------------------------------------------------ state
+
+
+def failing_calls():
+    """Each kind of failing call: (description, inputs, target)."""
+
+    def target_that_raises(output):
+        raise KeyError("the user's target failed")
+
+    return [
+        ("target out of range", torch.randn(2, 3, 16, 16), [0, 99]),
+        ("targets not matching the batch", torch.randn(2, 3, 16, 16), [0, 1, 2]),
+        ("NaN in the input", torch.full((1, 3, 16, 16), float("nan")), None),
+        ("empty batch", [], None),
+        ("a target callable that raises", torch.randn(2, 3, 16, 16), target_that_raises),
+        ("input the model cannot take", torch.randn(1, 5, 16, 16), None),
+    ]
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_model_left_exactly_as_found_after_success_and_every_failure(name):
+    """A model in train mode (BatchNorm, dropout): the call runs it in eval mode, never updates
+    BatchNorm's running statistics, and restores every module's mode."""
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    model.features[1].eval()  # a mixed-mode model comes back mixed
+    model.head.weight.requires_grad_(False)  # and a partly frozen one comes back partly frozen
+    modules = {name: id(module) for name, module in model.named_modules()}
+    before = model_state(model)
+    explainer = build(name, model, "features.6")
+    for description, inputs, target in failing_calls():
+        with pytest.raises(Exception) as error:
+            explainer.explain(inputs, target=target)
+        assert not isinstance(error.value, (AssertionError, AttributeError)), f"{description}: {error.value!r}"
+        assert_state_equal(before, model_state(model))
+        assert no_global_mode_left(), description
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        explanation = explainer.explain(torch.randn(2, 3, 16, 16), target=[1, 2])
+    assert torch.isfinite(explanation.maps).all()
+    assert_state_equal(before, model_state(model))
+    assert no_global_mode_left()
+    assert {name: id(module) for name, module in model.named_modules()} == modules
+
+
+# ------------------------------------------------------------------ memory
+
+
+def live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some module proxies warns about deprecated names
+        warnings.simplefilter("ignore")
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_a_thousand_calls_keep_memory_flat(name):
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    explainer = build(name, model, "features.6")
+    x = torch.randn(2, 3, 16, 16)
+    process = psutil.Process()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(50):  # warm-up: allocator caches, lazy imports
+            explainer.explain(x)
+        tensors_before, rss_before = live_tensors(), process.memory_info().rss
+        for _ in range(800):
+            explainer.explain(x)
+        tracemalloc.start()
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            explainer.explain(x)
+        gc.collect()
+        python_growth = tracemalloc.get_traced_memory()[0] - start
+        tracemalloc.stop()
+    assert live_tensors() <= tensors_before, "tensors are kept between calls"
+    assert python_growth < 100_000, f"Python memory grew by {python_growth} bytes over 200 calls"
+    assert process.memory_info().rss - rss_before < 8 * 2**20, "RSS grew by more than 8 MiB over 1,000 calls"
+
+
+# ------------------------------------------------------------------ nesting and threads
+
+
+def test_two_explainers_on_one_model_one_after_the_other_and_nested():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 16, 16)
+    early = explain.GradCAM(model, "features.3", normalize=None)
+    late = explain.GradCAM(model, "features.6", normalize=None)
+    expected_early, expected_late = early.explain(x, target=1).raw_maps, late.explain(x, target=1).raw_maps
+    inner_maps = []
+
+    def target_that_explains(output):
+        inner_maps.append(late.explain(x, target=1).raw_maps)  # an explainer inside another's target
+        return output[:, 1]
+
+    nested = early.explain(x, target=target_that_explains)
+    torch.testing.assert_close(nested.raw_maps, expected_early)
+    torch.testing.assert_close(inner_maps[0], expected_late)
+    torch.testing.assert_close(late.explain(x, target=1).raw_maps, expected_late)
+    guided_inside = []
+    explain.GuidedBackprop(model).explain(x, target=lambda out: (guided_inside.append(
+        late.explain(x, target=1).raw_maps), out[:, 1])[1])
+    torch.testing.assert_close(guided_inside[0], expected_late)  # the ReLU rule is off outside guided's forward
+
+
+def test_explainers_in_two_threads_on_two_model_copies():
+    torch.manual_seed(0)
+    models = [SmallCNN().eval() for _ in range(2)]
+    inputs = [torch.randn(2, 3, 16, 16) for _ in range(2)]
+    methods = ("gradcam", "guidedbackprop", "scorecam", "integratedgradients")
+    expected = {(i, name): build(name, models[i], "features.6").explain(inputs[i]).maps
+                for i in range(2) for name in methods}
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(10):
+                for name in methods:
+                    results[(i, name)] = build(name, models[i], "features.6").explain(inputs[i]).maps
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for key, maps in expected.items():
+        torch.testing.assert_close(results[key], maps)
+    assert no_global_mode_left()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_an_image_of_the_wrong_size_for_a_fixed_size_model_says_how_to_fix_it():
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=1,
+                                               hidden_dim=8, mlp_dim=8).eval()
+    before = model_state(vit)
+    with pytest.raises(explain.ModelInputError, match=r"input of shape \(1, 3, 48, 48\).*preprocess"):
+        explain.Saliency(vit).explain(torch.randn(1, 3, 48, 48))
+    assert_state_equal(before, model_state(vit))
+
+
+def test_input_dtype_follows_the_model():
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    explanation = explain.GradCAM(model, "features.6").explain(x)
+    torch.testing.assert_close(explanation.maps, explain.GradCAM(model, "features.6").explain(x.float()).maps)
+
+
+# ------------------------------------------------------------------ properties over random CNNs
+
+
+@st.composite
+def random_cnns(draw):
+    depth = draw(st.integers(1, 3))
+    layers, channels = [], 3
+    for _ in range(depth):
+        out_channels = draw(st.integers(2, 6))
+        layers += [nn.Conv2d(channels, out_channels, 3, padding=1), nn.ReLU(inplace=draw(st.booleans()))]
+        if draw(st.booleans()):
+            layers.append(nn.MaxPool2d(2))
+        channels = out_channels
+    classes = draw(st.integers(2, 5))
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)).eval()
+    conv_names = [str(i) for i, layer in enumerate(layers) if isinstance(layer, nn.Conv2d)]
+    size = draw(st.integers(8, 20))
+    batch = draw(st.integers(1, 4))
+    targets = draw(st.lists(st.integers(0, classes - 1), min_size=batch, max_size=batch))
+    seed = draw(st.integers(0, 2**16))
+    return model, conv_names[-1], size, batch, targets, seed
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_cnns())
+def test_maps_are_finite_in_range_shaped_and_independent_of_the_rest_of_the_batch(case):
+    model, layer, size, batch, targets, seed = case
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    x = torch.randn(batch, 3, size, size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for name in ALL_METHODS:
+            explanation = build(name, model, layer).explain(x, target=targets)
+            maps = explanation.maps
+            assert maps.shape == (batch, size, size), name
+            assert torch.isfinite(maps).all() and maps.min() >= 0 and maps.max() <= 1, name
+            if name in BATCH_INDEPENDENT and batch > 1:
+                alone = torch.cat([build(name, model, layer).explain(x[i : i + 1], target=targets[i]).raw_maps
+                                   for i in range(batch)])
+                torch.testing.assert_close(explanation.raw_maps, alone, rtol=1e-4, atol=1e-5, msg=name)

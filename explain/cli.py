@@ -31,15 +31,8 @@ def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **opt
     """Build a registered method for a loaded model; methods that need a layer get it."""
     cls = get_method(method)
     common = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **options)
-    if cls.needs_layer:
-        if layer is None:
-            if loaded.name != "demo":
-                raise ValueError(
-                    f"{cls.name} needs a layer: pass --layer NAME (e.g. layer4 for a ResNet; "
-                    f"`explain layers {loaded.name}` lists the names)."
-                )
-            layer = "layer4"
-        return cls(loaded.model, layer, **common)
+    if cls.needs_layer:  # layer None: the method picks one on its first call
+        return cls(loaded.model, layer if layer is not None or loaded.name != "demo" else "layer4", **common)
     return cls(loaded.model, **common)
 
 
@@ -77,7 +70,8 @@ def run_images(arguments: argparse.Namespace) -> int:
         explanation.save(destination, alpha=arguments.alpha, cmap=arguments.cmap)
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
-        print(f"{path}: {described} -> {destination}")
+        layer = f" [{explanation.description()}]" if explanation.layer is not None else ""
+        print(f"{path}: {described}{layer} -> {destination}")
     return 0
 
 
@@ -152,7 +146,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="'demo' or a torchvision model name (resnet50, vgg16, ...)")
     parser.add_argument("--weights", help="a state-dict file, or a torchvision weights name (DEFAULT, IMAGENET1K_V2)")
     parser.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
-    parser.add_argument("--layer", help="target layer name for CAM methods, e.g. layer4")
+    parser.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
     parser.add_argument("--target", help="class index or name to explain (default: the top class)")
     parser.add_argument("--topk", type=int, help="explain the k top classes of each image")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

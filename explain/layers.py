@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -86,3 +87,56 @@ def format_layers(infos: Sequence[LayerInfo]) -> str:
     name_width = max(len(row[0]) for row in rows)
     kind_width = max(len(row[1]) for row in rows)
     return "\n".join(f"{name:<{name_width}}  {kind:<{kind_width}}  {shape}" for name, kind, shape in rows)
+
+
+POOLING = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.MaxPool2d)
+TRANSFORMER_BLOCK_NORMS = re.compile(r"(^|\.)(ln_1|norm1)$")
+
+
+def default_layer(model: nn.Module, batch: Tensor) -> str:
+    """The layer a CAM explains when none is given, found by one forward pass on ``batch``.
+
+    Transformers (LayerNorm modules named ``ln_1`` or ``norm1`` inside blocks): the last
+    block's first norm. The last block's *output* is a poor choice for a ViT: only the class token feeds the
+    head after it, so the gradient there is zero on every patch token; at the last block's
+    first norm the gradient reaches the patches through that block's attention.
+    CNNs: the last module, in the order modules finish, whose output is a spatial map (N, C, h, w)
+    with h, w > 1 and that is not a pooling layer — the last conv stage before global pooling
+    (``layer4`` on a ResNet, ``features`` on VGG, DenseNet, MobileNet, EfficientNet, ConvNeXt).
+    """
+    named = [(name, module) for name, module in model.named_modules() if name]
+    finished: list[tuple[str, tuple]] = []
+    calls: dict[str, int] = {}
+    handles = []
+
+    def hook_for(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            finished.append((name, tuple(output.shape) if isinstance(output, Tensor) else ()))
+
+        return hook
+
+    try:
+        for name, module in named:
+            handles.append(module.register_forward_hook(hook_for(name)))
+        with preserved_model_state(model), torch.no_grad():
+            model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    modules = dict(named)
+    norms = [name for name, _ in finished if TRANSFORMER_BLOCK_NORMS.search(name) and calls[name] == 1
+             and isinstance(modules[name], nn.LayerNorm)]
+    if norms:
+        return norms[-1]
+    candidates = [
+        name for name, shape in finished
+        if len(shape) == 4 and shape[2] > 1 and shape[3] > 1 and calls[name] == 1
+        and not isinstance(modules[name], POOLING)
+    ]
+    if not candidates:
+        raise ValueError(
+            "no layer with spatial feature maps was found to explain; pass one explicitly "
+            "(`explain layers MODEL` lists them with their output shapes)."
+        )
+    return candidates[-1]

@@ -69,8 +69,8 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys):
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(image)
     assert main([str(image), "--model", "demo", "--layer", "layer9"]) == 2
     assert "'layer4'" in capsys.readouterr().err
-    assert main([str(image), "--model", "resnet18"]) == 2
-    assert "--layer" in capsys.readouterr().err
+    assert main([str(image), "--model", "resnet18", "--out", str(tmp_path)]) == 0  # the layer is chosen
+    assert "GradCAM @ layer4" in capsys.readouterr().out
 
 
 def test_cli_on_a_torchvision_model_with_random_weights(tmp_path, capsys):

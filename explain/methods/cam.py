@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import ActivationCapture, LayerSpec, find_layers, run_model
+from ..layers import default_layer
+from ..layouts import Reshape, infer_layout
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, register, upsample_maps
 
@@ -48,9 +50,13 @@ class CAM(Explainer):
     """Base of the class-activation-map family.
 
     layer: the target layer(s): a ``named_modules()`` name ("layer4"), a module,
-        or a list of them (one map per layer, resized to the input and combined).
+        or a list of them (one map per layer, resized to the input and combined);
+        None picks one on the first call (see ``explain.layers.default_layer``) and the
+        Explanation records it.
     relu: keep only positive evidence (the papers' ReLU); False keeps signed maps.
     combine: how maps of several layers are merged: "mean", "max" or "sum".
+    reshape: how the layer's output becomes (N, C, h, w) maps; None guesses channels-first,
+        channels-last or tokens on a patch grid (see ``explain.layouts``).
     Other keyword arguments: see ``Explainer``.
 
     A subclass gives its formula as ``layer_map(A, G)``; methods that weight the
@@ -64,57 +70,64 @@ class CAM(Explainer):
     def __init__(
         self,
         model: nn.Module,
-        layer: LayerSpec | Sequence[LayerSpec],
+        layer: Optional[LayerSpec | Sequence[LayerSpec]] = None,
         *,
         relu: bool = True,
         combine: str = "mean",
+        reshape: Reshape = None,
         **options,
     ):
         super().__init__(model, **options)
         if combine not in COMBINATIONS:
             raise ValueError(f"combine must be one of {COMBINATIONS}; got {combine!r}.")
-        self.layers = find_layers(model, layer)
+        self.layers = None if layer is None else find_layers(model, layer)
         self.relu = relu
         self.combine = combine
+        self.reshape = reshape
 
     @property
     def layer_names(self) -> list[str]:
-        return [name for name, _ in self.layers]
+        return [name for name, _ in self.layers or []]
 
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         """The method's formula: A (N, C, h, w) and G = ∂y/∂A (N, C, h, w) → map (N, h, w), before ReLU."""
         raise TypeError(f"{type(self).__name__} defines neither layer_map nor layer_maps.")
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        if self.layers is None:
+            self.layers = find_layers(self.model, default_layer(self.model, batch))
         # also inside a caller's no_grad(): gradient methods need a graph here
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)
             with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
                 output = run_model(self.model, batch)
             activations = capture.activations()
-            for name, activation in zip(self.layer_names, activations):
-                check_feature_maps(name, activation)
+            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name)
+                            for name, activation in zip(self.layer_names, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
             maps = self.layer_maps(batch, activations, selected)
         selected.scores = selected.scores.detach()
         maps = [torch.relu(layer_maps) if self.relu else layer_maps for layer_maps in maps]
         return self._combine_layers(maps, selected, batch.shape[-2:])
 
+    def feature_maps(self, layer_index: int, tensor: Tensor) -> Tensor:
+        """A layer's output (or its gradient), in the layer's own layout, as (N, C, h, w)."""
+        return self.layouts[layer_index].apply(tensor)
+
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
-        """Per layer, (N, K, h, w) maps before ReLU, from ``layer_map`` of each target's gradients."""
+        """Per layer, (N, K, h, w) maps before ReLU, from ``layer_map`` of each target's gradients.
+        ``activations`` are the layers' outputs as captured (any layout)."""
         targets_per_image = selected.scores.shape[1]
         if not self.uses_gradients:  # the same map for every target
-            return [
-                self.layer_map(activation, None).unsqueeze(1).expand(-1, targets_per_image, -1, -1)
-                for activation in activations
-            ]
+            maps = [self.layer_map(self.feature_maps(i, activation), None) for i, activation in enumerate(activations)]
+            return [layer_map.unsqueeze(1).expand(-1, targets_per_image, -1, -1) for layer_map in maps]
         per_layer: list[list[Tensor]] = [[] for _ in activations]
         for target_index in range(targets_per_image):
             gradients = gradients_at(
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
             )
-            for maps, activation, gradient in zip(per_layer, activations, gradients):
-                maps.append(self.layer_map(activation.detach(), gradient))
+            for i, (maps, activation, gradient) in enumerate(zip(per_layer, activations, gradients)):
+                maps.append(self.layer_map(self.feature_maps(i, activation.detach()), self.feature_maps(i, gradient)))
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
     def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size) -> Attribution:
@@ -131,16 +144,6 @@ def weighted_sum(channel_weights: Tensor, activations: Tensor) -> Tensor:
     if channel_weights.dim() == 2:
         return torch.einsum("nc,nchw->nhw", channel_weights, activations)
     return torch.einsum("nkc,nchw->nkhw", channel_weights, activations)
-
-
-def check_feature_maps(name: str, activation: Tensor) -> None:
-    """CAMs weight (N, C, h, w) feature maps; refuse anything else with a clear message."""
-    if activation.dim() != 4:
-        raise ValueError(
-            f"layer {name!r} outputs a tensor of shape {tuple(activation.shape)}; CAM methods need "
-            "(N, C, h, w) feature maps. Choose a convolutional layer (`explain layers MODEL` lists "
-            "output shapes)."
-        )
 
 
 @register

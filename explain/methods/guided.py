@@ -135,8 +135,8 @@ class Deconvnet(_RectifiedGradient):
 class GuidedGradCAM(GradientExplainer):
     """Guided Grad-CAM (Selvaraju et al. 2017): guided backprop ⊙ an upsampled CAM.
 
-    layer: the CAM's target layer. cam: the CAM method, a class (default GradCAM)
-        or a CAM instance built on the same model.
+    layer: the CAM's target layer (None: chosen automatically). cam: the CAM method, a class
+        (default GradCAM) or a CAM instance built on the same model.
     """
 
     name = "guidedgradcam"
@@ -157,9 +157,7 @@ class GuidedGradCAM(GradientExplainer):
                 raise ValueError("the CAM given to GuidedGradCAM must be built on the same model.")
             self.cam = cam
         elif isinstance(cam, type) and issubclass(cam, CAM):
-            if layer is None:
-                raise ValueError("GuidedGradCAM needs the CAM's target layer, e.g. GuidedGradCAM(model, 'layer4').")
-            self.cam = cam(model, layer, normalize=None)
+            self.cam = cam(model, layer, normalize=None)  # layer None: chosen on the first call
         else:
             raise TypeError(f"cam must be a CAM class or instance; got {cam!r}.")
         self.guided = GuidedBackprop(model, reduce=self.reduce)

@@ -34,7 +34,9 @@ class PerturbationCAM(CAM):
 
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer, *, batch_size: int = 32, progress: Optional[bool] = None, **options):
+    def __init__(
+        self, model: nn.Module, layer=None, *, batch_size: int = 32, progress: Optional[bool] = None, **options
+    ):
         super().__init__(model, layer, **options)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
@@ -51,13 +53,15 @@ class PerturbationCAM(CAM):
             yield slice(start, min(start + per_pass, total))
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
-        return [
-            weighted_sum(self.channel_weights(batch, layer_index, activation, selected), activation)
-            for layer_index, activation in enumerate(activations)
-        ]
+        maps = []
+        for layer_index, activation in enumerate(activations):
+            feature_maps = self.feature_maps(layer_index, activation)
+            maps.append(weighted_sum(self.channel_weights(batch, layer_index, feature_maps, selected), feature_maps))
+        return maps
 
     def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
-        """(N, K, C) weight of each channel of the layer for each target."""
+        """(N, K, C) weight of each channel of the layer for each target; ``activation`` is the
+        layer's output as (N, C, h, w) feature maps."""
         raise TypeError(f"{type(self).__name__} does not define channel_weights.")
 
 
@@ -126,7 +130,7 @@ class AblationCAM(PerturbationCAM):
     REPLAY_BUDGET = 2**26
     """Elements of ablated copies of the layer's output per forward pass (256 MB in float32)."""
 
-    def __init__(self, model: nn.Module, layer, *, replay_batch_size: Optional[int] = None, **options):
+    def __init__(self, model: nn.Module, layer=None, *, replay_batch_size: Optional[int] = None, **options):
         """replay_batch_size: ablated copies of the layer's output per forward pass; default: as
         many as fit in REPLAY_BUDGET elements. ``batch_size`` applies to the fallback's input copies."""
         super().__init__(model, layer, **options)
@@ -137,7 +141,8 @@ class AblationCAM(PerturbationCAM):
         count, channels = activation.shape[:2]
         reference = selected.scores.detach().float()  # (N, K)
         try:
-            ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference)
+            ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference,
+                                                          self.layouts[layer_index].channel_dim)
         except _ReplayNotPossible as reason:
             warnings.warn(
                 f"Ablation-CAM cannot replay only the part of the model after layer "
@@ -145,12 +150,13 @@ class AblationCAM(PerturbationCAM):
                 RuntimeWarning,
                 stacklevel=6,
             )
-            ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected)
+            ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected,
+                                                         self.layouts[layer_index].channel_dim)
         safe_reference = torch.where(reference.abs() > 1e-12, reference, torch.full_like(reference, 1e-12))
         weights = (reference[:, :, None] - ablated) / safe_reference[:, :, None]  # (N, K, C)
         return weights.to(activation.dtype)
 
-    def _ablated_scores_replaying_tail(self, batch, module, activation, selected, reference) -> Tensor:
+    def _ablated_scores_replaying_tail(self, batch, module, activation, selected, reference, channel_dim) -> Tensor:
         """(N, K, C) ablated scores; each pass expands the layer's output into ablated copies."""
         count, channels = activation.shape[:2]
         # row r of a pass: image r // per_image, channel (start + r % per_image); channel -1: no ablation
@@ -165,10 +171,11 @@ class AblationCAM(PerturbationCAM):
             copies = len(channel_ids)
 
             def expand(output: Tensor, channel_ids=channel_ids, copies=copies) -> Tensor:
-                expanded = output.repeat_interleave(copies, dim=0)  # (N * copies, C, h, w)
+                expanded = output.repeat_interleave(copies, dim=0)  # (N * copies, ...) in the layer's layout
                 ids = channel_ids.repeat(count)
                 ablate = ids >= 0
-                expanded[torch.arange(len(ids), device=output.device)[ablate], ids[ablate]] = 0
+                channels_second = expanded.movedim(channel_dim, 1)  # a view: zeroing it zeroes expanded
+                channels_second[torch.arange(len(ids), device=output.device)[ablate], ids[ablate]] = 0
                 return expanded
 
             try:
@@ -186,7 +193,7 @@ class AblationCAM(PerturbationCAM):
             ablated[:, :, chunk] = scores.transpose(1, 2)
         return ablated
 
-    def _ablated_scores_full_forwards(self, batch, module, count, channels, selected) -> Tensor:
+    def _ablated_scores_full_forwards(self, batch, module, count, channels, selected, channel_dim) -> Tensor:
         """(N, K, C) ablated scores from full forward passes of input copies, one channel zeroed in each."""
         pairs = torch.cartesian_prod(torch.arange(count), torch.arange(channels)).to(batch.device)  # (N*C, 2)
         scores = []
@@ -195,7 +202,8 @@ class AblationCAM(PerturbationCAM):
 
             def zero_channel(output: Tensor, ablated_channels=ablated_channels) -> Tensor:
                 output = output.clone()
-                output[torch.arange(len(ablated_channels), device=output.device), ablated_channels] = 0
+                output.movedim(channel_dim, 1)[torch.arange(len(ablated_channels), device=output.device),
+                                               ablated_channels] = 0
                 return output
 
             with edit(self.model, module, zero_channel):

@@ -43,10 +43,14 @@ from .methods import (
     get_method,
 )
 from .render import colorize, overlay
+from .targets import EmbeddingSimilarity, SegmentationTarget, select_output
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EmbeddingSimilarity",
+    "SegmentationTarget",
+    "select_output",
     "Deconvnet",
     "GuidedBackprop",
     "GuidedGradCAM",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Callable, Optional, Sequence, Union
@@ -22,6 +23,54 @@ Target = Union[None, int, Sequence[int], Sequence[Sequence[int]], Tensor, Callab
   Perturbation methods (Score-CAM, Ablation-CAM) apply it to outputs of batches of
   perturbed copies, so it must score each row of the output on its own.
 """
+
+
+OutputSelector = Union[None, str, int, Callable[[Any], Any]]
+"""Which part of a model's output holds the scores: None (automatic), a key or attribute name,
+an index, or a callable output → scores."""
+
+
+def select_output(output: Any, selector: OutputSelector = None) -> Any:
+    """The part of a model's output that targets are read from.
+
+    Automatic (selector None): a tensor as it is; a dict's "out" (torchvision segmentation) or
+    "logits" entry, or its only tensor; an object's ``.logits`` (HuggingFace ModelOutput); a
+    tuple's or list's first tensor; a list of dicts (torchvision detection) as it is, for a
+    callable target. A key, attribute name, index or callable picks explicitly.
+    """
+    if callable(selector):
+        return selector(output)
+    if isinstance(selector, str):
+        if isinstance(output, Mapping) and selector in output:
+            return output[selector]
+        if hasattr(output, selector):
+            return getattr(output, selector)
+        raise ValueError(f"the model's output has no key or attribute {selector!r}.")
+    if isinstance(selector, int):
+        return output[selector]
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping):
+        for key in ("out", "logits"):
+            if key in output:
+                return output[key]
+        tensors = [key for key, value in output.items() if isinstance(value, Tensor)]
+        if len(tensors) == 1:
+            return output[tensors[0]]
+        raise ValueError(
+            f"the model returns a dict with keys {list(output)}; pass output=KEY to say which holds the scores."
+        )
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output:
+        if isinstance(output[0], Tensor):
+            return output[0]
+        if all(isinstance(item, Mapping) for item in output):
+            return output  # detection: a list of dicts, for a callable target
+    raise ValueError(
+        f"cannot find the scores in a model output of type {type(output).__name__}; pass output= "
+        "(a key, an index or a callable)."
+    )
 
 
 @dataclass
@@ -51,6 +100,52 @@ class SelectedTargets:
             scores = self.target_function(output)
             return scores.reshape(scores.shape[0], -1)
         return output.gather(1, self.class_indices[image_index].to(output.device))
+
+
+class SegmentationTarget:
+    """Semantic segmentation: the sum of class ``class_index``'s logits over a pixel mask.
+
+    mask: (H, W) or (N, H, W) bool/0-1 at the output's resolution; None: the pixels where
+    ``class_index`` is the predicted class. Use a single (H, W) mask with Score-CAM and
+    Ablation-CAM, which score batches of perturbed copies row by row.
+    Called on (N, classes, H, W) segmentation logits, returns (N,) scores.
+    """
+
+    def __init__(self, class_index: int, mask: Optional[Tensor] = None):
+        self.class_index = int(class_index)
+        self.mask = None if mask is None else torch.as_tensor(mask)
+
+    def __call__(self, output: Tensor) -> Tensor:
+        if not isinstance(output, Tensor) or output.dim() != 4:
+            raise ValueError("SegmentationTarget needs (N, classes, H, W) logits; pass output= to select them.")
+        logits = output[:, self.class_index]
+        if self.mask is None:
+            mask = output.argmax(dim=1) == self.class_index
+        else:
+            mask = self.mask.to(logits.device)
+            if mask.shape[-2:] != logits.shape[-2:]:
+                raise ValueError(f"the mask is {tuple(mask.shape[-2:])} but the logits are {tuple(logits.shape[-2:])}.")
+        return (logits * mask.to(logits.dtype)).sum(dim=(1, 2))
+
+    def __repr__(self) -> str:
+        return f"SegmentationTarget(class_index={self.class_index})"
+
+
+class EmbeddingSimilarity:
+    """Cosine similarity between the model's embedding (N, D) and a reference embedding (D,) or
+    (N, D): explains what makes an image similar to a reference (CLIP-like models, retrieval)."""
+
+    def __init__(self, reference: Tensor):
+        self.reference = torch.as_tensor(reference).detach()
+
+    def __call__(self, output: Tensor) -> Tensor:
+        if not isinstance(output, Tensor) or output.dim() != 2:
+            raise ValueError("EmbeddingSimilarity needs (N, D) embeddings; pass output= to select them.")
+        reference = self.reference.to(output.device, output.dtype)
+        return torch.nn.functional.cosine_similarity(output, reference.expand_as(output), dim=1)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingSimilarity(reference of shape {tuple(self.reference.shape)})"
 
 
 def _is_integer(value: object) -> bool:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import difflib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import model_device, model_dtype, preserved_model_state
+from ..capture import model_device, model_dtype, preserved_model_state, run_model
 from ..explanation import Explanation
 from ..inputs import Inputs, Normalize, prepare_inputs
-from ..targets import SelectedTargets, Target
+from ..targets import OutputSelector, SelectedTargets, Target, select_output
 
 NORMALIZATIONS = ("max", "minmax", None)
 
@@ -80,6 +80,8 @@ class Explainer(ABC):
         mean/std normalisation with the size kept. Tensors skip it.
     normalize: "max" (default), "minmax" or None, applied to each map.
     class_names: names of the model's classes, for titles.
+    output: which part of the model's output holds the scores when it is not a plain tensor
+        (a key, an index or a callable); None picks it automatically (see ``select_output``).
     """
 
     name: ClassVar[str] = ""
@@ -96,6 +98,7 @@ class Explainer(ABC):
         preprocess: Optional[Callable] = None,
         normalize: Optional[str] = "max",
         class_names: Optional[Sequence[str]] = None,
+        output: OutputSelector = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
@@ -105,6 +108,11 @@ class Explainer(ABC):
         self.preprocess = preprocess if preprocess is not None else Normalize()
         self.normalize = normalize
         self.class_names = class_names
+        self.output = output
+
+    def call_model(self, inputs: Tensor) -> Any:
+        """The model's scores for a batch: its forward pass, then the output selector."""
+        return select_output(run_model(self.model, inputs), self.output)
 
     @property
     def method_name(self) -> str:

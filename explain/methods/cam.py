@@ -14,7 +14,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture import ActivationCapture, LayerSpec, find_layers, run_model
+from ..capture import ActivationCapture, LayerSpec, find_layers
 from ..layers import default_layer
 from ..layouts import Reshape, infer_layout
 from ..targets import SelectedTargets, Target, select_targets
@@ -100,7 +100,7 @@ class CAM(Explainer):
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)
             with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
-                output = run_model(self.model, batch)
+                output = self.call_model(batch)
             activations = capture.activations()
             self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name)
                             for name, activation in zip(self.layer_names, activations)]
@@ -119,7 +119,8 @@ class CAM(Explainer):
         ``activations`` are the layers' outputs as captured (any layout)."""
         targets_per_image = selected.scores.shape[1]
         if not self.uses_gradients:  # the same map for every target
-            maps = [self.layer_map(self.feature_maps(i, activation), None) for i, activation in enumerate(activations)]
+            maps = [self.layer_map(self.feature_maps(i, activation).float(), None)
+                    for i, activation in enumerate(activations)]
             return [layer_map.unsqueeze(1).expand(-1, targets_per_image, -1, -1) for layer_map in maps]
         per_layer: list[list[Tensor]] = [[] for _ in activations]
         for target_index in range(targets_per_image):
@@ -127,7 +128,8 @@ class CAM(Explainer):
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
             )
             for i, (maps, activation, gradient) in enumerate(zip(per_layer, activations, gradients)):
-                maps.append(self.layer_map(self.feature_maps(i, activation.detach()), self.feature_maps(i, gradient)))
+                maps.append(self.layer_map(self.feature_maps(i, activation.detach()).float(),
+                                           self.feature_maps(i, gradient).float()))
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
     def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size) -> Attribution:

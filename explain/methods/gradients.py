@@ -15,7 +15,6 @@ import torch
 import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 
-from ..capture import run_model
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, register
 
@@ -77,7 +76,7 @@ class GradientExplainer(Explainer):
 
     def forward(self, inputs: Tensor) -> object:
         """The model's forward pass, as the method runs it (guided methods change its ReLUs)."""
-        return run_model(self.model, inputs)
+        return self.call_model(inputs)
 
     def gradients(self, batch: Tensor, target: Target, topk: Optional[int]) -> tuple[Tensor, SelectedTargets]:
         """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch."""
@@ -184,8 +183,8 @@ class IntegratedGradients(GradientExplainer):
         count = batch.shape[0]
         baseline = self.baseline_for(batch)
         with torch.no_grad():
-            selected = select_targets(run_model(self.model, batch), target, topk, batch_size=count)
-            baseline_output = run_model(self.model, baseline)
+            selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
+            baseline_output = self.call_model(baseline)
             baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))
         alphas, weights = integration_nodes(self.steps, self.rule)
         alphas = torch.as_tensor(alphas, dtype=batch.dtype, device=batch.device)

@@ -157,10 +157,10 @@ class GuidedGradCAM(GradientExplainer):
                 raise ValueError("the CAM given to GuidedGradCAM must be built on the same model.")
             self.cam = cam
         elif isinstance(cam, type) and issubclass(cam, CAM):
-            self.cam = cam(model, layer, normalize=None)  # layer None: chosen on the first call
+            self.cam = cam(model, layer, normalize=None, output=self.output)  # layer None: chosen on first call
         else:
             raise TypeError(f"cam must be a CAM class or instance; got {cam!r}.")
-        self.guided = GuidedBackprop(model, reduce=self.reduce)
+        self.guided = GuidedBackprop(model, reduce=self.reduce, output=self.output)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         cam = self.cam.attribute(batch, target, topk)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..capture import run_model
 from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
@@ -55,7 +54,7 @@ class PerturbationCAM(CAM):
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         maps = []
         for layer_index, activation in enumerate(activations):
-            feature_maps = self.feature_maps(layer_index, activation)
+            feature_maps = self.feature_maps(layer_index, activation).float()
             maps.append(weighted_sum(self.channel_weights(batch, layer_index, feature_maps, selected), feature_maps))
         return maps
 
@@ -104,7 +103,7 @@ class ScoreCAM(PerturbationCAM):
             low_up = upsampled.amin(dim=(2, 3), keepdim=True)
             span_up = upsampled.amax(dim=(2, 3), keepdim=True) - low_up
             mask = torch.where(span_up > 0, (upsampled - low_up) / torch.where(span_up > 0, span_up, 1.0), 0.0)
-            output = run_model(self.model, batch[images] * mask.to(batch.dtype))
+            output = self.call_model(batch[images] * mask.to(batch.dtype))
             scores.append(selected.scores_for(output, images).float())
         distinct_scores = torch.cat(scores)  # (distinct masks, K)
         per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
@@ -180,7 +179,7 @@ class AblationCAM(PerturbationCAM):
 
             try:
                 with edit(self.model, module, expand):
-                    output = self.model(batch)
+                    output = self.call_model(batch)
                 image_index = torch.arange(count, device=batch.device).repeat_interleave(copies)
                 scores = selected.scores_for(output, image_index).float().reshape(count, copies, -1)
             except (RuntimeError, ValueError, IndexError) as error:
@@ -207,7 +206,7 @@ class AblationCAM(PerturbationCAM):
                 return output
 
             with edit(self.model, module, zero_channel):
-                output = run_model(self.model, batch[images])
+                output = self.call_model(batch[images])
             scores.append(selected.scores_for(output, images).float())
         return torch.cat(scores).reshape(count, channels, -1).transpose(1, 2)
 

@@ -8,7 +8,6 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..capture import run_model
 from ..targets import Target, select_targets
 from .base import Attribution, Explainer, register
 from .gradients import Saliency
@@ -48,6 +47,7 @@ class SmoothGrad(Explainer):
         options.setdefault("preprocess", explainer.preprocess)
         options.setdefault("normalize", explainer.normalize)
         options.setdefault("class_names", explainer.class_names)
+        options.setdefault("output", explainer.output)
         options.pop("reduce", None)
         super().__init__(explainer.model, **options)
         if samples < 1 or noise < 0 or batch_size < 1:
@@ -62,7 +62,7 @@ class SmoothGrad(Explainer):
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         with torch.no_grad():
-            clean = select_targets(run_model(self.model, batch), target, topk, batch_size=count)
+            clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).view(-1, 1, 1, 1) * self.noise
         generator = torch.Generator().manual_seed(self.seed)
         samples_per_pass = max(1, self.batch_size // count)

@@ -1,0 +1,126 @@
+"""Models whose output is not a plain tensor, built-in targets, and mixed precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import ConvGapLinear
+from torch import nn
+
+import explain
+
+
+def gradcam_by_hand(model, layer_module, x, score_of) -> torch.Tensor:
+    """∂score/∂(layer output) by autograd at a plain hook, then Grad-CAM's formula, upsampled."""
+    stash = []
+    handle = layer_module.register_forward_hook(lambda module, args, output: stash.append(output))
+    try:
+        output = model(x)
+    finally:
+        handle.remove()
+    (gradient,) = torch.autograd.grad(score_of(output).sum(), stash[0])
+    a = stash[0].detach()
+    cam = torch.relu((gradient.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
+    return F.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+
+
+def test_deeplabv3_with_a_segmentation_target():
+    torch.manual_seed(0)
+    model = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=4, aux_loss=False).eval()
+    x = torch.randn(2, 3, 64, 64)
+    mask = torch.zeros(64, 64, dtype=torch.bool)
+    mask[10:40, 20:50] = True
+    explanation = explain.GradCAM(model, "backbone.16", normalize=None).explain(
+        x, target=explain.SegmentationTarget(2, mask))
+    assert explanation.targets is None and explanation.scores.shape == (2, 1)
+    expected = gradcam_by_hand(model, model.backbone["16"], x, lambda out: (out["out"][:, 2] * mask).sum(dim=(1, 2)))
+    torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        logits = model(x)["out"]
+    predicted = explain.SegmentationTarget(1)(logits)  # no mask: the pixels predicted as class 1
+    torch.testing.assert_close(predicted, (logits[:, 1] * (logits.argmax(1) == 1)).sum(dim=(1, 2)))
+
+
+@dataclass
+class ModelOutput:
+    """Shaped like a HuggingFace output object."""
+
+    logits: torch.Tensor
+    hidden_states: tuple = ()
+
+
+class HuggingFaceStyle(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixel_values):
+        return ModelOutput(logits=self.inner(pixel_values), hidden_states=(pixel_values,))
+
+
+class TupleOutput(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x), x.mean()
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        logits = self.inner(x)
+        return {"species": logits, "colour": -logits}
+
+
+def test_outputs_that_are_not_a_plain_tensor():
+    torch.manual_seed(0)
+    inner = ConvGapLinear().eval()
+    x = torch.randn(2, 3, 8, 8)
+    plain = explain.GradCAM(inner, "conv", normalize=None).explain(x, target=[0, 2]).raw_maps
+    for wrapper in (HuggingFaceStyle, TupleOutput):
+        model = wrapper(inner).eval()
+        result = explain.GradCAM(model, "inner.conv", normalize=None).explain(x, target=[0, 2])
+        torch.testing.assert_close(result.raw_maps, plain)
+    heads = TwoHeads(inner).eval()
+    with pytest.raises(ValueError, match="keys \\['species', 'colour'\\].*output=KEY"):
+        explain.GradCAM(heads, "inner.conv").explain(x)
+    colour = explain.GradCAM(heads, "inner.conv", normalize=None, relu=False, output="colour").explain(x, target=[0, 2])
+    torch.testing.assert_close(colour.raw_maps, -explain.GradCAM(inner, "conv", normalize=None, relu=False).explain(
+        x, target=[0, 2]).raw_maps)
+    by_callable = explain.Saliency(heads, output=lambda out: out["species"]).explain(x, target=[0, 2])
+    torch.testing.assert_close(by_callable.maps, explain.Saliency(inner).explain(x, target=[0, 2]).maps)
+
+
+def test_embedding_similarity_target():
+    torch.manual_seed(0)
+    embedder = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(6, 5)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    reference = torch.randn(5)
+    result = explain.GradCAM(embedder, "0", normalize=None).explain(x, target=explain.EmbeddingSimilarity(reference))
+    expected = gradcam_by_hand(embedder, embedder[0], x, lambda out: F.cosine_similarity(out, reference[None], dim=1))
+    torch.testing.assert_close(result.raw_maps, expected, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(result.scores[:, 0], F.cosine_similarity(embedder(x), reference[None], dim=1))
+
+
+def test_maps_under_bf16_autocast_on_cpu_match_float32_and_are_float32():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 64, 64)
+    reference = explain.GradCAM(model, "layer4").explain(x, target=[1, 2]).maps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = explain.GradCAM(model, "layer4").explain(x, target=[1, 2])
+    assert mixed.maps.dtype == torch.float32 and mixed.scores.dtype == torch.float32
+    assert (mixed.maps - reference).abs().max() < 0.1  # bf16 keeps about 3 significant digits
+    assert torch.corrcoef(torch.stack([mixed.maps.flatten(), reference.flatten()]))[0, 1] > 0.99

@@ -103,8 +103,8 @@ def test_ablation_and_score_cam_on_tokens():
         assert maps.shape == (2, 32, 32) and torch.isfinite(maps).all()
     # Ablation-CAM zeroes channel d of every token: check one weight by hand
     layer = vit.encoder.layers.encoder_layer_1.ln_1
-    with pytest.warns(RuntimeWarning, match="full forward passes"):  # a residual connection goes around ln_1
-        ablation = explain.AblationCAM(vit, normalize=None, relu=False, progress=False).explain(x[:1], target=0)
+    # one image: the residual around ln_1 broadcasts over the ablated copies, so the tail replay is exact
+    ablation = explain.AblationCAM(vit, normalize=None, relu=False, progress=False).explain(x[:1], target=0)
     with explain.capture(vit, layer) as captured, torch.no_grad():
         y = vit(x[:1])[0, 0]
     tokens = captured[next(iter(captured))].output

@@ -35,11 +35,12 @@ class ModelInputError(RuntimeError):
     """The model itself failed on the input it was given (wrong size, channels or dtype)."""
 
 
-def run_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``, with the model's own failures turned into a ModelInputError that says
+def run_model(model: nn.Module, inputs: Any, call: Optional[tuple[tuple, dict]] = None) -> Any:
+    """``model(inputs)`` (or ``model(*call[0], **call[1])`` when the explained ``inputs`` are one of
+    several arguments), with the model's own failures turned into a ModelInputError that says
     what was passed and how to fix it (our hooks' errors pass through unchanged)."""
     try:
-        return model(inputs)
+        return model(inputs) if call is None else model(*call[0], **call[1])
     except (LayerNotRunError, LayerNotFoundError, ModelInputError):
         raise
     except (RuntimeError, AssertionError, ValueError, IndexError) as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -124,3 +125,56 @@ def test_maps_under_bf16_autocast_on_cpu_match_float32_and_are_float32():
     assert mixed.maps.dtype == torch.float32 and mixed.scores.dtype == torch.float32
     assert (mixed.maps - reference).abs().max() < 0.1  # bf16 keeps about 3 significant digits
     assert torch.corrcoef(torch.stack([mixed.maps.flatten(), reference.flatten()]))[0, 1] > 0.99
+
+
+class TwoInputs(nn.Module):
+    """An image and a per-image conditioning vector that scales the feature maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, condition, image, *, offset=0.0):
+        features = torch.relu(self.conv(image) * condition[:, :, None, None] + offset)
+        return self.fc(features.mean(dim=(2, 3)))
+
+
+class Conditioned(nn.Module):
+    """The same network with one image's condition fixed, as a one-input model (for reference)."""
+
+    def __init__(self, two_inputs, condition, offset):
+        super().__init__()
+        self.two_inputs, self.condition, self.offset = two_inputs, condition, offset
+
+    def forward(self, image):
+        return self.two_inputs(self.condition.expand(len(image), -1), image, offset=self.offset)
+
+
+@pytest.mark.parametrize("name", ["gradcam", "scorecam", "ablationcam", "saliency", "integratedgradients",
+                                  "guidedgradcam", "smoothgrad"])
+def test_a_model_with_several_inputs(name):
+    torch.manual_seed(0)
+    model = TwoInputs().eval()
+    images, conditions = torch.randn(2, 3, 8, 8), torch.rand(2, 4) + 0.5
+    cls = explain.get_method(name)
+
+    def build(target_model, layer):
+        options = {"progress": False} if name in ("scorecam", "ablationcam") else {}
+        if name == "smoothgrad":  # its noise depends on the batch: without noise it must match per image
+            options = {"noise": 0.0, "samples": 2}
+        return cls(target_model, layer, **options) if cls.needs_layer else cls(target_model, **options)
+
+    with warnings.catch_warnings():  # Ablation-CAM cannot replay the tail here: the condition multiplies it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = build(model, "conv").explain(images, target=[0, 2], forward_args=(conditions,),
+                                              input_position=1, forward_kwargs={"offset": 0.1})
+    for i in range(2):  # each image alone, through a one-input model with its condition baked in
+        alone = build(Conditioned(model, conditions[i : i + 1], 0.1), "two_inputs.conv").explain(
+            images[i : i + 1], target=[0, 2][i])
+        torch.testing.assert_close(result.maps[i : i + 1], alone.maps, rtol=1e-4, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        keyword = build(model, "conv").explain(images, target=[0, 2], input_position="image",
+                                               forward_kwargs={"condition": conditions, "offset": 0.1})
+    torch.testing.assert_close(keyword.maps, result.maps)

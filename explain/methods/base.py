@@ -20,6 +20,39 @@ NORMALIZATIONS = ("max", "minmax", None)
 
 
 @dataclass
+class ForwardCall:
+    """The other arguments of a model's forward, for models with several inputs.
+
+    args / kwargs: passed through; position: where the explained batch goes, an index into the
+    positional arguments or a keyword name; batch_size: N. Tensors whose first dimension is N
+    are per-image and follow the rows when a method runs copies of the images.
+    """
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    position: int | str = 0
+    batch_size: int = 0
+
+    def arguments(self, inputs: Tensor) -> tuple[tuple, dict]:
+        if isinstance(self.position, str):
+            return self.args, {**self.kwargs, self.position: inputs}
+        args = list(self.args)
+        args.insert(self.position, inputs)
+        return tuple(args), self.kwargs
+
+    def for_rows(self, rows: Tensor) -> "ForwardCall":
+        """The same call for a batch whose row r is a copy of image ``rows[r]``."""
+
+        def select(value):
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size:
+                return value[rows.to(value.device)]
+            return value
+
+        return ForwardCall(tuple(select(value) for value in self.args),
+                           {key: select(value) for key, value in self.kwargs.items()}, self.position, len(rows))
+
+
+@dataclass
 class Attribution:
     """What a method computes for a batch.
 
@@ -109,16 +142,32 @@ class Explainer(ABC):
         self.normalize = normalize
         self.class_names = class_names
         self.output = output
+        self.forward_call: Optional[ForwardCall] = None
 
-    def call_model(self, inputs: Tensor) -> Any:
-        """The model's scores for a batch: its forward pass, then the output selector."""
-        return select_output(run_model(self.model, inputs), self.output)
+    def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
+        """The model's scores for a batch: its forward pass (with the call's other arguments), then
+        the output selector. rows: for a batch of copies, the image each row is a copy of."""
+        call = self.forward_call
+        if call is None:
+            return select_output(run_model(self.model, inputs), self.output)
+        if rows is not None:
+            call = call.for_rows(rows)
+        return select_output(run_model(self.model, inputs, call.arguments(inputs)), self.output)
 
     @property
     def method_name(self) -> str:
         return type(self).__name__
 
-    def explain(self, inputs: Inputs, target: Target = None, *, topk: Optional[int] = None) -> Explanation:
+    def explain(
+        self,
+        inputs: Inputs,
+        target: Target = None,
+        *,
+        topk: Optional[int] = None,
+        forward_args: Sequence = (),
+        forward_kwargs: Optional[dict] = None,
+        input_position: int | str = 0,
+    ) -> Explanation:
         """Explain N images for one or K targets each.
 
         inputs: a path, PIL image, (H, W, 3) ndarray, (C, H, W) or (N, C, H, W)
@@ -126,11 +175,20 @@ class Explainer(ABC):
         target: None (top-1 class), an int, one int per image, K ints per image,
             or a callable ``f(output) -> Tensor[N]`` (see ``explain.targets``).
         topk: explain each image's k highest-scoring classes.
+        forward_args, forward_kwargs: the model's other inputs, for models with several; the
+            explained batch goes at ``input_position`` (an index among the positional arguments,
+            or a keyword name). Tensors of first dimension N are taken as per-image.
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
         prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
-        with preserved_model_state(self.model):
-            attribution = self.attribute(prepared.batch, target, topk)
+        if forward_args or forward_kwargs or input_position != 0:
+            self.forward_call = ForwardCall(tuple(forward_args), dict(forward_kwargs or {}), input_position,
+                                            prepared.batch.shape[0])
+        try:
+            with preserved_model_state(self.model):
+                attribution = self.attribute(prepared.batch, target, topk)
+        finally:
+            self.forward_call = None
         raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
         selected = attribution.selected
         return Explanation(

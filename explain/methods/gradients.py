@@ -74,9 +74,10 @@ class GradientExplainer(Explainer):
             raise ValueError(f"reduce must be one of {REDUCTIONS}; got {reduce!r}.")
         self.reduce = reduce
 
-    def forward(self, inputs: Tensor) -> object:
-        """The model's forward pass, as the method runs it (guided methods change its ReLUs)."""
-        return self.call_model(inputs)
+    def forward(self, inputs: Tensor, rows: Optional[Tensor] = None) -> object:
+        """The model's forward pass, as the method runs it (guided methods change its ReLUs).
+        rows: for a batch of copies, the image each row is a copy of."""
+        return self.call_model(inputs, rows)
 
     def gradients(self, batch: Tensor, target: Target, topk: Optional[int]) -> tuple[Tensor, SelectedTargets]:
         """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch."""
@@ -201,7 +202,10 @@ class IntegratedGradients(GradientExplainer):
             def scores_of(output, images=images):
                 return selected.scores_for(output, images)
 
-            gradients, _ = input_gradients(self.forward, points, scores_of)
+            def forward(inputs, images=images):
+                return self.forward(inputs, images)
+
+            gradients, _ = input_gradients(forward, points, scores_of)
             integral.index_add_(0, images, gradients.double() * weights[steps].view(-1, 1, 1, 1, 1))
         attributions = (difference[:, None].double() * integral).to(batch.dtype)
         score_change = selected.scores.detach().float() - baseline_scores.float()

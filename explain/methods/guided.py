@@ -88,12 +88,12 @@ def relu_backward_rule(rule: str) -> Iterator[_ReLUBackwardOverride]:
 class _RectifiedGradient(GradientExplainer):
     rule = "guided"
 
-    def forward(self, inputs: Tensor) -> object:
+    def forward(self, inputs: Tensor, rows: Optional[Tensor] = None) -> object:
         """The model's forward with every ReLU rerouted; the rule is active during the forward only
         (the backward pass uses the autograd function recorded then), so a target callable that
         runs another explainer sees the model's plain ReLUs."""
         with relu_backward_rule(self.rule) as mode:
-            output = super().forward(inputs)
+            output = super().forward(inputs, rows)
         self._relu_calls += mode.calls
         return output
 
@@ -163,10 +163,14 @@ class GuidedGradCAM(GradientExplainer):
         self.guided = GuidedBackprop(model, reduce=self.reduce, output=self.output)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        cam = self.cam.attribute(batch, target, topk)
-        selected = cam.selected
-        fixed_targets = selected.target_function or selected.class_indices
-        guided = self.guided.attribute(batch, fixed_targets, None)
+        self.cam.forward_call = self.guided.forward_call = self.forward_call
+        try:
+            cam = self.cam.attribute(batch, target, topk)
+            selected = cam.selected
+            fixed_targets = selected.target_function or selected.class_indices
+            guided = self.guided.attribute(batch, fixed_targets, None)
+        finally:
+            self.cam.forward_call = self.guided.forward_call = None
         cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).to(guided.attributions.dtype)  # (N, K, H, W)
         attributions = guided.attributions * cam_maps[:, :, None]
         return Attribution(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..capture import ModelInputError
 from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
@@ -103,7 +104,7 @@ class ScoreCAM(PerturbationCAM):
             low_up = upsampled.amin(dim=(2, 3), keepdim=True)
             span_up = upsampled.amax(dim=(2, 3), keepdim=True) - low_up
             mask = torch.where(span_up > 0, (upsampled - low_up) / torch.where(span_up > 0, span_up, 1.0), 0.0)
-            output = self.call_model(batch[images] * mask.to(batch.dtype))
+            output = self.call_model(batch[images] * mask.to(batch.dtype), rows=images)
             scores.append(selected.scores_for(output, images).float())
         distinct_scores = torch.cat(scores)  # (distinct masks, K)
         per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
@@ -183,7 +184,8 @@ class AblationCAM(PerturbationCAM):
                 image_index = torch.arange(count, device=batch.device).repeat_interleave(copies)
                 scores = selected.scores_for(output, image_index).float().reshape(count, copies, -1)
             except (RuntimeError, ValueError, IndexError) as error:
-                raise _ReplayNotPossible(f"{type(error).__name__}: {str(error).splitlines()[0]}") from error
+                cause = error.__cause__ if isinstance(error, ModelInputError) and error.__cause__ else error
+                raise _ReplayNotPossible(f"{type(cause).__name__}: {str(cause).splitlines()[0]}") from error
             if not check_done:
                 replayed, scores = scores[:, 0], scores[:, 1:]
                 if not torch.allclose(replayed, reference, rtol=1e-3, atol=1e-4):
@@ -206,7 +208,7 @@ class AblationCAM(PerturbationCAM):
                 return output
 
             with edit(self.model, module, zero_channel):
-                output = self.call_model(batch[images])
+                output = self.call_model(batch[images], rows=images)
             scores.append(selected.scores_for(output, images).float())
         return torch.cat(scores).reshape(count, channels, -1).transpose(1, 2)
 

@@ -74,7 +74,12 @@ class SmoothGrad(Explainer):
             noisy = batch.repeat(len(group), 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(len(group), 1, 1, 1)
             image_of_row = torch.arange(count, device=batch.device).repeat(len(group))
             fixed = clean.target_function or clean.class_indices[image_of_row]
-            inner = self.explainer.attribute(noisy, fixed, None)
+            call = self.forward_call
+            self.explainer.forward_call = None if call is None else call.for_rows(image_of_row)
+            try:
+                inner = self.explainer.attribute(noisy, fixed, None)
+            finally:
+                self.explainer.forward_call = None
             for key, values in (("maps", inner.maps), ("attributions", inner.attributions)):
                 if values is None:
                     continue

@@ -43,11 +43,12 @@ from .methods import (
     get_method,
 )
 from .render import colorize, overlay
-from .targets import EmbeddingSimilarity, SegmentationTarget, select_output
+from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DetectionTarget",
     "EmbeddingSimilarity",
     "SegmentationTarget",
     "select_output",

@@ -148,6 +148,40 @@ class EmbeddingSimilarity:
         return f"EmbeddingSimilarity(reference of shape {tuple(self.reference.shape)})"
 
 
+class DetectionTarget:
+    """Object detection: the score of the predicted box of class ``class_index`` that overlaps
+    ``box`` best (IoU), for torchvision-style outputs (a list of dicts with "boxes", "labels" and
+    "scores", one per image). box: (4,) x0, y0, x1, y1 for every image, or (N, 4).
+    An image with no box of that class overlapping by at least ``min_iou`` scores 0 (a zero map).
+    """
+
+    def __init__(self, box: Sequence[float], class_index: int, min_iou: float = 0.0):
+        self.box = torch.as_tensor(box, dtype=torch.float32)
+        self.class_index = int(class_index)
+        self.min_iou = min_iou
+
+    def __call__(self, output: Sequence[Mapping]) -> Tensor:
+        from torchvision.ops import box_iou
+
+        if not isinstance(output, (list, tuple)) or not all(isinstance(item, Mapping) for item in output):
+            raise ValueError("DetectionTarget needs a list of dicts with 'boxes', 'labels' and 'scores' per image.")
+        boxes = self.box.expand(len(output), 4) if self.box.dim() == 1 else self.box
+        scores = []
+        for image, detections in enumerate(output):
+            candidates = detections["labels"] == self.class_index
+            if candidates.any():
+                overlaps = box_iou(boxes[image : image + 1].to(detections["boxes"]), detections["boxes"][candidates])[0]
+                best = overlaps.argmax()
+                if overlaps[best] >= self.min_iou and overlaps[best] > 0:
+                    scores.append(detections["scores"][candidates][best])
+                    continue
+            scores.append(detections["scores"].sum() * 0.0)  # no match: zero, still in the graph
+        return torch.stack(scores)
+
+    def __repr__(self) -> str:
+        return f"DetectionTarget(box={self.box.tolist()}, class_index={self.class_index})"
+
+
 def _is_integer(value: object) -> bool:
     return isinstance(value, (Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
 

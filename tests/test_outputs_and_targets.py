@@ -178,3 +178,81 @@ def test_a_model_with_several_inputs(name):
         keyword = build(model, "conv").explain(images, target=[0, 2], input_position="image",
                                                forward_kwargs={"condition": conditions, "offset": 0.1})
     torch.testing.assert_close(keyword.maps, result.maps)
+
+
+def test_fasterrcnn_with_a_detection_target():
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=5, min_size=128, max_size=160, box_score_thresh=0.0,
+        rpn_post_nms_top_n_test=100, box_detections_per_img=20).eval()
+    x = torch.rand(2, 3, 128, 128)
+    box = [20.0, 30.0, 90.0, 100.0]
+    explanation = explain.GradCAM(model, "backbone.body.16", normalize=None).explain(
+        x, target=explain.DetectionTarget(box, class_index=1))
+
+    def best_match_score(output):  # by hand: the class-1 box with the highest IoU, image by image
+        scores = []
+        for detections in output:
+            keep = detections["labels"] == 1
+            overlaps = torchvision.ops.box_iou(torch.tensor([box]), detections["boxes"][keep])[0]
+            scores.append(detections["scores"][keep][overlaps.argmax()])
+        return torch.stack(scores)
+
+    expected = gradcam_by_hand(model, model.backbone.body["16"], x, best_match_score)
+    torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-7)
+    assert explanation.raw_maps.abs().sum() > 0
+    none = explain.DetectionTarget(box, class_index=4, min_iou=1.1)  # nothing can match
+    assert explain.GradCAM(model, "backbone.body.16").explain(x, target=none).maps.abs().max() == 0
+
+
+def test_a_bfloat16_model_gives_float32_maps_close_to_float32():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    low = torchvision.models.resnet18(num_classes=5).eval()
+    low.load_state_dict(model.state_dict())
+    low = low.to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, 64)
+    reference = explain.GradCAM(model, "layer4").explain(x, target=[1, 2]).maps
+    result = explain.GradCAM(low, "layer4").explain(x, target=[1, 2])  # the input is cast to the model's dtype
+    assert result.maps.dtype == torch.float32 and (result.maps - reference).abs().max() < 0.1
+    assert next(low.parameters()).dtype == torch.bfloat16
+
+
+def test_a_timm_vision_transformer_when_timm_is_installed():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=96, num_classes=5).eval()
+    torch.nn.init.normal_(vit.head.weight, std=0.5)
+    x = torch.randn(2, 3, 96, 96)
+    explanation = explain.GradCAM(vit, normalize=None).explain(x, target=[1, 3])
+    assert explanation.layer == "blocks.11.norm1"
+
+    def score_of(output):
+        return output[torch.arange(2), torch.tensor([1, 3])]
+
+    stash = []
+    handle = vit.blocks[11].norm1.register_forward_hook(lambda module, args, output: stash.append(output))
+    try:
+        output = vit(x)
+    finally:
+        handle.remove()
+    (gradient,) = torch.autograd.grad(score_of(output).sum(), stash[0])
+
+    def to_grid(tokens):  # by hand for this model: 1 class token, then 6 × 6 patches of 16 px
+        return tokens[:, 1:].reshape(2, 6, 6, -1).permute(0, 3, 1, 2)
+
+    a, g = to_grid(stash[0].detach()), to_grid(gradient)
+    cam = torch.relu((g.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
+    expected = F.interpolate(cam, size=(96, 96), mode="bilinear", align_corners=False)[:, 0]
+    torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_convnext_tiny_at_its_automatic_layer():
+    torch.manual_seed(0)
+    model = torchvision.models.convnext_tiny(num_classes=6).eval()
+    x = torch.randn(2, 3, 64, 64)
+    explanation = explain.GradCAM(model, normalize=None).explain(x, target=[0, 5])
+    assert explanation.layer == "features"
+    expected = gradcam_by_hand(model, model.features, x, lambda out: out[torch.arange(2), torch.tensor([0, 5])])
+    torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-7)
+    assert expected.abs().sum() > 0

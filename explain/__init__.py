@@ -18,6 +18,7 @@ from .capture import (
 )
 from .edit import edit
 from .explanation import Explanation
+from .figures import compare, figure
 from .inputs import Normalize, load_image
 from .layers import LayerInfo, format_layers, list_layers
 from .methods import (
@@ -50,6 +51,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DetectionTarget",
     "EmbeddingSimilarity",
+    "compare",
+    "figure",
     "SegmentationTarget",
     "select_output",
     "Deconvnet",

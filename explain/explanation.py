@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,3 +118,21 @@ class Explanation:
         buffer = io.BytesIO()
         self.figure().savefig(buffer, format="png", dpi=100)
         return buffer.getvalue()
+
+    def _repr_html_(self) -> str:
+        """Notebook display: the figure, then a table of image, class, score and probability."""
+        picture = base64.b64encode(self._repr_png_()).decode("ascii")
+        rows = []
+        for image in range(len(self)):
+            for target in range(self.map_grid.shape[1]):
+                probability = "" if self.probabilities is None else f"{float(self.probabilities[image, target]):.3f}"
+                rows.append(
+                    f"<tr><td>{image}</td><td>{html.escape(self.title(image, target).rsplit(':', 1)[0])}</td>"
+                    f"<td>{float(self.scores[image, target]):.4g}</td><td>{probability}</td></tr>"
+                )
+        return (
+            f"<div><p><b>{html.escape(self.description())}</b></p>"
+            f'<img src="data:image/png;base64,{picture}"/>'
+            "<table><tr><th>image</th><th>class</th><th>score</th><th>probability</th></tr>"
+            + "".join(rows) + "</table></div>"
+        )

@@ -69,30 +69,79 @@ def colorize(maps: ArrayLike, cmap: str = "jet") -> Tensor:
     return colormap_table(cmap)[indices]
 
 
+OVERLAY_MODES = ("blend", "alpha", "mask", "contour")
+DIVERGING_CMAP = "RdBu_r"
+
+
+def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
+    """Signed maps (..., H, W) → [0, 1] with 0 at 0.5, each map scaled by the ``clip_percentile``
+    percentile of its |values| and clipped (outliers saturate, as Captum's ``outlier_perc``)."""
+    values = _as_float_tensor(maps)
+    flat = values.reshape(-1, values.shape[-2] * values.shape[-1]).abs()
+    scale = torch.quantile(flat, clip_percentile / 100.0, dim=1).clamp_min(1e-12)
+    scaled = (values.reshape(flat.shape) / scale[:, None]).clamp(-1, 1).reshape(values.shape)
+    return (scaled + 1) / 2
+
+
 def overlay(
-    images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet"
+    images: ArrayLike,
+    maps: ArrayLike,
+    alpha: float = 0.5,
+    cmap: str = "jet",
+    mode: str = "blend",
+    keep: float = 0.2,
+    levels: Sequence[float] = (0.25, 0.5, 0.75),
 ) -> np.ndarray:
-    """Blend colour-mapped heatmaps on RGB images: ``(1 - alpha) * image + alpha * colour``.
+    """Draw heatmaps on RGB images.
 
     images: (H, W, 3) or (N, H, W, 3), uint8 or float in [0, 1].
     maps: (h, w), (N, h, w) or (N, K, h, w) in [0, 1]; resized to the images' size.
         With a K dimension each image gets K overlays.
+    mode: "blend" ``(1 - alpha) * image + alpha * colour``; "alpha" the same with the opacity
+        scaled by the map's value (alpha · m), so irrelevant pixels show the image; "mask" the
+        image where the map is in its top ``keep`` share of pixels, dimmed to 15 % elsewhere;
+        "contour" the image with the map's iso-lines at ``levels``, coloured by ``cmap``.
     Returns uint8 RGB, shape (..., H, W, 3) following the maps' leading dimensions.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1]; got {alpha}.")
+    if mode not in OVERLAY_MODES:
+        raise ValueError(f"mode must be one of {OVERLAY_MODES}; got {mode!r}.")
     image_tensor = image_as_float(images)
     height, width = image_tensor.shape[-3:-1]
-    heat = colorize(resize_maps(maps, (height, width)), cmap)
-    extra_dims = heat.dim() - image_tensor.dim()
+    values = resize_maps(maps, (height, width)).nan_to_num(0.0).clamp(0, 1)
+    extra_dims = values.dim() + 1 - image_tensor.dim()
     if extra_dims < 0:
-        raise ValueError(
-            f"got {tuple(image_tensor.shape)} images for maps of shape {tuple(_as_float_tensor(maps).shape)}."
-        )
+        raise ValueError(f"got {tuple(image_tensor.shape)} images for maps of shape {tuple(values.shape)}.")
     if image_tensor.dim() == 4 and extra_dims == 1:  # (N, H, W, 3) images with (N, K, H, W) maps
         image_tensor = image_tensor.unsqueeze(1)
-    blended = (1.0 - alpha) * image_tensor + alpha * heat
-    return (blended * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
+    image_tensor = image_tensor.expand(*values.shape, 3)
+    if mode in ("blend", "alpha"):
+        opacity = alpha if mode == "blend" else alpha * values[..., None]
+        result = (1.0 - opacity) * image_tensor + opacity * colorize(values, cmap)
+    elif mode == "mask":
+        flat = values.reshape(-1, height * width)
+        threshold = torch.quantile(flat, 1.0 - keep, dim=1).view(*values.shape[:-2], 1, 1)
+        result = torch.where((values >= threshold)[..., None], image_tensor, 0.15 * image_tensor)
+    else:
+        result = _contours(image_tensor, values, levels, cmap)
+    return (result * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def _contours(images: Tensor, values: Tensor, levels: Sequence[float], cmap: str) -> Tensor:
+    """Iso-lines of each map drawn on its image with OpenCV, one colour per level."""
+    import cv2
+
+    table = colormap_table(cmap)
+    flat_images = (images.reshape(-1, *images.shape[-3:]).numpy() * 255).round().astype(np.uint8).copy()
+    flat_values = values.reshape(-1, *values.shape[-2:]).numpy()
+    thickness = max(1, round(min(flat_values.shape[-2:]) / 100))
+    for canvas, heat in zip(flat_images, flat_values):
+        for level in levels:
+            contours, _ = cv2.findContours((heat >= level).astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
+            colour = tuple(int(c) for c in (table[round(level * 255)] * 255).round())
+            cv2.drawContours(canvas, contours, -1, colour, thickness)
+    return torch.from_numpy(flat_images).float().reshape(images.shape) / 255.0
 
 
 def tile(images: np.ndarray) -> np.ndarray:

@@ -94,7 +94,10 @@ def figure(
             values = _panel_values(explanation, image, signed_map, clip_percentile, row_scale)
             panel_cmap = render.DIVERGING_CMAP if signed_map else cmap
             drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode)
-            panels.append((explanation.description(), drawn, explanation.title(image)))
+            header = explanation.description()
+            if len(header) > 22:  # long layer names go on their own line, so headers never overlap
+                header = header.replace(" @ ", "\n@ ")
+            panels.append((header, drawn, explanation.title(image)))
         for position, (header, picture, subtitle) in enumerate(panels):
             axis = axes[image, position] if rows == "images" else axes[position, image]
             axis.imshow(picture, interpolation="bilinear")

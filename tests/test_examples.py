@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -18,3 +19,23 @@ def test_quickstart(tmp_path, monkeypatch, capsys):
     assert np.asarray(Image.open(tmp_path / "quickstart.png")).shape == (64, 4 * 64, 3)
     assert (tmp_path / "quickstart.pdf").read_bytes().startswith(b"%PDF")
     assert capsys.readouterr().out.count(":") >= 4
+
+
+DOCS = EXAMPLES.parent / "docs"
+
+
+@pytest.mark.parametrize("script, figure", [
+    ("compare_methods.py", "compare.png"),
+    ("sanity_check.py", "sanity.png"),
+    ("vit_and_segmentation.py", "vit_segmentation.png"),
+])
+def test_examples_regenerate_the_readme_figures(script, figure, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, str(tmp_path)])
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    regenerated = np.asarray(Image.open(tmp_path / figure).convert("RGB")).astype(float)
+    committed = np.asarray(Image.open(DOCS / figure).convert("RGB")).astype(float)
+    assert regenerated.shape == committed.shape
+    for channel in range(3):  # pixel statistics within a tolerance: fonts and BLAS may differ slightly
+        assert abs(regenerated[..., channel].mean() - committed[..., channel].mean()) < 2.0
+        assert abs(regenerated[..., channel].std() - committed[..., channel].std()) < 2.0
+    assert figure.split(".")[0].split("_")[0] in (DOCS / figure).name

@@ -39,3 +39,15 @@ def test_examples_regenerate_the_readme_figures(script, figure, tmp_path, monkey
         assert abs(regenerated[..., channel].mean() - committed[..., channel].mean()) < 2.0
         assert abs(regenerated[..., channel].std() - committed[..., channel].std()) < 2.0
     assert figure.split(".")[0].split("_")[0] in (DOCS / figure).name
+
+
+def test_the_notebook_runs():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    notebook = nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert any("text/html" in output.get("data", {}) for output in outputs)  # the Explanation's own display
+    assert any("image/png" in output.get("data", {}) for output in outputs)

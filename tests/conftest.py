@@ -45,6 +45,27 @@ class SmallCNN(nn.Module):
         return self.head(self.dropout(self.features(x).mean(dim=(2, 3))))
 
 
+def gradcam_by_hand(model, layer_module, x, score_of, to_grid=lambda tensor: tensor) -> torch.Tensor:
+    """Grad-CAM by an independent route: capture the layer's output in the graph with a plain
+    hook, take ∂score/∂output with autograd, lay both out as (N, C, h, w) with ``to_grid``
+    (written in the test), apply the formula and upsample bilinearly to the input."""
+    stash = []
+    handle = layer_module.register_forward_hook(lambda module, args, output: stash.append(output))
+    try:
+        output = model(x)
+    finally:
+        handle.remove()
+    (gradient,) = torch.autograd.grad(score_of(output).sum(), stash[0])
+    a, g = to_grid(stash[0].detach()), to_grid(gradient)
+    cam = torch.relu((g.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
+    return torch.nn.functional.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+
+
+def class_scores(classes):
+    """score_of for gradcam_by_hand: the logit of classes[n] for image n."""
+    return lambda output: output[torch.arange(len(classes)), torch.tensor(classes)]
+
+
 def hook_count(model: nn.Module) -> int:
     """Forward, forward-pre and backward hooks registered on any module of the model."""
     total = 0

@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torchvision
+from conftest import class_scores, gradcam_by_hand
 
 import explain
 from explain.layers import default_layer
@@ -45,21 +45,6 @@ def test_layouts_and_their_overrides():
         infer_layout(torch.randn(1, 4), (64, 64))
 
 
-def gradcam_by_hand(model, layer_module, x, classes, to_grid) -> torch.Tensor:
-    """Capture the layer's output in the graph with a plain hook, take ∂score/∂output with
-    autograd, lay both out with ``to_grid`` written in the test, and apply Grad-CAM's formula."""
-    stash = []
-    handle = layer_module.register_forward_hook(lambda module, args, output: stash.append(output))
-    try:
-        output = model(x)
-    finally:
-        handle.remove()
-    (gradient,) = torch.autograd.grad(output[torch.arange(len(classes)), classes].sum(), stash[0])
-    a, g = to_grid(stash[0].detach()), to_grid(gradient)  # (N, C, h, w)
-    cam = torch.relu((g.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
-    return F.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
-
-
 def test_vit_at_160_px_explained_at_the_last_blocks_first_norm():
     torch.manual_seed(0)
     vit = torchvision.models.vit_b_16(image_size=160, num_classes=10).eval()
@@ -72,7 +57,7 @@ def test_vit_at_160_px_explained_at_the_last_blocks_first_norm():
     def to_grid(tokens):  # written out for this model: drop the class token, 10 × 10 patches
         return tokens[:, 1:].reshape(2, 10, 10, 768).permute(0, 3, 1, 2)
 
-    expected = gradcam_by_hand(vit, layer, x, [3, 7], to_grid)
+    expected = gradcam_by_hand(vit, layer, x, class_scores([3, 7]), to_grid)
     torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-6)
     assert expected.abs().sum() > 0
     blind = explain.GradCAM(vit, "encoder.layers.encoder_layer_11", normalize=None).explain(x, target=[3, 7])
@@ -85,7 +70,8 @@ def test_swin_channels_last_blocks():
     x = torch.randn(2, 3, 96, 96)
     explanation = explain.GradCAM(swin, normalize=None).explain(x, target=[1, 2])
     assert explanation.layer == "features.7.1.norm1"
-    expected = gradcam_by_hand(swin, swin.features[7][1].norm1, x, [1, 2], lambda t: t.permute(0, 3, 1, 2))
+    expected = gradcam_by_hand(swin, swin.features[7][1].norm1, x, class_scores([1, 2]),
+                               lambda t: t.permute(0, 3, 1, 2))
     torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-6)
 
 

@@ -9,24 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import ConvGapLinear
+from conftest import ConvGapLinear, gradcam_by_hand
 from torch import nn
 
 import explain
-
-
-def gradcam_by_hand(model, layer_module, x, score_of) -> torch.Tensor:
-    """∂score/∂(layer output) by autograd at a plain hook, then Grad-CAM's formula, upsampled."""
-    stash = []
-    handle = layer_module.register_forward_hook(lambda module, args, output: stash.append(output))
-    try:
-        output = model(x)
-    finally:
-        handle.remove()
-    (gradient,) = torch.autograd.grad(score_of(output).sum(), stash[0])
-    a = stash[0].detach()
-    cam = torch.relu((gradient.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
-    return F.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
 
 
 def test_deeplabv3_with_a_segmentation_target():

@@ -207,6 +207,9 @@ def prepare_inputs(
     inputs: Inputs, preprocess: Callable, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> PreparedInputs:
     """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
+    if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0:
+        # a model-ready batch: no split into images and re-stacking, one display conversion
+        return _checked(inputs.to(device), dtype, display_from_model_input(inputs, preprocess))
     items = _flatten(inputs)
     if not items:
         raise ValueError("there is nothing to explain: the input batch is empty.")
@@ -219,9 +222,13 @@ def prepare_inputs(
             "the images one at a time."
         )
     batch = torch.stack([model_input for model_input, _ in prepared]).to(device)
+    return _checked(batch, dtype, torch.stack([display for _, display in prepared]).float())
+
+
+def _checked(batch: Tensor, dtype: torch.dtype, images: Tensor) -> PreparedInputs:
+    """Cast a floating batch to the model's dtype and refuse NaN or inf."""
     if batch.is_floating_point():
         batch = batch.to(dtype)
     if not torch.isfinite(batch).all():
         raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
-    images = torch.stack([display for _, display in prepared]).float()
     return PreparedInputs(batch=batch, images=images)

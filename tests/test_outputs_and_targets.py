@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import ConvGapLinear, gradcam_by_hand
+from conftest import ConvGapLinear, class_scores, gradcam_by_hand
 from torch import nn
 
 import explain
@@ -213,23 +213,10 @@ def test_a_timm_vision_transformer_when_timm_is_installed():
     explanation = explain.GradCAM(vit, normalize=None).explain(x, target=[1, 3])
     assert explanation.layer == "blocks.11.norm1"
 
-    def score_of(output):
-        return output[torch.arange(2), torch.tensor([1, 3])]
-
-    stash = []
-    handle = vit.blocks[11].norm1.register_forward_hook(lambda module, args, output: stash.append(output))
-    try:
-        output = vit(x)
-    finally:
-        handle.remove()
-    (gradient,) = torch.autograd.grad(score_of(output).sum(), stash[0])
-
     def to_grid(tokens):  # by hand for this model: 1 class token, then 6 × 6 patches of 16 px
         return tokens[:, 1:].reshape(2, 6, 6, -1).permute(0, 3, 1, 2)
 
-    a, g = to_grid(stash[0].detach()), to_grid(gradient)
-    cam = torch.relu((g.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True))
-    expected = F.interpolate(cam, size=(96, 96), mode="bilinear", align_corners=False)[:, 0]
+    expected = gradcam_by_hand(vit, vit.blocks[11].norm1, x, class_scores([1, 3]), to_grid)
     torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-6)
 
 
@@ -239,6 +226,6 @@ def test_convnext_tiny_at_its_automatic_layer():
     x = torch.randn(2, 3, 64, 64)
     explanation = explain.GradCAM(model, normalize=None).explain(x, target=[0, 5])
     assert explanation.layer == "features"
-    expected = gradcam_by_hand(model, model.features, x, lambda out: out[torch.arange(2), torch.tensor([0, 5])])
+    expected = gradcam_by_hand(model, model.features, x, class_scores([0, 5]))
     torch.testing.assert_close(explanation.raw_maps, expected, rtol=1e-4, atol=1e-7)
     assert expected.abs().sum() > 0

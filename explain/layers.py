@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -93,7 +93,7 @@ POOLING = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.MaxPool2
 TRANSFORMER_BLOCK_NORMS = re.compile(r"(^|\.)(ln_1|norm1)$")
 
 
-def default_layer(model: nn.Module, batch: Tensor) -> str:
+def default_layer(model: nn.Module, batch: Tensor, run: Optional[Callable[[Tensor], Any]] = None) -> str:
     """The layer a CAM explains when none is given, found by one forward pass on ``batch``.
 
     Transformers (LayerNorm modules named ``ln_1`` or ``norm1`` inside blocks): the last
@@ -120,7 +120,7 @@ def default_layer(model: nn.Module, batch: Tensor) -> str:
         for name, module in named:
             handles.append(module.register_forward_hook(hook_for(name)))
         with preserved_model_state(model), torch.no_grad():
-            model(batch)
+            (run or model)(batch)
     finally:
         for handle in handles:
             handle.remove()

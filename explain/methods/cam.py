@@ -95,7 +95,7 @@ class CAM(Explainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         if self.layers is None:
-            self.layers = find_layers(self.model, default_layer(self.model, batch))
+            self.layers = find_layers(self.model, default_layer(self.model, batch, run=self.call_model))
         # also inside a caller's no_grad(): gradient methods need a graph here
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+
+from .scope import CallScope
 
 LayerSpec = Union[str, nn.Module, type]
 """A layer: its ``named_modules()`` name, a glob over names, the module itself, or a module type."""
@@ -107,8 +108,16 @@ def find_layers(
     parts), a module of the model, or a module type (``nn.Conv2d``: every
     module of that type). Duplicates are dropped.
     """
+    check_hookable(model)
     if isinstance(layers, (str, nn.Module, type)):
         layers = [layers]
+    elif not isinstance(layers, (list, tuple)):
+        raise TypeError(
+            "a layer is given by its name (\"layer4\"), a glob, the module, a module type, or a list of "
+            f"these; got {type(layers).__name__} {layers!r}."
+        )
+    if not layers:
+        raise ValueError("the list of layers is empty; give at least one layer name or module.")
     named = dict(model.named_modules())
     names = [name for name in named if name]
     name_of = {id(module): name for name, module in named.items()}
@@ -148,6 +157,17 @@ def find_layers(
     return list(found.items())
 
 
+def check_hookable(model: nn.Module) -> None:
+    """Refuse models whose forward does not run Python hooks (TorchScript: scripted or traced)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"the model is a TorchScript module ({type(model).__name__}): its compiled forward does not "
+            "run the forward hooks that capture feature maps and gradients. Explain the original "
+            "nn.Module, before torch.jit.script / torch.jit.trace (load its state dict into the "
+            "model's Python class)."
+        )
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a model with neither)."""
     for tensor in model.parameters():
@@ -165,28 +185,19 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-@contextmanager
-def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> Iterator[None]:
-    """Run a block with the model in eval mode; restore every module's train/eval flag after.
+def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> CallScope:
+    """A scope that runs its block with the model in eval mode and restores every module's flag after.
 
     Explainers run the model in eval mode so that BatchNorm uses (and never
     updates) its running statistics and dropout is off: a map is then a
     deterministic function of the image. Each module's own flag is restored,
     so models with mixed modes (frozen BatchNorm in a training model) come
-    back exactly as they were.
+    back exactly as they were (see ``explain.scope.CallScope``).
     """
-    training_flags = [(module, module.training) for module in model.modules()]
-    try:
-        if eval_mode and any(was_training for _, was_training in training_flags):
-            model.eval()
-        yield
-    finally:
-        for module, was_training in training_flags:
-            if module.training != was_training:  # nn.Module.__setattr__ is slow: touch only what changed
-                module.training = was_training
+    return CallScope(model, eval_mode=eval_mode)
 
 
-class ActivationCapture:
+class ActivationCapture(CallScope):
     """Forward hooks that capture target layers' outputs so that gradients can be taken at them.
 
     Use as a context manager around one forward pass::
@@ -205,17 +216,17 @@ class ActivationCapture:
     Each hook hands a clone of the captured output on to the rest of the
     network: an in-place operation after the layer (``ReLU(inplace=True)``)
     changes the clone, not the captured activation, and the gradient taken at
-    the captured tensor is the gradient of the layer's true output.
+    the captured tensor is the gradient of the layer's true output. The hooks act
+    on this thread's forward passes only and are removed when the block ends.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[tuple[str, nn.Module]], *, graph_from_first_layer: bool):
-        self.model = model
+        super().__init__(model)
         self.layers = list(layers)
         self.graph_from_first_layer = graph_from_first_layer
         self._captured: dict[str, Tensor] = {}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def _hook_for(self, name: str):
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple, object], Tensor]:
         def hook(module: nn.Module, args: tuple, output: object) -> Tensor:
             if name in self._captured:
                 raise LayerNotRunError(
@@ -239,23 +250,11 @@ class ActivationCapture:
 
         return hook
 
-    def __enter__(self) -> "ActivationCapture":
+    def setup(self) -> "ActivationCapture":
         self._captured.clear()
-        try:
-            for name, module in self.layers:
-                self._handles.append(module.register_forward_hook(self._hook_for(name)))
-        except BaseException:
-            self._remove_hooks()
-            raise
+        for name, module in self.layers:
+            self.forward_hook(module, self._hook_for(name))
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def activations(self) -> list[Tensor]:
         """The captured output of each target layer, in the order the layers were given.
@@ -361,7 +360,45 @@ class Captured(dict):
         return f"Captured({{{rows}}})"
 
 
-@contextmanager
+class CaptureBlock(CallScope):
+    """The ``with`` block of ``capture``: hooks for this thread's forward passes, removed at its end."""
+
+    def __init__(self, model: nn.Module, selected: list[tuple[str, nn.Module]], *, inputs: bool, outputs: bool,
+                 grads: bool, detach: bool, to: Union[str, torch.device, None]):
+        super().__init__(model)
+        self.selected = selected
+        self.captured = Captured((name, LayerRecord(name)) for name, _ in selected)
+        self.record_inputs, self.record_outputs, self.record_grads = inputs, outputs, grads
+        self.detach, self.to = detach, to
+
+    def keep(self, tensor: Tensor) -> Tensor:
+        kept = tensor.detach().clone() if self.detach else tensor
+        return kept.to(self.to) if self.to is not None else kept
+
+    def _hook_for(self, record: LayerRecord) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            call = Call()
+            record.calls.append(call)
+            if self.record_inputs:
+                call.args, call.kwargs = map_tensors(args, self.keep), map_tensors(kwargs, self.keep)
+            if self.record_outputs:
+                call.output = map_tensors(output, self.keep)
+            if not (self.record_grads or (self.record_outputs and not self.detach)):
+                return None
+            if self.record_grads:
+                _record_output_grads(call, output, self)
+            # hand a clone on, so that an in-place op after the layer changes neither
+            # the recorded output nor the tensor whose gradient is recorded
+            return map_tensors(output, lambda tensor: tensor.clone())
+
+        return hook
+
+    def setup(self) -> Captured:
+        for name, module in self.selected:
+            self.forward_hook(module, self._hook_for(self.captured[name]), with_kwargs=True)
+        return self.captured
+
+
 def capture(
     model: nn.Module,
     layers: LayerSpec | Sequence[LayerSpec],
@@ -371,7 +408,7 @@ def capture(
     grads: bool = False,
     detach: bool = True,
     to: Union[str, torch.device, None] = None,
-) -> Iterator[Captured]:
+) -> CaptureBlock:
     """Record layers' inputs, outputs and output gradients while the block runs the model.
 
     layers: names, modules, globs (``"layer*"``, ``"encoder.layers.*.dropout2"``) or
@@ -383,51 +420,20 @@ def capture(
         them back-propagates into the model (feature distillation).
     to: a device to move recorded tensors to (e.g. "cpu").
 
-    Yields a ``Captured`` dict: name → LayerRecord, whose ``calls`` list holds one
-    ``Call`` per time the module ran. Every hook is removed when the block ends,
-    also when it raises::
+    ``with capture(...) as captured`` gives a ``Captured`` dict: name → LayerRecord, whose
+    ``calls`` list holds one ``Call`` per time the module ran. Only forward passes of the
+    thread that opened the block are recorded (other threads see the plain model). Every
+    hook is removed when the block ends, also when it raises or is interrupted::
 
         with explain.capture(model, "layer4", grads=True) as captured:
             model(x)[0, 3].backward()
         captured["layer4"].output, captured["layer4"].grad
     """
-    selected = find_layers(model, layers)
-    captured = Captured((name, LayerRecord(name)) for name, _ in selected)
-    handles: list = []
-
-    def keep(tensor: Tensor) -> Tensor:
-        kept = tensor.detach().clone() if detach else tensor
-        return kept.to(to) if to is not None else kept
-
-    def make_hook(record: LayerRecord):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            call = Call()
-            record.calls.append(call)
-            if inputs:
-                call.args, call.kwargs = map_tensors(args, keep), map_tensors(kwargs, keep)
-            if outputs:
-                call.output = map_tensors(output, keep)
-            needs_protection = grads or (outputs and not detach)
-            if not needs_protection:
-                return None
-            if grads:
-                _record_output_grads(call, output, handles, keep)
-            # hand a clone on, so that an in-place op after the layer changes neither
-            # the recorded output nor the tensor whose gradient is recorded
-            return map_tensors(output, lambda tensor: tensor.clone())
-
-        return hook
-
-    try:
-        for name, module in selected:
-            handles.append(module.register_forward_hook(make_hook(captured[name]), with_kwargs=True))
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
+    return CaptureBlock(model, find_layers(model, layers), inputs=inputs, outputs=outputs, grads=grads,
+                        detach=detach, to=to)
 
 
-def _record_output_grads(call: Call, output: Any, handles: list, keep: Callable[[Tensor], Tensor]) -> None:
+def _record_output_grads(call: Call, output: Any, block: CaptureBlock) -> None:
     """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output)."""
     leaves: list[Tensor] = []
     map_tensors(output, leaves.append)
@@ -435,7 +441,7 @@ def _record_output_grads(call: Call, output: Any, handles: list, keep: Callable[
 
     def store(index: int):
         def tensor_hook(gradient: Tensor) -> None:
-            gradients[index] = keep(gradient)
+            gradients[index] = block.keep(gradient)
             iterator = iter(gradients)
             call.grad = map_tensors(output, lambda _: next(iterator))
 
@@ -443,4 +449,4 @@ def _record_output_grads(call: Call, output: Any, handles: list, keep: Callable[
 
     for index, tensor in enumerate(leaves):
         if tensor.requires_grad:
-            handles.append(tensor.register_hook(store(index)))
+            block.add_undo(tensor.register_hook(store(index)).remove)

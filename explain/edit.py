@@ -2,15 +2,63 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
 from .capture import LayerSpec, find_layers
+from .scope import CallScope
 
 
-@contextmanager
+class EditBlock(CallScope):
+    """The ``with`` block of ``edit``: hooks for this thread's forward passes, removed at its end."""
+
+    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]],
+                 fn: Optional[Callable[[Tensor], Tensor]], where: str,
+                 grad_fn: Optional[Callable[[Tensor], Tensor]]):
+        super().__init__(model)
+        self.layers, self.fn, self.where, self.grad_fn = layers, fn, where, grad_fn
+
+    def _edited(self, tensor: Tensor, name: str) -> Tensor:
+        edited = self.fn(tensor) if self.fn is not None else tensor
+        if not isinstance(edited, Tensor):
+            raise TypeError(
+                f"the edit function for layer {name!r} returned {type(edited).__name__}, not a tensor: it must "
+                "return the new value (e.g. `lambda t: t.clamp(max=1.0)`; an in-place edit ends with `return t`)."
+            )
+        return edited
+
+    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple, Any], Any]:
+        def edit_output(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not isinstance(output, Tensor):
+                raise TypeError(
+                    f"edit needs a layer whose output is a tensor; {name!r} returned {type(output).__name__}."
+                )
+            edited = self._edited(output, name)
+            if self.grad_fn is not None and edited.requires_grad:
+                edited = edited.clone()  # an in-place op after the layer must not move the gradient hook
+                edited.register_hook(self.grad_fn)
+                return edited.clone()
+            return edited
+
+        return edit_output
+
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple], tuple]:
+        def edit_input(module: nn.Module, args: tuple) -> tuple:
+            if not args or not isinstance(args[0], Tensor):
+                raise TypeError(f"where='input' edits the first positional input of {name!r}, which must be a tensor.")
+            return (self._edited(args[0], name), *args[1:])
+
+        return edit_input
+
+    def setup(self) -> None:
+        for name, module in self.layers:
+            if self.where == "output":
+                self.forward_hook(module, self._output_hook(name))
+            else:
+                self.forward_pre_hook(module, self._input_hook(name))
+
+
 def edit(
     model: nn.Module,
     layer: LayerSpec,
@@ -18,13 +66,14 @@ def edit(
     *,
     where: str = "output",
     grad_fn: Optional[Callable[[Tensor], Tensor]] = None,
-) -> Iterator[None]:
+) -> EditBlock:
     """Replace a layer's output (or first input, ``where="input"``) by ``fn(tensor)``, and/or
     rewrite the gradient flowing back through its output by ``grad_fn(gradient)``.
 
-    Inside the block every forward of the model uses the edited layer (ablations,
-    feature clamping, manifold mixup; doubling a gradient). When the block ends,
-    also by an exception, the hooks are removed and the model computes as before::
+    Inside the block every forward of the model made by this thread uses the edited layer
+    (ablations, feature clamping, manifold mixup; doubling a gradient); other threads see
+    the plain model. When the block ends, also by an exception or an interrupt, the hooks
+    are removed and the model computes as before::
 
         with explain.edit(model, "layer3", lambda t: t.clamp(max=1.0)):
             clamped = model(x)
@@ -39,30 +88,4 @@ def edit(
         raise ValueError("give fn (to change the tensor), grad_fn (to change its gradient), or both.")
     if where == "input" and grad_fn is not None:
         raise ValueError("grad_fn rewrites the gradient of a layer's output; use where='output'.")
-
-    def edit_output(module: nn.Module, args: tuple, output: Any) -> Any:
-        if not isinstance(output, Tensor):
-            raise TypeError(f"edit needs a layer whose output is a tensor; this one returned {type(output).__name__}.")
-        edited = fn(output) if fn is not None else output
-        if grad_fn is not None and edited.requires_grad:
-            edited = edited.clone()  # an in-place op after the layer must not move the gradient hook
-            edited.register_hook(grad_fn)
-            return edited.clone()
-        return edited
-
-    def edit_input(module: nn.Module, args: tuple) -> tuple:
-        if not args or not isinstance(args[0], Tensor):
-            raise TypeError("where='input' edits the first positional input, which must be a tensor.")
-        return (fn(args[0]), *args[1:])
-
-    handles = []
-    try:
-        for _, module in find_layers(model, layer):
-            if where == "output":
-                handles.append(module.register_forward_hook(edit_output))
-            else:
-                handles.append(module.register_forward_pre_hook(edit_input))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return EditBlock(model, find_layers(model, layer), fn, where, grad_fn)

@@ -227,6 +227,8 @@ def prepare_inputs(
 
 def _checked(batch: Tensor, dtype: torch.dtype, images: Tensor) -> PreparedInputs:
     """Cast a floating batch to the model's dtype and refuse NaN or inf."""
+    if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
+        batch = batch.clone()
     if batch.is_floating_point():
         batch = batch.to(dtype)
     if not torch.isfinite(batch).all():

@@ -16,10 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from torch import Tensor
+from torch import Tensor, nn
 
 Reshape = Union[None, str, Sequence[int], Callable[[Tensor], Tensor]]
 MAX_PREFIX_TOKENS = 8
+SPATIAL_FIT = 0.2
+"""How far (in log ratio of the two axes' strides) a (h, w) may be from a downsampled input."""
+
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,60 @@ def _spatial_fit(spatial: Sequence[int], input_size: Sequence[int]) -> float:
     return abs(math.log((input_size[0] / h) / (input_size[1] / w)))
 
 
-def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = None, name: str = "") -> Layout:
-    """The Layout of a layer's output for an input of ``input_size`` (H, W)."""
+def _channel_evidence(module: Optional[nn.Module]) -> Optional[tuple[int, str]]:
+    """(channel count, the layout that module type produces) of the last module, in registration
+    order, that reveals its channel count: a convolution or BatchNorm (channels first), a Linear
+    or LayerNorm (channels last); None when no such module is part of ``module``."""
+    if module is None:
+        return None
+    for leaf in reversed(list(module.modules())):
+        if isinstance(leaf, (nn.Conv2d, nn.ConvTranspose2d)):
+            return leaf.out_channels, "channels_first"
+        if isinstance(leaf, nn.BatchNorm2d):
+            return leaf.num_features, "channels_first"
+        if isinstance(leaf, nn.GroupNorm):
+            return leaf.num_channels, "channels_first"
+        if isinstance(leaf, nn.Linear):
+            return leaf.out_features, "channels_last"
+        if isinstance(leaf, nn.LayerNorm) and len(leaf.normalized_shape) == 1:
+            return leaf.normalized_shape[0], "channels_last"
+    return None
+
+
+def _four_dimensional_layout(shape: Sequence[int], input_size: Sequence[int], module: Optional[nn.Module],
+                             name: str) -> str:
+    """"channels_first" or "channels_last" for a (N, a, b, c) output.
+
+    The module decides where it can: the channel count of its last convolution, norm or linear
+    layer is found at dimension 1 or 3 (a block that permutes back to channels first after a
+    channels-last MLP is read right). Otherwise the shape does: the dimensions that look more like
+    the input downsampled are the spatial ones. When both readings fit about equally well and
+    nothing decides, it raises.
+    """
+    evidence = _channel_evidence(module)
+    if evidence is not None:
+        channels, convention = evidence
+        at_first, at_last = shape[1] == channels, shape[3] == channels
+        if at_first != at_last:
+            return "channels_first" if at_first else "channels_last"
+        if at_first and at_last:
+            return convention
+    first, last = _spatial_fit(shape[2:], input_size), _spatial_fit(shape[1:3], input_size)
+    if first < SPATIAL_FIT and last < SPATIAL_FIT and abs(first - last) < SPATIAL_FIT / 2:
+        raise ValueError(
+            f"layer {name!r} outputs {tuple(shape)} for a {input_size[0]}×{input_size[1]} input, which reads as "
+            f"channels first ({shape[1]} channels on {shape[2]}×{shape[3]}) or channels last ({shape[3]} channels "
+            f"on {shape[1]}×{shape[2]}), and nothing in the layer tells which. Pass reshape='channels_first' "
+            "(CNNs) or reshape='channels_last' (Swin-like blocks)."
+        )
+    last_fits = last < SPATIAL_FIT and last < first
+    return "channels_last" if last_fits else "channels_first"
+
+
+def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = None, name: str = "",
+                 module: Optional[nn.Module] = None) -> Layout:
+    """The Layout of a layer's output for an input of ``input_size`` (H, W); ``module``, the layer,
+    settles a 4-dimensional output whose shape reads both ways."""
     if callable(reshape):
         return Layout("callable", function=reshape)
     if isinstance(reshape, str):
@@ -98,11 +153,7 @@ def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = N
                              f"layer {name!r} gives {tuple(tensor.shape)}.")
         return Layout("tokens", prefix=tensor.shape[1] - height * width, grid=(height, width))
     if tensor.dim() == 4:
-        first = _spatial_fit(tensor.shape[2:], input_size)
-        last = _spatial_fit(tensor.shape[1:3], input_size)
-        if last < first and last < 0.2:
-            return Layout("channels_last")
-        return Layout("channels_first")
+        return Layout(_four_dimensional_layout(tensor.shape, input_size, module, name))
     if tensor.dim() == 3:
         prefix, grid = token_grid(tensor.shape[1], input_size)
         return Layout("tokens", prefix=prefix, grid=grid)

@@ -132,17 +132,37 @@ class SegmentationTarget:
 
 
 class EmbeddingSimilarity:
-    """Cosine similarity between the model's embedding (N, D) and a reference embedding (D,) or
-    (N, D): explains what makes an image similar to a reference (CLIP-like models, retrieval)."""
+    """Cosine similarity between the model's embeddings (N, D) and reference embeddings: explains
+    what makes an image similar to a reference (CLIP image-text similarity, retrieval).
+
+    reference: (D,), one reference for every image → (N,) scores, one map per image;
+        (K, D), K references (K text prompts, say) for every image → (N, K) scores, K maps per image
+        in one call; (N, K, D), K references of each image's own → (N, K) scores.
+    A 2-D reference is always K references for every image (for one reference per image, give
+    (N, 1, D)). (D,) and (K, D) score each row of the output on its own, so they work with every
+    method; (N, K, D) needs the rows to be the N images themselves, so not with the methods that
+    score batches of copies (Score-CAM, Ablation-CAM, Integrated Gradients, SmoothGrad).
+    """
 
     def __init__(self, reference: Tensor):
         self.reference = torch.as_tensor(reference).detach()
+        if self.reference.dim() not in (1, 2, 3):
+            raise ValueError(f"the reference must be (D,), (K, D) or (N, K, D); got {tuple(self.reference.shape)}.")
 
     def __call__(self, output: Tensor) -> Tensor:
         if not isinstance(output, Tensor) or output.dim() != 2:
             raise ValueError("EmbeddingSimilarity needs (N, D) embeddings; pass output= to select them.")
         reference = self.reference.to(output.device, output.dtype)
-        return torch.nn.functional.cosine_similarity(output, reference.expand_as(output), dim=1)
+        if reference.shape[-1] != output.shape[1]:
+            raise ValueError(f"the reference has {reference.shape[-1]} dimensions but the embeddings have "
+                             f"{output.shape[1]}.")
+        if reference.dim() == 1:
+            return torch.nn.functional.cosine_similarity(output, reference.expand_as(output), dim=1)
+        if reference.dim() == 3 and reference.shape[0] != output.shape[0]:
+            raise ValueError(f"an (N, K, D) reference holds references for {reference.shape[0]} images; the output "
+                             f"has {output.shape[0]} rows. Give (K, D) references shared by every image.")
+        references = reference if reference.dim() == 3 else reference.unsqueeze(0)
+        return torch.nn.functional.cosine_similarity(output.unsqueeze(1), references, dim=-1)  # (N, K)
 
     def __repr__(self) -> str:
         return f"EmbeddingSimilarity(reference of shape {tuple(self.reference.shape)})"
@@ -237,7 +257,9 @@ def select_targets(
                 f"the target callable returned {scores.shape[0]} scores for a batch of {batch_size} images."
             )
         keep = scores.dim() == 2
-        return SelectedTargets(scores.reshape(scores.shape[0], -1), None, keep, target_function=target)
+        scores = scores.reshape(scores.shape[0], -1)
+        check_finite_scores(scores)
+        return SelectedTargets(scores, None, keep, target_function=target)
 
     if not isinstance(output, Tensor) or output.dim() != 2:
         shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
@@ -268,5 +290,19 @@ def select_targets(
             )
         indices = indices.to(output.device)
     scores = output.gather(1, indices)
+    check_finite_scores(scores)
     probabilities = output.detach().float().softmax(dim=1).gather(1, indices)
     return SelectedTargets(scores, indices, keep, probabilities)
+
+
+def check_finite_scores(scores: Tensor) -> None:
+    """Raise when a score to explain is NaN or inf, naming the images and targets: a map of it
+    would be meaningless (all zeros, or a normal-looking map of an overflow)."""
+    bad = ~torch.isfinite(scores.detach())
+    if bad.any():
+        listed = ", ".join(f"image {n}, target {k}: {float(scores[n, k])}" for n, k in bad.nonzero().tolist()[:6])
+        raise ValueError(
+            f"the score to explain is not finite ({listed}). The model's output overflowed (check the input's "
+            "range and preprocessing; float16 overflows above 65504: run the model in float32) or the target "
+            "callable returned NaN or inf."
+        )

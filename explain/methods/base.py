@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import difflib
+import threading
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import model_device, model_dtype, preserved_model_state, run_model
+from ..capture import check_hookable, map_tensors, model_device, model_dtype, run_model
 from ..explanation import Explanation
 from ..inputs import Inputs, Normalize, prepare_inputs
+from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_output
 
 NORMALIZATIONS = ("max", "minmax", None)
@@ -34,11 +37,13 @@ class ForwardCall:
     batch_size: int = 0
 
     def arguments(self, inputs: Tensor) -> tuple[tuple, dict]:
+        """(args, kwargs) of one forward, with copies of the other tensors (the model may edit them in place)."""
+        copy = map_tensors(self.args, Tensor.clone), map_tensors(self.kwargs, Tensor.clone)
         if isinstance(self.position, str):
-            return self.args, {**self.kwargs, self.position: inputs}
-        args = list(self.args)
+            return copy[0], {**copy[1], self.position: inputs}
+        args = list(copy[0])
         args.insert(self.position, inputs)
-        return tuple(args), self.kwargs
+        return tuple(args), copy[1]
 
     def for_rows(self, rows: Tensor) -> "ForwardCall":
         """The same call for a batch whose row r is a copy of image ``rows[r]``."""
@@ -62,6 +67,11 @@ class Attribution:
     layer: the layer name(s), for the Explanation.
     attributions: (N, K, C, H, W) per-channel attributions at the input (gradient methods).
     diagnostics: method-specific figures, e.g. Integrated Gradients' completeness error.
+    zero_gradient: (N, K) bool, where ∂score/∂(layer or input) was zero everywhere (why a map
+        may be empty); None when the method takes no gradient.
+    disconnected: (N, K) bool, where the score does not depend on the layer or input at all.
+    negative_everywhere: (N, K) bool, where a map was ≤ 0 everywhere, and not all zero, before
+        its ReLU (CAM methods).
     """
 
     maps: Tensor
@@ -70,6 +80,9 @@ class Attribution:
     layer: Optional[str | list[str]] = None
     attributions: Optional[Tensor] = None
     diagnostics: dict = field(default_factory=dict)
+    zero_gradient: Optional[Tensor] = None
+    disconnected: Optional[Tensor] = None
+    negative_everywhere: Optional[Tensor] = None
 
 
 def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
@@ -104,6 +117,91 @@ def upsample_maps(maps: Tensor, size: Sequence[int]) -> Tensor:
     return F.interpolate(maps, size=tuple(size), mode="bilinear", align_corners=False)
 
 
+def check_parameters_usable(model: nn.Module) -> None:
+    """Refuse a model whose parameters were created inside ``torch.inference_mode()``: autograd
+    cannot record operations on them, so no gradient-based map can be computed."""
+    if any(parameter.is_inference() for parameter in model.parameters()):
+        raise RuntimeError(
+            "the model's parameters were created inside torch.inference_mode() (inference tensors), which "
+            "autograd cannot use. Build or load the model outside inference_mode (calling explain inside "
+            "inference_mode is fine), or clone its parameters: model.load_state_dict({k: v.clone() for k, v "
+            "in model.state_dict().items()}) outside it."
+        )
+
+
+def check_finite_maps(raw_maps: Tensor, method: str) -> None:
+    """Raise when a map holds NaN or inf (a non-finite gradient or perturbation score)."""
+    bad = ~torch.isfinite(raw_maps).flatten(2).all(dim=2)  # (N, K)
+    if bad.any():
+        pairs = ", ".join(f"image {n}, target {k}" for n, k in bad.nonzero().tolist()[:6])
+        raise ValueError(
+            f"{method} computed a map with NaN or inf values ({pairs}): a gradient or a score overflowed inside "
+            "the model. Check the input's range, and run a float16 model in float32 or under autocast."
+        )
+
+
+EMPTY_MAP_REASONS = {
+    "disconnected": (
+        "the score does not depend on {where} (autograd finds no path): a detached or constant target, or a "
+        "model that runs that part under no_grad or detach() inside forward. Check the target and the layer"
+    ),
+    "zero_gradient": (
+        "the gradient of the score at {where} is zero everywhere although the score depends on it: it vanishes "
+        "on the way (a zero-initialised classifier head, such as torchvision's untrained ViT heads; a "
+        "transformer block's output, after which only the class token reaches the head). Load trained "
+        "weights, or choose an earlier layer"
+    ),
+    "negative": (
+        "the map is ≤ 0 everywhere before the ReLU: the layer holds only evidence against this target. "
+        "relu=False shows that evidence; or try another layer or method"
+    ),
+    "other": "the map is zero everywhere (e.g. the layer's activations are all zero for this image)",
+}
+
+
+def warn_about_empty_maps(raw_maps: Tensor, attribution: "Attribution", method: str) -> None:
+    """One RuntimeWarning naming the images and targets whose map is zero everywhere, and why."""
+    empty = raw_maps.flatten(2).eq(0).all(dim=2)  # (N, K)
+    if not empty.any():
+        return
+    where = "the target layer's output" if attribution.low_res_maps is not None else "the input"
+    checks = [("disconnected", attribution.disconnected), ("zero_gradient", attribution.zero_gradient),
+              ("negative", attribution.negative_everywhere)]
+    groups: dict[str, list[str]] = {}
+    for n, k in empty.nonzero().tolist():
+        reason = next((name for name, flags in checks if flags is not None and bool(flags[n, k])), "other")
+        groups.setdefault(reason, []).append(f"({n}, {k})")
+    lines = [
+        f"(image, target) {', '.join(pairs[:8])}{' and more' if len(pairs) > 8 else ''}: "
+        + EMPTY_MAP_REASONS[reason].format(where=where) + "."
+        for reason, pairs in groups.items()
+    ]
+    warnings.warn(f"{method} returned maps that are zero everywhere. " + " ".join(lines), RuntimeWarning,
+                  stacklevel=3)
+
+
+Value = TypeVar("Value")
+
+
+class PerThread(Generic[Value]):
+    """An explainer attribute that each thread sees on its own: the state of the call in progress
+    (the model's other inputs, layouts), so that one explainer can serve several threads."""
+
+    def __init__(self, default: Optional[Value] = None):
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, explainer: Any, owner: Optional[type] = None) -> Any:
+        if explainer is None:
+            return self
+        return getattr(explainer._thread_state, self.name, self.default)
+
+    def __set__(self, explainer: Any, value: Optional[Value]) -> None:
+        setattr(explainer._thread_state, self.name, value)
+
+
 class Explainer(ABC):
     """Base class of every method: ``Method(model, ...).explain(inputs, target=...)``.
 
@@ -123,6 +221,8 @@ class Explainer(ABC):
     """Whether the constructor takes a target layer after the model (CAM methods)."""
     summary: ClassVar[str] = ""
     """One line for ``explain methods``."""
+    forward_call: PerThread[ForwardCall] = PerThread()
+    """The model's other inputs during a call (None for a model with one input)."""
 
     def __init__(
         self,
@@ -135,6 +235,7 @@ class Explainer(ABC):
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
+        check_hookable(model)
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         self.model = model
@@ -142,11 +243,25 @@ class Explainer(ABC):
         self.normalize = normalize
         self.class_names = class_names
         self.output = output
-        self.forward_call: Optional[ForwardCall] = None
+        self._thread_state = threading.local()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_thread_state"]  # per-call state (copy.deepcopy, pickle) is not copied
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._thread_state = threading.local()
 
     def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
         """The model's scores for a batch: its forward pass (with the call's other arguments), then
-        the output selector. rows: for a batch of copies, the image each row is a copy of."""
+        the output selector. rows: for a batch of copies, the image each row is a copy of.
+
+        The model gets a copy of the batch (inside the autograd graph when it requires grad): a
+        model that edits its input in place changes neither the caller's tensor nor the batch
+        that the method's other forward passes use."""
+        inputs = inputs.clone()
         call = self.forward_call
         if call is None:
             return select_output(run_model(self.model, inputs), self.output)
@@ -180,32 +295,39 @@ class Explainer(ABC):
             or a keyword name). Tensors of first dimension N are taken as per-image.
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
-        prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
-        if forward_args or forward_kwargs or input_position != 0:
-            self.forward_call = ForwardCall(tuple(forward_args), dict(forward_kwargs or {}), input_position,
-                                            prepared.batch.shape[0])
-        try:
-            with preserved_model_state(self.model):
-                attribution = self.attribute(prepared.batch, target, topk)
-        finally:
-            self.forward_call = None
-        raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
-        selected = attribution.selected
-        return Explanation(
-            map_grid=normalize_maps(raw, self.normalize),
-            raw_map_grid=raw,
-            scores=selected.scores.detach().float(),
-            class_indices=selected.class_indices,
-            images=prepared.images,
-            method=self.method_name,
-            layer=attribution.layer,
-            keep_target_dim=selected.keep_target_dim,
-            low_res_maps=attribution.low_res_maps,
-            probabilities=selected.probabilities,
-            attributions=None if attribution.attributions is None else attribution.attributions.detach(),
-            diagnostics=attribution.diagnostics,
-            class_names=self.class_names,
-        )
+        with CallScope(self.model) as scope:
+            if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
+                scope.enter(torch.inference_mode(False))
+            check_parameters_usable(self.model)
+            prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
+            if forward_args or forward_kwargs or input_position != 0:
+                self.forward_call = ForwardCall(tuple(forward_args), dict(forward_kwargs or {}), input_position,
+                                                prepared.batch.shape[0])
+                scope.add_undo(self._forget_forward_call)
+            scope.eval_mode(self.model)
+            attribution = self.attribute(prepared.batch, target, topk)
+            raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
+            check_finite_maps(raw, self.method_name)
+            warn_about_empty_maps(raw, attribution, self.method_name)
+            selected = attribution.selected
+            return Explanation(
+                map_grid=normalize_maps(raw, self.normalize),
+                raw_map_grid=raw,
+                scores=selected.scores.detach().float(),
+                class_indices=selected.class_indices,
+                images=prepared.images,
+                method=self.method_name,
+                layer=attribution.layer,
+                keep_target_dim=selected.keep_target_dim,
+                low_res_maps=attribution.low_res_maps,
+                probabilities=selected.probabilities,
+                attributions=None if attribution.attributions is None else attribution.attributions.detach(),
+                diagnostics=attribution.diagnostics,
+                class_names=self.class_names,
+            )
+
+    def _forget_forward_call(self) -> None:
+        self.forward_call = None
 
     @abstractmethod
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:

@@ -8,23 +8,23 @@ target, and hands (A, G) to the method's ``layer_map``.
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ..capture import ActivationCapture, LayerSpec, find_layers
+from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..layers import default_layer
-from ..layouts import Reshape, infer_layout
+from ..layouts import Layout, Reshape, infer_layout
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, register, upsample_maps
+from .base import Attribution, Explainer, PerThread, register, upsample_maps
 
 COMBINATIONS = ("mean", "max", "sum")
 
 
-def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) -> list[Tensor]:
-    """∂(Σ_n scores[n]) / ∂A for each captured activation A (zeros where a score does not depend on A).
+def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) -> tuple[list[Tensor], Tensor]:
+    """∂(Σ_n scores[n]) / ∂A for each captured activation A, and (N,) bool: whether image n's score
+    does not depend on any A (autograd finds no path; its gradients are zeros).
 
     Images of a batch do not interact in eval mode, so the sum over the batch
     gives every image its own gradient in one backward pass.
@@ -33,17 +33,10 @@ def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) 
         gradients = torch.autograd.grad(scores.sum(), activations, retain_graph=retain_graph, allow_unused=True)
     else:
         gradients = (None,) * len(activations)
-    if any(gradient is None for gradient in gradients):
-        warnings.warn(
-            "the explained score does not depend on the target layer's output (zero gradient); "
-            "its map is all zeros. Check the layer and the target.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return [
-        torch.zeros_like(activation) if gradient is None else gradient
-        for activation, gradient in zip(activations, gradients)
-    ]
+    disconnected = torch.full(scores.shape[:1], all(gradient is None for gradient in gradients), dtype=torch.bool)
+    filled = [torch.zeros_like(activation) if gradient is None else gradient
+              for activation, gradient in zip(activations, gradients)]
+    return filled, disconnected
 
 
 class CAM(Explainer):
@@ -66,6 +59,11 @@ class CAM(Explainer):
     needs_layer = True
     uses_gradients: ClassVar[bool] = True
     """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""
+    layouts: PerThread[list[Layout]] = PerThread()
+    """During a call: how each layer's output maps to (N, C, h, w)."""
+    zero_gradient: PerThread[tuple[Tensor, Tensor]] = PerThread()
+    """During a call: (N, K) bool where the gradient at every layer was zero everywhere, and (N, K)
+    bool where the score does not depend on the layers at all."""
 
     def __init__(
         self,
@@ -102,13 +100,23 @@ class CAM(Explainer):
             with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
                 output = self.call_model(batch)
             activations = capture.activations()
-            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name)
-                            for name, activation in zip(self.layer_names, activations)]
+            check_batch_dimension(self.layer_names, activations, batch.shape[0])
+            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module)
+                            for (name, module), activation in zip(self.layers, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
+            self.zero_gradient = None
             maps = self.layer_maps(batch, activations, selected)
         selected.scores = selected.scores.detach()
-        maps = [torch.relu(layer_maps) if self.relu else layer_maps for layer_maps in maps]
-        return self._combine_layers(maps, selected, batch.shape[-2:])
+        negative = None
+        if self.relu:
+            negative = torch.stack([(m <= 0).flatten(2).all(2) & (m != 0).flatten(2).any(2) for m in maps]).all(0)
+            maps = [torch.relu(layer_maps) for layer_maps in maps]
+        attribution = self._combine_layers(maps, selected, batch.shape[-2:])
+        attribution.negative_everywhere = negative
+        if self.zero_gradient is not None:
+            attribution.zero_gradient, attribution.disconnected = self.zero_gradient
+        self.layouts = self.zero_gradient = None
+        return attribution
 
     def feature_maps(self, layer_index: int, tensor: Tensor) -> Tensor:
         """A layer's output (or its gradient), in the layer's own layout, as (N, C, h, w)."""
@@ -123,13 +131,19 @@ class CAM(Explainer):
                     for i, activation in enumerate(activations)]
             return [layer_map.unsqueeze(1).expand(-1, targets_per_image, -1, -1) for layer_map in maps]
         per_layer: list[list[Tensor]] = [[] for _ in activations]
+        zero_gradient, disconnected = [], []
         for target_index in range(targets_per_image):
-            gradients = gradients_at(
+            gradients, unreachable = gradients_at(
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
             )
+            zero_at_every_layer = torch.ones(len(selected.scores), dtype=torch.bool, device=selected.scores.device)
             for i, (maps, activation, gradient) in enumerate(zip(per_layer, activations, gradients)):
-                maps.append(self.layer_map(self.feature_maps(i, activation.detach()).float(),
-                                           self.feature_maps(i, gradient).float()))
+                feature_gradients = self.feature_maps(i, gradient).float()
+                zero_at_every_layer &= feature_gradients.flatten(1).eq(0).all(1).to(zero_at_every_layer.device)
+                maps.append(self.layer_map(self.feature_maps(i, activation.detach()).float(), feature_gradients))
+            zero_gradient.append(zero_at_every_layer)
+            disconnected.append(unreachable.to(zero_at_every_layer.device))
+        self.zero_gradient = torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
     def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size) -> Attribution:
@@ -139,6 +153,19 @@ class CAM(Explainer):
         resized = torch.stack([upsample_maps(maps, input_size) for maps in low_res])
         maps = {"mean": resized.mean(0), "max": resized.amax(0), "sum": resized.sum(0)}[self.combine]
         return Attribution(maps=maps, selected=selected, low_res_maps=low_res, layer=self.layer_names)
+
+
+def check_batch_dimension(names: Sequence[str], activations: Sequence[Tensor], batch_size: int) -> None:
+    """Raise when a layer's output does not have one row per image (a model that folds patches or
+    windows into the batch dimension inside, as MobileViT does): its maps cannot be told apart."""
+    for name, activation in zip(names, activations):
+        if activation.dim() == 0 or activation.shape[0] != batch_size:
+            raise LayerNotRunError(
+                f"layer {name!r} outputs a tensor of shape {tuple(activation.shape)}, whose first dimension is not "
+                f"the batch size {batch_size}: the model reshapes the batch inside (e.g. folds patches into it), "
+                "so its rows are not images. Choose a layer outside that part (`explain layers MODEL` lists "
+                "output shapes), e.g. the block or stage that contains it."
+            )
 
 
 def weighted_sum(channel_weights: Tensor, activations: Tensor) -> Tensor:

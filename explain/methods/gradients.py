@@ -16,7 +16,7 @@ import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, register
+from .base import Attribution, Explainer, PerThread, register
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
 RULES = ("riemann", "gausslegendre")
@@ -36,29 +36,35 @@ def reduce_channels(attributions: Tensor, how: str) -> Tensor:
 
 def input_gradients(
     forward: Callable[[Tensor], object], inputs: Tensor, scores_of: Callable[[object], Tensor]
-) -> tuple[Tensor, Tensor]:
-    """∂scores/∂inputs for each of K scores per row: ((R, K, C, H, W) gradients, (R, K) scores).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """∂scores/∂inputs for each of K scores per row.
 
     forward: runs the model on the inputs; scores_of: the model's output → (R, K) scores.
-    Rows do not interact in eval mode, so one backward pass per target gives every row
-    its own gradient.
+    Returns ((R, K, C, H, W) gradients, (R, K) scores, (R, K) bool: whether the score does not
+    depend on the input at all, its gradient then being zeros). Rows do not interact in eval
+    mode, so one backward pass per target gives every row its own gradient.
     """
     if not inputs.is_floating_point():
         raise TypeError(f"gradients need a floating-point input; got {inputs.dtype}.")
     with torch.enable_grad():
         inputs = inputs.detach().requires_grad_(True)
         scores = scores_of(forward(inputs))
-        gradients = []
+        gradients, disconnected = [], []
         for target_index in range(scores.shape[1]):
             score = scores[:, target_index].sum()
+            gradient = None
             if score.requires_grad:
                 (gradient,) = torch.autograd.grad(
                     score, inputs, retain_graph=target_index < scores.shape[1] - 1, allow_unused=True
                 )
-            else:
-                gradient = None
             gradients.append(torch.zeros_like(inputs) if gradient is None else gradient)
-    return torch.stack(gradients, dim=1), scores.detach()
+            disconnected.append(torch.full(scores.shape[:1], gradient is None, dtype=torch.bool, device=inputs.device))
+    return torch.stack(gradients, dim=1), scores.detach(), torch.stack(disconnected, dim=1)
+
+
+def all_zero(attributions: Tensor) -> Tensor:
+    """(N, K, ...) → (N, K) bool: whether each image's attributions for a target are all zero."""
+    return attributions.flatten(2).eq(0).all(dim=2)
 
 
 class GradientExplainer(Explainer):
@@ -67,6 +73,9 @@ class GradientExplainer(Explainer):
     reduce: how the colour channels become one map: "maxabs" (default), "sumabs" or "sum"
         (signed). The per-channel attributions stay on ``Explanation.attributions``.
     """
+
+    disconnected: PerThread[Tensor] = PerThread()
+    """During a call: (N, K) bool, where the score does not depend on the input at all."""
 
     def __init__(self, model: nn.Module, *, reduce: str = "maxabs", **options):
         super().__init__(model, **options)
@@ -80,24 +89,31 @@ class GradientExplainer(Explainer):
         return self.call_model(inputs, rows)
 
     def gradients(self, batch: Tensor, target: Target, topk: Optional[int]) -> tuple[Tensor, SelectedTargets]:
-        """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch."""
+        """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch; where the score does not
+        depend on the input is kept for the warning about empty maps (``self.disconnected``)."""
         selection: dict[str, SelectedTargets] = {}
 
         def scores_of(output):
             selection["targets"] = select_targets(output, target, topk, batch_size=batch.shape[0])
             return selection["targets"].scores
 
-        gradients, scores = input_gradients(self.forward, batch, scores_of)
+        gradients, scores, self.disconnected = input_gradients(self.forward, batch, scores_of)
         selected = selection["targets"]
         selected.scores = scores
         return gradients, selected
 
-    def attribution_from(self, attributions: Tensor, selected: SelectedTargets, **diagnostics) -> Attribution:
+    def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Tensor,
+                         **diagnostics: Tensor) -> Attribution:
+        """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
+        zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere."""
+        disconnected, self.disconnected = self.disconnected, None
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
             selected=selected,
             attributions=attributions,
             diagnostics=diagnostics,
+            zero_gradient=zero_gradient,
+            disconnected=disconnected,
         )
 
 
@@ -110,7 +126,7 @@ class Saliency(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
-        return self.attribution_from(gradients, selected)
+        return self.attribution_from(gradients, selected, zero_gradient=all_zero(gradients))
 
 
 @register
@@ -122,7 +138,7 @@ class InputXGradient(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
-        return self.attribution_from(batch[:, None] * gradients, selected)
+        return self.attribution_from(batch[:, None] * gradients, selected, zero_gradient=all_zero(gradients))
 
 
 def integration_nodes(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
@@ -173,7 +189,15 @@ class IntegratedGradients(GradientExplainer):
     def baseline_for(self, batch: Tensor) -> Tensor:
         """The baseline x' for a (N, C, H, W) batch, same shape."""
         if isinstance(self.baseline, Tensor):
-            return self.baseline.to(batch.device, batch.dtype).expand_as(batch)
+            baseline = self.baseline.to(batch.device, batch.dtype)
+            try:
+                return baseline.expand_as(batch)
+            except RuntimeError:
+                raise ValueError(
+                    f"the baseline has shape {tuple(baseline.shape)}, which does not broadcast to the batch "
+                    f"{tuple(batch.shape)}: give a (C, H, W) or (N, C, H, W) tensor in the model's input space "
+                    "(after preprocessing), or baseline='zeros' / 'blur'."
+                ) from None
         if self.baseline == "zeros":
             return torch.zeros_like(batch)
         sigma = max(batch.shape[-2:]) / 8
@@ -195,6 +219,7 @@ class IntegratedGradients(GradientExplainer):
         integral = torch.zeros(count, selected.scores.shape[1], *batch.shape[1:], dtype=torch.float64,
                                device=batch.device)
         difference = batch - baseline
+        disconnected = torch.ones(count, selected.scores.shape[1], dtype=torch.bool, device=batch.device)
         for start in range(0, len(image_of_row), self.batch_size):
             images = image_of_row[start : start + self.batch_size]
             steps = step_of_row[start : start + self.batch_size]
@@ -205,11 +230,12 @@ class IntegratedGradients(GradientExplainer):
             def forward(inputs, images=images):
                 return self.forward(inputs, images)
 
-            gradients, _ = input_gradients(forward, points, scores_of)
+            gradients, _, unreachable = input_gradients(forward, points, scores_of)
             integral.index_add_(0, images, gradients.double() * weights[steps].view(-1, 1, 1, 1, 1))
+            disconnected[images] &= unreachable
         attributions = (difference[:, None].double() * integral).to(batch.dtype)
         score_change = selected.scores.detach().float() - baseline_scores.float()
         completeness_error = attributions.double().sum(dim=(2, 3, 4)).float() - score_change
-        return self.attribution_from(
-            attributions, selected, completeness_error=completeness_error, score_change=score_change
-        )
+        self.disconnected = disconnected
+        return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
+                                     completeness_error=completeness_error, score_change=score_change)

@@ -12,8 +12,7 @@ that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not ca
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +20,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import LayerSpec
+from ..scope import CallScope
 from ..targets import Target
-from .base import Attribution, register, upsample_maps
+from .base import Attribution, PerThread, register, upsample_maps
 from .cam import CAM, GradCAM
-from .gradients import GradientExplainer, reduce_channels
+from .gradients import GradientExplainer, all_zero, reduce_channels
 
 RULES = ("guided", "deconvnet")
 
@@ -75,18 +75,24 @@ class _ReLUBackwardOverride(TorchFunctionMode):
         return inputs.copy_(rectified) if in_place else rectified
 
 
-@contextmanager
-def relu_backward_rule(rule: str) -> Iterator[_ReLUBackwardOverride]:
-    """Within the block, every ReLU of every forward pass back-propagates by ``rule``.
-    Yields the mode, whose ``calls`` counts the ReLUs it rerouted."""
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
-    with _ReLUBackwardOverride(rule) as mode:
-        yield mode
+class relu_backward_rule(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
+    """``with relu_backward_rule("guided") as mode:`` — within the block, every ReLU of this thread's
+    forward passes back-propagates by the rule ("guided" or "deconvnet"). ``mode.calls`` counts
+    the ReLUs it rerouted. The mode is removed when the block ends, also on an interrupt."""
+
+    def __init__(self, rule: str):
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
+        super().__init__()
+        self.mode = _ReLUBackwardOverride(rule)
+
+    def setup(self) -> _ReLUBackwardOverride:
+        return self.enter(self.mode)
 
 
 class _RectifiedGradient(GradientExplainer):
     rule = "guided"
+    _relu_calls: PerThread[int] = PerThread(0)
 
     def forward(self, inputs: Tensor, rows: Optional[Tensor] = None) -> object:
         """The model's forward with every ReLU rerouted; the rule is active during the forward only
@@ -108,7 +114,8 @@ class _RectifiedGradient(GradientExplainer):
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return self.attribution_from(gradients, selected, relu_calls=relu_calls)
+        return self.attribution_from(gradients, selected, zero_gradient=all_zero(gradients),
+                                     relu_calls=torch.tensor(relu_calls))
 
 
 @register
@@ -171,12 +178,22 @@ class GuidedGradCAM(GradientExplainer):
             guided = self.guided.attribute(batch, fixed_targets, None)
         finally:
             self.cam.forward_call = self.guided.forward_call = None
-        cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).to(guided.attributions.dtype)  # (N, K, H, W)
-        attributions = guided.attributions * cam_maps[:, :, None]
+        # products in float32: a float16 model's guided gradients times a map in [0, 1] would underflow
+        cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).float()  # (N, K, H, W)
+        attributions = guided.attributions.float() * cam_maps[:, :, None]
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
             selected=selected,
             low_res_maps=cam.low_res_maps,
             layer=cam.layer,
             attributions=attributions,
+            zero_gradient=_either(cam.zero_gradient, guided.zero_gradient),
+            disconnected=_either(cam.disconnected, guided.disconnected),
+            negative_everywhere=cam.negative_everywhere,
         )
+
+
+def _either(first: Optional[Tensor], second: Optional[Tensor]) -> Optional[Tensor]:
+    if first is None or second is None:
+        return first if second is None else second
+    return first | second.to(first.device)

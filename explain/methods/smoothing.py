@@ -68,6 +68,7 @@ class SmoothGrad(Explainer):
         samples_per_pass = max(1, self.batch_size // count)
         sums: dict[str, Tensor] = {}
         inner: Optional[Attribution] = None
+        flags: dict[str, Tensor] = {}  # where every noisy copy's gradient was zero / disconnected
         for first in range(0, self.samples, samples_per_pass):
             group = range(first, min(first + samples_per_pass, self.samples))
             noise = torch.cat([torch.randn(batch.shape, generator=generator) for _ in group]).to(batch.device)
@@ -80,6 +81,11 @@ class SmoothGrad(Explainer):
                 inner = self.explainer.attribute(noisy, fixed, None)
             finally:
                 self.explainer.forward_call = None
+            for key in ("zero_gradient", "disconnected"):
+                value = getattr(inner, key)
+                if value is not None:
+                    every_copy = value.reshape(len(group), count, -1).all(0)
+                    flags[key] = every_copy & flags[key] if key in flags else every_copy
             for key, values in (("maps", inner.maps), ("attributions", inner.attributions)):
                 if values is None:
                     continue
@@ -101,6 +107,8 @@ class SmoothGrad(Explainer):
             selected=clean,
             layer=inner.layer,
             attributions=results.get("attributions"),
+            zero_gradient=flags.get("zero_gradient"),
+            disconnected=flags.get("disconnected"),
         )
 
 

@@ -1,0 +1,248 @@
+"""Call scopes: everything a call sets on a model or on its thread, undone exactly afterwards.
+
+Every explainer call, ``capture`` block and ``edit`` block runs inside a ``CallScope``. The
+scope is the only place where the toolkit changes state that outlives a statement:
+
+- hooks on the model's modules, registered through the scope: they act only on forward
+  passes made by the thread that opened the scope (another thread serving predictions from
+  the same model sees the plain model), and are removed when the scope ends;
+- train/eval flags (modules whose ``train()`` does more than set the flag, such as torchvision's
+  fx feature extractors that swap their graph, are restored through ``train()``);
+- context managers entered for the call (``torch.inference_mode(False)``, function modes);
+- the thread's grad mode and torch function-mode stack, put back as they were when the
+  scope opened, whatever happened inside.
+
+Ctrl-C: a ``KeyboardInterrupt`` may arrive between any two bytecodes. While the scope's own
+code runs (opening, registering a hook, closing), SIGINT is deferred: the interrupt is raised
+once that code is done, at the next forward pass of the call or when the scope closes, so no
+interrupt can leave a hook registered, a flag changed or a mode on. Interrupts elsewhere (in
+the model's forward, in autograd) are raised at once as usual and the scope undoes everything.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import AbstractContextManager
+from types import CodeType, FrameType, TracebackType
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+_PROTECTED_CODE: set[CodeType] = set()
+"""Code objects during which SIGINT is deferred (the scope's own state-changing steps)."""
+
+
+def _protected(function: Function) -> Function:
+    """Mark a function as one whose run must not be cut by a KeyboardInterrupt."""
+    _PROTECTED_CODE.add(function.__code__)
+    return function
+
+
+def _in_protected_code(frame: Optional[FrameType]) -> bool:
+    while frame is not None:
+        if frame.f_code in _PROTECTED_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _InterruptDeferral:
+    """The SIGINT handler installed while at least one scope is open in the main thread.
+
+    It defers an interrupt that lands in protected code (``pending``) and hands any other
+    to the handler that was installed before (normally ``signal.default_int_handler``,
+    which raises KeyboardInterrupt).
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.previous: Any = None
+        self.pending = False
+
+    def handler(self, signum: int, frame: Optional[FrameType]) -> None:
+        if _in_protected_code(frame):
+            self.pending = True
+            return
+        self.pending = False
+        self.previous(signum, frame)
+
+    @_protected
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self.depth == 0:
+            previous = signal.getsignal(signal.SIGINT)
+            if not callable(previous):  # SIG_IGN, SIG_DFL or a handler set from C: nothing to wrap
+                return
+            self.previous = previous
+            self.pending = False
+            signal.signal(signal.SIGINT, self.handler)
+        self.depth += 1
+
+    @_protected
+    def uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            if signal.getsignal(signal.SIGINT) == self.handler:
+                signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+    def take_pending(self) -> bool:
+        """Whether an interrupt was deferred in this (main) thread; clears it."""
+        if threading.current_thread() is not threading.main_thread() or not self.pending:
+            return False
+        self.pending = False
+        return True
+
+
+_deferral = _InterruptDeferral()
+_open_scopes = threading.local()
+
+
+def raise_deferred_interrupt() -> None:
+    """Raise the KeyboardInterrupt that arrived while a scope changed state, if any.
+
+    Called at safe points (the start of each hook of ours, the end of a scope)."""
+    if _deferral.take_pending():
+        raise KeyboardInterrupt
+
+
+def current_scope() -> Optional["CallScope"]:
+    """The innermost scope opened by this thread, or None."""
+    stack = getattr(_open_scopes, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _overrides_train(module: nn.Module) -> bool:
+    return type(module).train is not nn.Module.train
+
+
+class CallScope(AbstractContextManager):
+    """``with CallScope(model) as scope:`` — the state one call changes, undone when it ends.
+
+    model: the model whose modules get hooks and flags (None for thread state only).
+    eval_mode: put the model in eval mode for the scope (see ``eval_mode``).
+    Subclasses that change more on entering do it in ``setup()``, which runs protected.
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, *, eval_mode: bool = False):
+        self.model = model
+        self.switch_to_eval = eval_mode
+        self.thread = threading.get_ident()
+        self._undo: list[Callable[[], None]] = []
+        self._grad_enabled = True
+        self._function_modes = 0
+
+    @_protected
+    def __enter__(self) -> "CallScope":
+        _deferral.install()
+        self._grad_enabled = torch.is_grad_enabled()
+        self._function_modes = torch._C._len_torch_function_stack()
+        stack = getattr(_open_scopes, "stack", None)
+        if stack is None:
+            stack = _open_scopes.stack = []
+        stack.append(self)
+        try:
+            if self.switch_to_eval and self.model is not None:
+                self.eval_mode(self.model)
+            return self.setup()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+
+    def setup(self) -> Any:
+        """What the scope changes on entering (hooks); returns the ``with ... as`` value."""
+        return self
+
+    @_protected
+    def __exit__(
+        self, error_type: Optional[type], error: Optional[BaseException], traceback: Optional[TracebackType]
+    ) -> None:
+        failure: Optional[BaseException] = None
+        try:
+            while self._undo:
+                undo = self._undo.pop()
+                try:
+                    undo()
+                except Exception as undo_error:  # keep undoing the rest; report the first failure
+                    failure = failure or undo_error
+            while torch._C._len_torch_function_stack() > self._function_modes:
+                torch._C._pop_torch_function_stack()
+            torch.set_grad_enabled(self._grad_enabled)
+            stack = getattr(_open_scopes, "stack", [])
+            if self in stack:
+                stack.remove(self)
+        finally:
+            _deferral.uninstall()
+        interrupted = _deferral.take_pending()
+        if interrupted and error_type is not KeyboardInterrupt:
+            raise KeyboardInterrupt
+        if failure is not None and error_type is None:
+            raise failure
+
+    # ------------------------------------------------------------------ what a call may change
+
+    @_protected
+    def add_undo(self, undo: Callable[[], None]) -> None:
+        """Run ``undo()`` when the scope ends (last added, first run)."""
+        self._undo.append(undo)
+
+    @_protected
+    def enter(self, context: AbstractContextManager) -> Any:
+        """Enter a context manager for the rest of the scope (e.g. ``torch.inference_mode(False)``)."""
+        value = context.__enter__()
+        self._undo.append(lambda: context.__exit__(None, None, None))
+        return value
+
+    def _owned(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        owner = self.thread
+
+        def hook_of_this_thread(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != owner:
+                return None  # another thread's forward: the plain model
+            raise_deferred_interrupt()
+            return hook(*args, **kwargs)
+
+        return hook_of_this_thread
+
+    @_protected
+    def forward_hook(self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+        """``module.register_forward_hook(hook)`` for this thread's forward passes, until the scope ends."""
+        handle = module.register_forward_hook(self._owned(hook), with_kwargs=with_kwargs)
+        self._undo.append(handle.remove)
+
+    @_protected
+    def forward_pre_hook(self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+        """``module.register_forward_pre_hook(hook)`` for this thread's forward passes, until the scope ends."""
+        handle = module.register_forward_pre_hook(self._owned(hook), with_kwargs=with_kwargs)
+        self._undo.append(handle.remove)
+
+    @_protected
+    def eval_mode(self, model: nn.Module) -> None:
+        """Put every module in eval mode; each module's own flag comes back when the scope ends.
+
+        Modules that override ``train()`` (fx feature extractors swap their graph there) are
+        restored through it, so they compute as before, not only report the same flag."""
+        flags = [(module, module.training) for module in model.modules()]
+        if not any(training for _, training in flags):
+            return
+        self._undo.append(lambda: _restore_training(flags))
+        model.eval()
+
+
+def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in flags:  # parents first: their train() recurses into the children
+        if module.training != training and _overrides_train(module):
+            module.train(training)
+    for module, training in flags:
+        if module.training != training:  # nn.Module.__setattr__ is slow: touch only what changed
+            module.training = training
+
+

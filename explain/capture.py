@@ -36,22 +36,39 @@ class ModelInputError(RuntimeError):
     """The model itself failed on the input it was given (wrong size, channels or dtype)."""
 
 
+class LayerOutputError(TypeError):
+    """A layer's output (or an edit of it) that is not what the toolkit needs, e.g. not a tensor."""
+
+
 def run_model(model: nn.Module, inputs: Any, call: Optional[tuple[tuple, dict]] = None) -> Any:
     """``model(inputs)`` (or ``model(*call[0], **call[1])`` when the explained ``inputs`` are one of
     several arguments), with the model's own failures turned into a ModelInputError that says
     what was passed and how to fix it (our hooks' errors pass through unchanged)."""
     try:
         return model(inputs) if call is None else model(*call[0], **call[1])
-    except (LayerNotRunError, LayerNotFoundError, ModelInputError):
+    except (LayerNotRunError, LayerNotFoundError, ModelInputError, LayerOutputError):
         raise
-    except (RuntimeError, AssertionError, ValueError, IndexError) as error:
-        shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except TypeError as error:  # a forward called without its other inputs, or with the wrong ones
         raise ModelInputError(
-            f"the model failed on an input of shape {shape}: {first_line}. If it expects another size "
-            "or channel count, pass a preprocess that produces it (e.g. torchvision weights.transforms() "
-            "for its 224 px models), or resize the tensor yourself."
+            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If its forward "
+            "takes other inputs, pass them with forward_args= or forward_kwargs= (and input_position= for where "
+            "the image goes)."
         ) from error
+    except (RuntimeError, AssertionError, ValueError, IndexError) as error:
+        raise ModelInputError(
+            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If it expects "
+            "another size or channel count, pass a preprocess that produces it (e.g. torchvision "
+            "weights.transforms() for its 224 px models), or resize the tensor yourself."
+        ) from error
+
+
+def _shape_text(inputs: Any) -> str:
+    return str(tuple(inputs.shape)) if isinstance(inputs, Tensor) else type(inputs).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
 
 
 def _is_glob(text: str) -> bool:
@@ -236,7 +253,7 @@ class ActivationCapture(CallScope):
                     "another layer."
                 )
             if not isinstance(output, Tensor):
-                raise TypeError(
+                raise LayerOutputError(
                     f"layer {name!r} returned a {type(output).__name__}, not a tensor; "
                     "choose a layer whose output is a tensor of feature maps."
                 )

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from .capture import LayerSpec, find_layers
+from .capture import LayerOutputError, LayerSpec, find_layers
 from .scope import CallScope
 
 
@@ -22,7 +22,7 @@ class EditBlock(CallScope):
     def _edited(self, tensor: Tensor, name: str) -> Tensor:
         edited = self.fn(tensor) if self.fn is not None else tensor
         if not isinstance(edited, Tensor):
-            raise TypeError(
+            raise LayerOutputError(
                 f"the edit function for layer {name!r} returned {type(edited).__name__}, not a tensor: it must "
                 "return the new value (e.g. `lambda t: t.clamp(max=1.0)`; an in-place edit ends with `return t`)."
             )
@@ -31,7 +31,7 @@ class EditBlock(CallScope):
     def _output_hook(self, name: str) -> Callable[[nn.Module, tuple, Any], Any]:
         def edit_output(module: nn.Module, args: tuple, output: Any) -> Any:
             if not isinstance(output, Tensor):
-                raise TypeError(
+                raise LayerOutputError(
                     f"edit needs a layer whose output is a tensor; {name!r} returned {type(output).__name__}."
                 )
             edited = self._edited(output, name)
@@ -46,7 +46,9 @@ class EditBlock(CallScope):
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple], tuple]:
         def edit_input(module: nn.Module, args: tuple) -> tuple:
             if not args or not isinstance(args[0], Tensor):
-                raise TypeError(f"where='input' edits the first positional input of {name!r}, which must be a tensor.")
+                raise LayerOutputError(
+                    f"where='input' edits the first positional input of {name!r}, which must be a tensor."
+                )
             return (self._edited(args[0], name), *args[1:])
 
         return edit_input

@@ -1,15 +1,20 @@
-"""List a model's layers with their output shapes: the step before choosing a layer to explain."""
+"""List a model's layers with their output shapes, and choose the layer a CAM explains when none is given."""
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .capture import model_device, model_dtype, preserved_model_state
+from .capture import ModelInputError, _first_line, model_device, model_dtype, preserved_model_state, run_model
+from .layouts import infer_layout
+from .scope import CallScope
+
+Run = Callable[[Tensor], Any]
+"""Runs the model on a batch with its other inputs, as the explainer does (``Explainer.call_model``)."""
 
 
 @dataclass
@@ -39,35 +44,71 @@ def _shape_text(value: Any) -> str:
     return str(value)
 
 
-def list_layers(model: nn.Module, input_size: Sequence[int] = (3, 224, 224), batch_size: int = 1) -> list[LayerInfo]:
-    """Every named module of the model with the output shape(s) it produces for a zero input
-    of ``(batch_size, *input_size)``. The model is run once in eval mode without gradients
-    and left as found."""
-    infos = [LayerInfo(name, type(module).__name__, []) for name, module in model.named_modules() if name]
-    handles = []
+class _OutputHooks(CallScope):
+    """While the block runs, ``record(name, args, output)`` is called after each forward of each
+    module (in this thread). The only place this file registers hooks; the call scope removes
+    them when the block ends, also on an interrupt."""
 
-    def hook_for(info: LayerInfo):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            info.output_shapes.append(_shape_of(output))
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], record: Callable[[str, tuple, Any], None]):
+        super().__init__()
+        self.modules, self.record = modules, record
 
-        return hook
+    def setup(self) -> None:
+        for name, module in self.modules:
+            self.forward_hook(module, lambda module, args, output, name=name: self.record(name, args, output))
 
-    modules = dict(model.named_modules())
-    example = torch.zeros(batch_size, *input_size, device=model_device(model), dtype=model_dtype(model))
+
+def _run(model: nn.Module, batch: Tensor, run: Optional[Run]) -> Any:
+    """``run(batch)``, or ``model(batch)`` without one, with the model's failures as ModelInputError."""
+    return run(batch) if run is not None else run_model(model, batch)
+
+
+def list_layers(
+    model: nn.Module,
+    input_size: Sequence[int] = (3, 224, 224),
+    batch_size: int = 1,
+    *,
+    example: Optional[Tensor] = None,
+    forward_args: Sequence = (),
+    forward_kwargs: Optional[dict] = None,
+    input_position: int | str = 0,
+) -> list[LayerInfo]:
+    """Every named module of the model with the output shape(s) it produces when the model runs
+    once, in eval mode without gradients, on ``example`` (a model-ready batch, e.g. (N, C, H, W))
+    or else on zeros of ``(batch_size, *input_size)``. The model is left as found.
+
+    forward_args, forward_kwargs, input_position: the model's other inputs and where the example
+    goes among them, as in ``Explainer.explain``. Raises ModelInputError when the model fails.
+    """
+    from .methods.base import ForwardCall  # here, not at the top: the methods import this module
+
+    if example is None:
+        example = torch.zeros(batch_size, *input_size, device=model_device(model), dtype=model_dtype(model))
+    else:
+        example = example.to(model_device(model))
+        if example.is_floating_point():
+            example = example.to(model_dtype(model))
+    run: Optional[Run] = None
+    if forward_args or forward_kwargs or input_position != 0:
+        call = ForwardCall(tuple(forward_args), dict(forward_kwargs or {}), input_position, example.shape[0])
+        run = lambda batch: run_model(model, batch, call.arguments(batch))  # noqa: E731
+    named = [(name, module) for name, module in model.named_modules() if name]
+    infos = {name: LayerInfo(name, type(module).__name__, []) for name, module in named}
+
+    def record(name: str, args: tuple, output: Any) -> None:
+        infos[name].output_shapes.append(_shape_of(output))
+
     try:
-        for info in infos:
-            handles.append(modules[info.name].register_forward_hook(hook_for(info)))
-        with preserved_model_state(model), torch.no_grad():
-            model(example)
-    except Exception as error:  # shape asserts of fixed-size models and the like
-        raise ValueError(
-            f"the model could not run on an input of shape {tuple(example.shape)}: {error}. "
-            "Give the input size it expects (--input-size C H W, or input_size=(C, H, W))."
-        ) from error
-    finally:
-        for handle in handles:
-            handle.remove()
-    return infos
+        with _OutputHooks(named, record), preserved_model_state(model), torch.no_grad():
+            _run(model, example, run)
+    except ModelInputError as error:  # shape asserts of fixed-size models, missing inputs and the like
+        cause = error.__cause__ or error
+        raise ModelInputError(
+            f"the model could not run on an input of shape {tuple(example.shape)}: {_first_line(cause)}. Give "
+            "the input size it expects (--input-size C H W, or input_size=(C, H, W)) or an example input "
+            "(example=), and its other inputs (forward_args=, forward_kwargs=, input_position=)."
+        ) from cause
+    return list(infos.values())
 
 
 def _shape_of(value: Any) -> Any:
@@ -89,54 +130,220 @@ def format_layers(infos: Sequence[LayerInfo]) -> str:
     return "\n".join(f"{name:<{name_width}}  {kind:<{kind_width}}  {shape}" for name, kind, shape in rows)
 
 
+# ---------------------------------------------------------------------------- automatic layer choice
+
 POOLING = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.MaxPool2d)
-TRANSFORMER_BLOCK_NORMS = re.compile(r"(^|\.)(ln_1|norm1)$")
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+NORM_CLASS_NAMES = ("LayerNorm", "RMSNorm", "RmsNorm")
+FINGERPRINT_SAMPLES = 1 << 16
 
 
-def default_layer(model: nn.Module, batch: Tensor, run: Optional[Callable[[Tensor], Any]] = None) -> str:
-    """The layer a CAM explains when none is given, found by one forward pass on ``batch``.
+@dataclass
+class _ModuleRun:
+    """What one module did in the forward pass. layout: "channels_first", "channels_last" or
+    "tokens" when its output (the first tensor of a tuple or ModelOutput) has the batch's N rows
+    and can be drawn as maps with h, w ≥ 2, else None. fingerprint: a 0-dim summary of that output."""
 
-    Transformers (LayerNorm modules named ``ln_1`` or ``norm1`` inside blocks): the last
-    block's first norm. The last block's *output* is a poor choice for a ViT: only the class token feeds the
-    head after it, so the gradient there is zero on every patch token; at the last block's
-    first norm the gradient reaches the patches through that block's attention.
-    CNNs: the last module, in the order modules finish, whose output is a spatial map (N, C, h, w)
-    with h, w > 1 and that is not a pooling layer — the last conv stage before global pooling
-    (``layer4`` on a ResNet, ``features`` on VGG, DenseNet, MobileNet, EfficientNet, ConvNeXt).
+    name: str
+    module: nn.Module
+    calls: int
+    is_tensor: bool
+    passes_input_through: bool
+    layout: Optional[str]
+    fingerprint: Optional[Tensor]
+    depends_on_image: bool = True
+
+    @property
+    def is_candidate(self) -> bool:
+        return (self.calls == 1 and self.is_tensor and self.layout is not None and self.depends_on_image
+                and not self.passes_input_through and not isinstance(self.module, POOLING))
+
+
+def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) -> str:
+    """The layer a CAM explains when none is given: the one a practitioner would pick, found from
+    what runs when the model is run on ``batch`` (N, C, H, W) the way the explainer runs it
+    (``run(batch)``, with the model's other inputs; ``model(batch)`` without ``run``).
+
+    Candidates are the modules that ran once and output a tensor that
+    - has N rows, the batch's (not N × windows or N × patch area, not another input's batch),
+    - can be drawn as maps with h, w ≥ 2: (N, C, h, w), (N, h, w, C) or tokens (N, T, D) on the
+      input's patch grid, read as ``explain.layouts`` reads them for the CAM,
+    - changes when the image does (a second run, on a noisy copy, tells: not a position bias,
+      not a text tower), is computed rather than passed through (Identity, eval-mode Dropout),
+      and is not a pooling layer.
+
+    Transformers. A block is an entry of a Sequential, ModuleList or ModuleDict (the innermost
+    such entry, not the stage that holds blocks) whose output is tokens or channels-last maps;
+    (N, C, h, w) marks a conv block, as in ConvNeXt. The choice is the first norm (LayerNorm,
+    RMSNorm) to run in the last block to finish: ``ln_1`` (torchvision), ``norm1`` (timm),
+    ``layernorm_before``, ``layer_norm1`` (HuggingFace), for plain (ViT, DeiT, CLIP) and
+    hierarchical (Swin, Segformer's encoder) transformers alike; what runs after the last block
+    (final norm, pooling, class-token readout, a decode head) is head. The last block's *output*
+    is a poor layer for a ViT: only the class token feeds the head after it, so the gradient there
+    is zero on every patch token; at the block's first norm it reaches the patches through the
+    block's attention.
+
+    Otherwise (CNNs, and hybrids without such blocks, as LeViT and MobileViT, whose attention
+    runs on N × patch-area rows): the last candidate to finish. Global pooling and the classifier
+    give no maps, so that is the last stage before them (``layer4`` on a ResNet, ``features`` on
+    VGG, DenseNet, MobileNet, EfficientNet and ConvNeXt, ``stages`` or ``final_conv`` in timm); a
+    container finishes after its children, so a stage wins over its last block.
+
+    Raises ModelInputError when the model fails on the batch, ValueError when no layer qualifies.
     """
-    named = [(name, module) for name, module in model.named_modules() if name]
-    finished: list[tuple[str, tuple]] = []
-    calls: dict[str, int] = {}
-    handles = []
-
-    def hook_for(name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            calls[name] = calls.get(name, 0) + 1
-            finished.append((name, tuple(output.shape) if isinstance(output, Tensor) else ()))
-
-        return hook
-
-    try:
-        for name, module in named:
-            handles.append(module.register_forward_hook(hook_for(name)))
-        with preserved_model_state(model), torch.no_grad():
-            (run or model)(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    modules = dict(named)
-    norms = [name for name, _ in finished if TRANSFORMER_BLOCK_NORMS.search(name) and calls[name] == 1
-             and isinstance(modules[name], nn.LayerNorm)]
-    if norms:
-        return norms[-1]
-    candidates = [
-        name for name, shape in finished
-        if len(shape) == 4 and shape[2] > 1 and shape[3] > 1 and calls[name] == 1
-        and not isinstance(modules[name], POOLING)
-    ]
+    runs = _trace(model, batch, run)
+    _mark_image_dependence(model, batch, run, runs)
+    candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
+    norm = _last_block_first_norm(model, runs, candidates)
+    if norm is not None:
+        return norm
     if not candidates:
         raise ValueError(
-            "no layer with spatial feature maps was found to explain; pass one explicitly "
-            "(`explain layers MODEL` lists them with their output shapes)."
+            f"no layer gives feature maps of the batch's {batch.shape[0]} images to explain (a spatial "
+            "(N, C, h, w), (N, h, w, C) or token (N, T, D) output that depends on the image); pass one "
+            "explicitly (`explain layers MODEL` or explain.list_layers(model) lists them with their shapes)."
         )
-    return candidates[-1]
+    return candidates[-1].name
+
+
+def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _ModuleRun]:
+    """One run of the model on ``batch``: per module, in the order modules first finish, what it did."""
+    named = [(name, module) for name, module in model.named_modules() if name]
+    modules = dict(named)
+    runs: dict[str, _ModuleRun] = {}
+    count, input_size = batch.shape[0], tuple(batch.shape[-2:])
+
+    def record(name: str, args: tuple, output: Any) -> None:
+        if name in runs:
+            runs[name].calls += 1
+            return
+        main = _main_tensor(output)
+        layout = None if main is None else _map_layout(main, modules[name], count, input_size)
+        runs[name] = _ModuleRun(
+            name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
+            passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
+            fingerprint=None if layout is None else _fingerprint(main),
+        )
+
+    with _OutputHooks(named, record), preserved_model_state(model), torch.no_grad():
+        _run(model, batch, run)
+    return runs
+
+
+def _mark_image_dependence(model: nn.Module, batch: Tensor, run: Optional[Run], runs: dict[str, _ModuleRun]) -> None:
+    """Run the model once more on a perturbed copy of ``batch`` and mark the outputs that stay the same."""
+    if not batch.is_floating_point():
+        return
+    compared = [(name, module_run.module) for name, module_run in runs.items() if module_run.fingerprint is not None]
+    if not compared:
+        return
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(batch.shape, generator=generator).to(batch.device, batch.dtype)
+    spread = float(batch.detach().float().std()) if batch.numel() > 1 else 0.0
+    perturbed = batch.detach() + noise * (spread if 0.0 < spread < float("inf") else 1.0)
+    fingerprints: dict[str, Tensor] = {}
+
+    def record(name: str, args: tuple, output: Any) -> None:
+        main = _main_tensor(output)
+        if name not in fingerprints and main is not None:
+            fingerprints[name] = _fingerprint(main)
+
+    try:
+        with _OutputHooks(compared, record), preserved_model_state(model), torch.no_grad():
+            _run(model, perturbed, run)
+    except ModelInputError:  # a model that refuses the noisy copy (a range check): no layer is ruled out
+        return
+    names = [name for name, _ in compared if name in fingerprints]
+    if names:
+        before = torch.stack([runs[name].fingerprint for name in names])
+        after = torch.stack([fingerprints[name].to(before.device) for name in names])
+        changed = (before - after).abs() > 1e-6 * torch.maximum(before.abs(), after.abs())
+        for name, depends in zip(names, changed.tolist()):
+            runs[name].depends_on_image = depends
+
+
+def _last_block_first_norm(
+    model: nn.Module, runs: dict[str, _ModuleRun], candidates: list[_ModuleRun]
+) -> Optional[str]:
+    """The first norm of the last transformer block (see ``default_layer``), or None."""
+    modules = dict(model.named_modules())
+    first_norms: dict[str, str] = {}  # block → its first norm, in the order the norms ran
+    for candidate in candidates:
+        if candidate.layout in ("tokens", "channels_last") and _is_norm(candidate.module):
+            block = _block_of(candidate.name, modules)
+            if block is not None and block not in first_norms:
+                first_norms[block] = candidate.name
+    blocks = [
+        block for block in first_norms
+        if block in runs and runs[block].calls == 1 and runs[block].layout in ("tokens", "channels_last")
+        and not any(other.startswith(block + ".") for other in first_norms)  # a stage holding blocks
+    ]
+    if not blocks:
+        return None
+    order = {name: index for index, name in enumerate(runs)}
+    last = max(blocks, key=lambda block: order[block])
+    return first_norms[last]
+
+
+def _block_of(name: str, modules: dict[str, nn.Module]) -> Optional[str]:
+    """The nearest strict ancestor of ``name`` that is an entry of a Sequential, ModuleList or
+    ModuleDict (a repeated unit of the model), or None."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if isinstance(modules[".".join(parts[: end - 1])], CONTAINERS):
+            return ".".join(parts[:end])
+    return None
+
+
+def _passes_input_through(module: nn.Module, args: tuple, output: Any) -> bool:
+    """Whether the module returned its input as it was (Identity, eval-mode Dropout); an in-place
+    activation returns its input too, but changed."""
+    return bool(args) and output is args[0] and not getattr(module, "inplace", False)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A LayerNorm or RMSNorm (torch's, or a library's of that name)."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(NORM_CLASS_NAMES)
+
+
+def _main_tensor(output: Any) -> Optional[Tensor]:
+    """The output itself when it is a tensor, else the first item of a tuple, list or mapping
+    (HuggingFace ModelOutput) when that is a tensor."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        first = output[0]
+    elif isinstance(output, Mapping) and output:
+        first = next(iter(output.values()))
+    else:
+        return None
+    return first if isinstance(first, Tensor) else None
+
+
+def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: tuple[int, int]) -> Optional[str]:
+    """The layout kind (as a CAM would read the module's output ``tensor``) when the tensor has
+    ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
+    if (tensor.dim() not in (3, 4) or tensor.shape[0] != count or not tensor.is_floating_point()
+            or tensor.layout != torch.strided):
+        return None
+    try:
+        layout = infer_layout(tensor, input_size, module=module)
+    except ValueError:
+        return None
+    if layout.kind == "tokens":
+        height, width = layout.grid
+    elif layout.kind == "channels_last":
+        height, width = tensor.shape[1:3]
+    else:
+        height, width = tensor.shape[2:]
+    return layout.kind if height >= 2 and width >= 2 else None
+
+
+def _fingerprint(tensor: Tensor) -> Tensor:
+    """A 0-dim summary that changes when the tensor does: a fixed pseudo-random weighting of up to
+    FINGERPRINT_SAMPLES evenly spread elements (a plain sum would not do: a LayerNorm's output sums
+    to the same value for every input)."""
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].float()
+    weights = torch.arange(sample.numel(), device=sample.device, dtype=torch.float32).mul_(0.6180339887).frac_()
+    return torch.dot(sample, weights)

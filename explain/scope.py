@@ -167,6 +167,8 @@ class CallScope(AbstractContextManager):
     ) -> None:
         failure: Optional[BaseException] = None
         try:
+            if error_type is not None and issubclass(error_type, KeyboardInterrupt):
+                _finish_abandoned_frames(traceback)
             while self._undo:
                 undo = self._undo.pop()
                 try:
@@ -235,6 +237,23 @@ class CallScope(AbstractContextManager):
             return
         self._undo.append(lambda: _restore_training(flags))
         model.eval()
+
+
+def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
+    """Clear the finished frames an interrupt unwound through, so that what they held is released now.
+
+    An interrupt can leave a generator-based context manager entered and never exited (torch's
+    ``_pop_mode_temporarily``, around every call under a function mode): its generator, still
+    suspended, would run its cleanup (pushing a mode back) whenever it is garbage-collected, at
+    a random later time. Clearing the frames that hold it runs that cleanup here, before the
+    scope puts the thread's state back. The traceback keeps its lines, not those frames' locals.
+    """
+    while traceback is not None:
+        try:
+            traceback.tb_frame.clear()
+        except RuntimeError:  # a frame still running (the one that holds the ``with``)
+            pass
+        traceback = traceback.tb_next
 
 
 def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:

@@ -110,14 +110,19 @@ def test_ablation_and_score_cam_on_tokens():
         (lambda: torchvision.models.vgg11(), 64, "features"),
         (lambda: torchvision.models.densenet121(), 64, "features"),
         (lambda: torchvision.models.mobilenet_v2(), 64, "features"),
+        (lambda: torchvision.models.mobilenet_v3_small(), 64, "features"),
         (lambda: torchvision.models.efficientnet_b0(), 64, "features"),
         (lambda: torchvision.models.convnext_tiny(), 64, "features"),
         (lambda: torchvision.models.vit_b_16(image_size=64), 64, "encoder.layers.encoder_layer_11.ln_1"),
         (lambda: torchvision.models.swin_t(), 64, "features.7.1.norm1"),
     ],
-    ids=["resnet", "vgg", "densenet", "mobilenet", "efficientnet", "convnext", "vit", "swin"],
+    ids=["resnet", "vgg", "densenet", "mobilenet", "mobilenet-v3", "efficientnet", "convnext", "vit", "swin"],
 )
 def test_automatic_layer_choice(builder, size, expected):
     model = builder().eval()
     assert default_layer(model, torch.randn(1, 3, size, size)) == expected
-    assert explain.GradCAM(model).explain(torch.randn(1, 3, size, size)).layer == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # torchvision's untrained ViT head is zero: empty maps
+        explanation = explain.GradCAM(model).explain(torch.randn(2, 3, size, size))
+    assert explanation.layer == expected
+    assert explanation.maps.shape == (2, size, size)  # one map per image

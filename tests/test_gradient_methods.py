@@ -12,7 +12,7 @@ from torch import nn
 
 import explain
 from explain.data import load_demo_model, make_dataset
-from explain.methods.gradients import reduce_channels
+from explain.methods.gradients import integration_nodes, reduce_channels
 
 
 class SmoothNet(nn.Module):
@@ -71,7 +71,7 @@ def test_input_x_gradient_and_channel_reductions(smooth_case):
         explain.Saliency(model, reduce="mean")
 
 
-@pytest.mark.parametrize("rule", ["gausslegendre", "riemann"])
+@pytest.mark.parametrize("rule", ["gausslegendre", "midpoint"])
 def test_integrated_gradients_is_complete_within_one_percent_with_64_steps(rule):
     """On the shipped (trained) small CNN, where the explained logit moves by several units."""
     model = load_demo_model()
@@ -92,7 +92,7 @@ def test_integrated_gradients_equals_a_slow_riemann_sum():
     x = torch.randn(2, 3, 8, 8)
     baseline = torch.full((1, 3, 8, 8), 0.5)
     steps, classes = 8, [1, 2]
-    result = explain.IntegratedGradients(model, baseline=baseline, steps=steps, rule="riemann", batch_size=5)
+    result = explain.IntegratedGradients(model, baseline=baseline, steps=steps, rule="midpoint", batch_size=5)
     attributions = result.explain(x, target=classes).attributions[:, 0]
     for n, c in enumerate(classes):
         total = torch.zeros(3, 8, 8)
@@ -101,6 +101,65 @@ def test_integrated_gradients_equals_a_slow_riemann_sum():
             (gradient,) = torch.autograd.grad(model(point[None])[0, c], point)
             total += gradient / steps
         torch.testing.assert_close(attributions[n], (x[n] - baseline[0]) * total, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule, exact_degree", [("left", 0), ("right", 0), ("midpoint", 1), ("trapezoid", 1),
+                                                 ("gausslegendre", 7)])
+def test_integration_rules_are_exact_for_the_polynomials_they_should_be(rule, exact_degree):
+    """With 4 points: Riemann left/right sums integrate constants exactly, midpoint and trapezoid
+    linear functions, Gauss-Legendre polynomials up to degree 2·4 − 1."""
+    points, weights = integration_nodes(4, rule)
+    assert abs(weights.sum() - 1) < 1e-12 and ((0 <= points) & (points <= 1)).all()
+    for degree in range(exact_degree + 1):
+        assert abs((weights * points**degree).sum() - 1 / (degree + 1)) < 1e-12, degree
+    assert abs((weights * points ** (exact_degree + 1)).sum() - 1 / (exact_degree + 2)) > 1e-6
+    assert integration_nodes(4, "riemann_trapezoid")[0].tolist() == integration_nodes(4, "trapezoid")[0].tolist()
+
+
+@pytest.mark.parametrize("rule", ["left", "right", "trapezoid", "gausslegendre"])
+def test_integrated_gradients_with_each_rule_equals_the_weighted_sum_of_gradients_by_hand(rule):
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    classes, steps = [1, 2], 5
+    attributions = explain.IntegratedGradients(model, steps=steps, rule=rule, batch_size=3).explain(
+        x, target=classes).attributions[:, 0]
+    points, weights = integration_nodes(steps, rule)
+    for n, c in enumerate(classes):
+        total = torch.zeros(3, 8, 8, dtype=torch.float64)
+        for alpha, weight in zip(points, weights):
+            point = (float(alpha) * x[n]).requires_grad_(True)
+            (gradient,) = torch.autograd.grad(model(point[None])[0, c], point)
+            total += weight * gradient.double()
+        torch.testing.assert_close(attributions[n], (x[n].double() * total).float(), rtol=1e-4, atol=1e-6)
+
+
+def test_integrated_gradients_doubles_its_steps_until_complete_within_the_tolerance():
+    model = load_demo_model()
+    images = list(make_dataset(3, seed=4).images)
+    coarse = explain.IntegratedGradients(model, steps=2, rule="midpoint").explain(images)
+    relative = lambda result: (result.diagnostics["completeness_error"].abs()  # noqa: E731
+                               / result.diagnostics["score_change"].abs())
+    assert relative(coarse).amax() > 0.01
+    adaptive = explain.IntegratedGradients(model, steps=2, rule="midpoint", tolerance=0.01).explain(images)
+    assert relative(adaptive).amax() <= 0.01
+    steps = int(adaptive.diagnostics["steps"])
+    assert steps > 2 and steps & (steps - 1) == 0  # a power of two times the first
+    fixed = explain.IntegratedGradients(model, steps=steps, rule="midpoint").explain(images)
+    torch.testing.assert_close(adaptive.attributions, fixed.attributions)
+    capped = explain.IntegratedGradients(model, steps=2, tolerance=1e-9, max_steps=8).explain(images)
+    assert int(capped.diagnostics["steps"]) == 8
+
+
+def test_integrated_gradients_without_multiplying_by_inputs_is_the_path_integrated_gradient():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    baseline = torch.full((3, 8, 8), 0.25)
+    complete = explain.IntegratedGradients(model, baseline=baseline, steps=6).explain(x, target=[0, 3])
+    integral = explain.IntegratedGradients(model, baseline=baseline, steps=6, multiply_by_inputs=False).explain(
+        x, target=[0, 3])
+    torch.testing.assert_close((x - baseline)[:, None] * integral.attributions, complete.attributions)
 
 
 def test_integrated_gradients_blurred_baseline_is_the_blurred_input():
@@ -294,6 +353,48 @@ def test_smoothgrad_keeps_the_clean_targets_and_without_noise_equals_the_method(
     assert torch.equal(smooth.targets, plain.targets)
     noisy = explain.SmoothGrad(model, samples=50, noise=0.5).explain(x)
     assert torch.equal(noisy.targets, plain.targets)
+
+
+def noisy_copies_by_hand(x: torch.Tensor, samples: int, noise_std: float, seed: int) -> list[torch.Tensor]:
+    """The noisy copies SmoothGrad draws: per sample, a standard normal of the batch's shape from a
+    generator seeded with ``seed``, scaled by the noise's standard deviation."""
+    generator = torch.Generator().manual_seed(seed)
+    return [x + torch.randn(x.shape, generator=generator) * noise_std for _ in range(samples)]
+
+
+def test_smoothgrad_averages_the_gradients_then_reduces_the_channels_as_the_papers_do():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    classes, samples, sigma = [1, 2], 6, 0.3
+    gradients = []
+    for copy_ in noisy_copies_by_hand(x, samples, sigma, seed=5):
+        copy_ = copy_.requires_grad_(True)
+        (gradient,) = torch.autograd.grad(model(copy_)[[0, 1], classes].sum(), copy_)
+        gradients.append(gradient)
+    gradients = torch.stack(gradients)  # (samples, N, C, H, W)
+    options = dict(samples=samples, noise_std=sigma, seed=5, batch_size=4, normalize=None)
+    smooth = explain.SmoothGrad(model, **options).explain(x, target=classes)
+    torch.testing.assert_close(smooth.raw_maps, gradients.mean(0).abs().amax(1), rtol=1e-4, atol=1e-6)
+    squared = explain.SmoothGradSquared(model, **options).explain(x, target=classes)
+    torch.testing.assert_close(squared.raw_maps, gradients.pow(2).mean(0).amax(1), rtol=1e-4, atol=1e-7)
+    variance = explain.VarGrad(model, **options).explain(x, target=classes)
+    torch.testing.assert_close(variance.raw_maps, gradients.var(0, unbiased=False).amax(1), rtol=1e-3, atol=1e-7)
+    per_map = explain.SmoothGrad(model, average="maps", **options).explain(x, target=classes)
+    torch.testing.assert_close(per_map.raw_maps, gradients.abs().amax(2).mean(0), rtol=1e-4, atol=1e-6)
+    assert (per_map.raw_maps - smooth.raw_maps).abs().amax() > 0.05 * smooth.raw_maps.amax()  # the orders differ
+    relative = explain.SmoothGrad(model, samples=samples, noise=0.1, seed=5, normalize=None).explain(x, target=classes)
+    spread = (x.amax(dim=(1, 2, 3)) - x.amin(dim=(1, 2, 3))) * 0.1
+    by_hand = []
+    for n in range(2):
+        copies = noisy_copies_by_hand(x, samples, 1.0, seed=5)
+        image_gradients = []
+        for copy_ in copies:
+            noisy = (x[n] + (copy_[n] - x[n]) * spread[n]).requires_grad_(True)
+            (gradient,) = torch.autograd.grad(model(noisy[None])[0, classes[n]], noisy)
+            image_gradients.append(gradient)
+        by_hand.append(torch.stack(image_gradients).mean(0).abs().amax(0))
+    torch.testing.assert_close(relative.raw_maps, torch.stack(by_hand), rtol=1e-4, atol=1e-6)
 
 
 def test_reductions_by_hand():

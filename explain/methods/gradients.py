@@ -19,7 +19,7 @@ from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, PerThread, register
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
-RULES = ("riemann", "gausslegendre")
+RULES = ("midpoint", "left", "right", "trapezoid", "gausslegendre")
 
 
 def reduce_channels(attributions: Tensor, how: str) -> Tensor:
@@ -141,16 +141,36 @@ class InputXGradient(GradientExplainer):
         return self.attribution_from(batch[:, None] * gradients, selected, zero_gradient=all_zero(gradients))
 
 
+RULE_ALIASES = {"riemann": "midpoint", "riemann_middle": "midpoint", "riemann_left": "left",
+                "riemann_right": "right", "riemann_trapezoid": "trapezoid"}
+"""Other spellings of the rules (Captum's names; "riemann" was this toolkit's midpoint rule)."""
+
+
 def integration_nodes(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
-    """Points α in (0, 1) and weights (summing to 1) for ∫₀¹ f(α) dα ≈ Σ w_i f(α_i)."""
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}.")
-    if rule == "riemann":  # midpoint rule
+    """Points α in [0, 1] and weights (summing to 1) for ∫₀¹ f(α) dα ≈ Σ w_i f(α_i).
+
+    rule: "midpoint", "left", "right", "trapezoid" (Riemann sums; the trapezoid rule needs
+    steps ≥ 2) or "gausslegendre"; Captum's names ("riemann_middle", ...) are accepted too.
+    """
+    rule = RULE_ALIASES.get(rule, rule)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
+    if rule == "midpoint":
         return (np.arange(steps) + 0.5) / steps, np.full(steps, 1.0 / steps)
+    if rule == "left":
+        return np.arange(steps) / steps, np.full(steps, 1.0 / steps)
+    if rule == "right":
+        return (np.arange(steps) + 1.0) / steps, np.full(steps, 1.0 / steps)
+    if rule == "trapezoid":
+        if steps < 2:
+            raise ValueError("the trapezoid rule needs at least 2 steps.")
+        weights = np.full(steps, 1.0 / (steps - 1))
+        weights[[0, -1]] /= 2
+        return np.linspace(0.0, 1.0, steps), weights
     if rule == "gausslegendre":
         points, weights = np.polynomial.legendre.leggauss(steps)
         return (points + 1) / 2, weights / 2
-    raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
+    raise ValueError(f"rule must be one of {RULES} (or {', '.join(RULE_ALIASES)}); got {rule!r}.")
 
 
 @register
@@ -159,10 +179,16 @@ class IntegratedGradients(GradientExplainer):
 
     baseline: "zeros" (default, zero model input), "blur" (the input blurred by a wide
         Gaussian) or a tensor broadcastable to the batch.
-    steps: integration points; rule: "gausslegendre" (default) or "riemann" (midpoint).
+    steps: integration points (≥ 1).
+    rule: "midpoint" (default; chosen by measurement, see benchmarks/ig_rules.py), "left",
+        "right", "trapezoid" or "gausslegendre".
+    tolerance: None, or a relative completeness error to reach: the steps are doubled (up to
+        ``max_steps``) until every |Σ attributions − (y(x) − y(x'))| ≤ tolerance · |y(x) − y(x')|.
+    multiply_by_inputs: True (default) gives (x − x') ⊙ the integral (complete attributions);
+        False the path-integrated gradient itself.
     batch_size: interpolated inputs per forward/backward pass (bounds memory).
-    ``Explanation.diagnostics["completeness_error"]`` (N, K) is Σ attributions −
-    (y(x) − y(x')), and ``["score_change"]`` is y(x) − y(x').
+    ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x')),
+    "score_change" (N, K) y(x) − y(x'), "steps" the number of steps used.
     """
 
     name = "integratedgradients"
@@ -174,7 +200,10 @@ class IntegratedGradients(GradientExplainer):
         *,
         baseline: Union[str, Tensor] = "zeros",
         steps: int = 32,
-        rule: str = "gausslegendre",
+        rule: str = "midpoint",
+        tolerance: Optional[float] = None,
+        max_steps: int = 1024,
+        multiply_by_inputs: bool = True,
         batch_size: int = 32,
         **options,
     ):
@@ -184,7 +213,13 @@ class IntegratedGradients(GradientExplainer):
             raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
-        self.baseline, self.steps, self.rule, self.batch_size = baseline, steps, rule, batch_size
+        if tolerance is not None and not tolerance > 0:
+            raise ValueError(f"tolerance must be positive (a relative completeness error); got {tolerance!r}.")
+        if max_steps < steps:
+            raise ValueError(f"max_steps ({max_steps}) must be at least steps ({steps}).")
+        self.baseline, self.steps, self.batch_size = baseline, steps, batch_size
+        self.rule = RULE_ALIASES.get(rule, rule)
+        self.tolerance, self.max_steps, self.multiply_by_inputs = tolerance, max_steps, multiply_by_inputs
 
     def baseline_for(self, batch: Tensor) -> Tensor:
         """The baseline x' for a (N, C, H, W) batch, same shape."""
@@ -211,19 +246,41 @@ class IntegratedGradients(GradientExplainer):
             selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
             baseline_output = self.call_model(baseline)
             baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))
-        alphas, weights = integration_nodes(self.steps, self.rule)
+        score_change = selected.scores.detach().double() - baseline_scores.double()
+        steps = self.steps
+        while True:
+            integral, disconnected = self.path_integral(batch, baseline, selected, steps)
+            completeness_error = ((batch - baseline)[:, None].double() * integral).sum(dim=(2, 3, 4)) - score_change
+            relative = completeness_error.abs() / score_change.abs().clamp_min(1e-12)
+            if self.tolerance is None or bool((relative <= self.tolerance).all()) or 2 * steps > self.max_steps:
+                break
+            steps *= 2
+        difference = (batch - baseline)[:, None].double()
+        attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
+        self.disconnected = disconnected
+        return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
+                                     completeness_error=completeness_error.float(), score_change=score_change.float(),
+                                     steps=torch.tensor(steps))
+
+    def path_integral(self, batch: Tensor, baseline: Tensor, selected: SelectedTargets,
+                      steps: int) -> tuple[Tensor, Tensor]:
+        """∫₀¹ ∂y/∂x(x' + α(x − x')) dα by the rule with ``steps`` points: ((N, K, C, H, W) float64,
+        (N, K) bool where the score does not depend on the input at any point)."""
+        count = batch.shape[0]
+        alphas, weights = integration_nodes(steps, self.rule)
         alphas = torch.as_tensor(alphas, dtype=batch.dtype, device=batch.device)
         weights = torch.as_tensor(weights, dtype=torch.float64, device=batch.device)
-        image_of_row = torch.arange(count, device=batch.device).repeat_interleave(self.steps)
-        step_of_row = torch.arange(self.steps, device=batch.device).repeat(count)
+        image_of_row = torch.arange(count, device=batch.device).repeat_interleave(steps)
+        step_of_row = torch.arange(steps, device=batch.device).repeat(count)
         integral = torch.zeros(count, selected.scores.shape[1], *batch.shape[1:], dtype=torch.float64,
                                device=batch.device)
         difference = batch - baseline
         disconnected = torch.ones(count, selected.scores.shape[1], dtype=torch.bool, device=batch.device)
         for start in range(0, len(image_of_row), self.batch_size):
             images = image_of_row[start : start + self.batch_size]
-            steps = step_of_row[start : start + self.batch_size]
-            points = baseline[images] + alphas[steps].view(-1, 1, 1, 1) * difference[images]
+            rows = step_of_row[start : start + self.batch_size]
+            points = baseline[images] + alphas[rows].view(-1, 1, 1, 1) * difference[images]
+
             def scores_of(output, images=images):
                 return selected.scores_for(output, images)
 
@@ -231,11 +288,6 @@ class IntegratedGradients(GradientExplainer):
                 return self.forward(inputs, images)
 
             gradients, _, unreachable = input_gradients(forward, points, scores_of)
-            integral.index_add_(0, images, gradients.double() * weights[steps].view(-1, 1, 1, 1, 1))
+            integral.index_add_(0, images, gradients.double() * weights[rows].view(-1, 1, 1, 1, 1))
             disconnected[images] &= unreachable
-        attributions = (difference[:, None].double() * integral).to(batch.dtype)
-        score_change = selected.scores.detach().float() - baseline_scores.float()
-        completeness_error = attributions.double().sum(dim=(2, 3, 4)).float() - score_change
-        self.disconnected = disconnected
-        return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
-                                     completeness_error=completeness_error, score_change=score_change)
+        return integral, disconnected

@@ -1,34 +1,43 @@
-"""SmoothGrad and VarGrad (Smilkov et al. 2017; Adebayo et al. 2018): the mean (or variance) of
-any method's maps over noisy copies of the input."""
+"""SmoothGrad, SmoothGrad² and VarGrad (Smilkov et al. 2017; Adebayo et al. 2018): the mean, the
+mean square or the variance of any method's attributions over noisy copies of the input."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..targets import Target, select_targets
 from .base import Attribution, Explainer, register
-from .gradients import Saliency
+from .gradients import Saliency, reduce_channels
+
+STATISTICS = ("mean", "mean_square", "variance")
+AVERAGES = ("attributions", "maps")
 
 
 @register
 class SmoothGrad(Explainer):
-    """The mean of a method's maps over ``samples`` noisy copies of each image.
+    """The mean of a method's attributions over ``samples`` noisy copies of each image.
 
     explainer: any explainer of the toolkit (CAM methods included), or a model, which
-        is wrapped in ``Saliency``.
+        is wrapped in ``Saliency`` (the other keyword arguments go to it).
     noise: standard deviation of the Gaussian noise as a fraction of each image's value
-        range (max − min of the model input); samples: copies per image.
+        range (max − min of the model input); noise_std: an absolute standard deviation in
+        model-input units instead (Captum's ``stdevs``); samples: copies per image.
+    average: "attributions" (default for gradient methods, as in the papers): the per-channel
+        attributions (N, K, C, H, W) are averaged, then reduced to a map by the wrapped
+        method's ``reduce`` (max |·| over colour channels by default); "maps": each copy's
+        map is computed first and the maps are averaged (the only choice for CAM methods).
     seed: the noise is drawn from a generator seeded with it: same seed, same map.
     batch_size: noisy copies per pass of the wrapped method.
     The targets are chosen on the clean image and kept for every noisy copy.
     """
 
     name = "smoothgrad"
-    summary = "SmoothGrad: any method's maps averaged over noisy copies of the input (default: saliency)"
-    statistic = "mean"
+    summary = "SmoothGrad: any method's attributions averaged over noisy copies of the input (default: saliency)"
+    statistic: ClassVar[str] = "mean"
+    """"mean" (SmoothGrad), "mean_square" (SmoothGrad²) or "variance" (VarGrad) over the copies."""
 
     def __init__(
         self,
@@ -36,6 +45,8 @@ class SmoothGrad(Explainer):
         *,
         samples: int = 25,
         noise: float = 0.15,
+        noise_std: Optional[float] = None,
+        average: Optional[str] = None,
         seed: int = 0,
         batch_size: int = 32,
         **options,
@@ -50,20 +61,29 @@ class SmoothGrad(Explainer):
         options.setdefault("output", explainer.output)
         options.pop("reduce", None)
         super().__init__(explainer.model, **options)
-        if samples < 1 or noise < 0 or batch_size < 1:
-            raise ValueError("samples and batch_size must be at least 1 and noise non-negative.")
+        if samples < 1 or noise < 0 or batch_size < 1 or (noise_std is not None and noise_std < 0):
+            raise ValueError("samples and batch_size must be at least 1 and noise / noise_std non-negative.")
+        if average not in (None, *AVERAGES):
+            raise ValueError(f"average must be one of {AVERAGES}; got {average!r}.")
         self.explainer = explainer
-        self.samples, self.noise, self.seed, self.batch_size = samples, noise, seed, batch_size
+        self.samples, self.noise, self.noise_std, self.seed = samples, noise, noise_std, seed
+        self.batch_size, self.average = batch_size, average
 
     @property
     def method_name(self) -> str:
         return f"{type(self).__name__}({self.explainer.method_name})"
 
+    def noise_scale(self, batch: Tensor) -> Tensor:
+        """(N, 1, 1, 1) standard deviation of the noise for each image."""
+        if self.noise_std is not None:
+            return torch.full((batch.shape[0], 1, 1, 1), float(self.noise_std), dtype=batch.dtype, device=batch.device)
+        return (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).view(-1, 1, 1, 1) * self.noise
+
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         with torch.no_grad():
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
-        spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).view(-1, 1, 1, 1) * self.noise
+        spread = self.noise_scale(batch)
         generator = torch.Generator().manual_seed(self.seed)
         samples_per_pass = max(1, self.batch_size // count)
         sums: dict[str, Tensor] = {}
@@ -93,29 +113,48 @@ class SmoothGrad(Explainer):
                 grouped = values.reshape(len(group), count, *values.shape[1:])
                 sums[key] = sums.get(key, 0) + grouped.sum(0)
                 sums[key + "²"] = sums.get(key + "²", 0) + grouped.pow(2).sum(0)
-        results = {}
-        for key in ("maps", "attributions"):
-            if key in sums:
-                mean = sums[key] / self.samples
-                if self.statistic == "mean":
-                    value = mean
-                else:
-                    value = (sums[key + "²"] / self.samples - mean.pow(2)).clamp_min(0)
-                results[key] = value.float()
+        statistics = {key: self._statistic(sums[key], sums[key + "²"]).float() for key in ("maps", "attributions")
+                      if key in sums}
+        average = self.average or ("attributions" if "attributions" in statistics else "maps")
+        if average == "attributions":
+            if "attributions" not in statistics:
+                raise ValueError(f"{self.explainer.method_name} gives no per-channel attributions; use average='maps'.")
+            maps = reduce_channels(statistics["attributions"], getattr(self.explainer, "reduce", "maxabs"))
+        else:
+            maps = statistics["maps"]
         return Attribution(
-            maps=results["maps"],
+            maps=maps,
             selected=clean,
             layer=inner.layer,
-            attributions=results.get("attributions"),
+            attributions=statistics.get("attributions"),
             zero_gradient=flags.get("zero_gradient"),
             disconnected=flags.get("disconnected"),
         )
 
+    def _statistic(self, total: Tensor, total_of_squares: Tensor) -> Tensor:
+        mean = total / self.samples
+        if self.statistic == "mean":
+            return mean
+        if self.statistic == "mean_square":
+            return total_of_squares / self.samples
+        return (total_of_squares / self.samples - mean.pow(2)).clamp_min(0)
+
+
+@register
+class SmoothGradSquared(SmoothGrad):
+    """SmoothGrad² (PAIR's and Captum's "smoothgrad_sq"): the mean of the squared attributions over
+    noisy copies of each image (see SmoothGrad)."""
+
+    name = "smoothgrad_sq"
+    summary = "SmoothGrad²: mean of squared attributions over noisy copies of the input (default: saliency)"
+    statistic = "mean_square"
+
 
 @register
 class VarGrad(SmoothGrad):
-    """The variance of a method's maps over noisy copies of each image (see SmoothGrad)."""
+    """VarGrad (Adebayo et al. 2018): the variance of a method's attributions over noisy copies of
+    each image (see SmoothGrad)."""
 
     name = "vargrad"
-    summary = "VarGrad: variance of any method's maps over noisy copies of the input (default: saliency)"
-    statistic = "var"
+    summary = "VarGrad: variance of any method's attributions over noisy copies of the input (default: saliency)"
+    statistic = "variance"

@@ -5,6 +5,7 @@
     e.show(); e.save("cam.png")
 """
 
+from .attention import AttentionRecord, CapturedAttention, capture_attention
 from .batch import run
 from .capture import (
     Call,
@@ -25,11 +26,16 @@ from .methods import (
     CAM,
     REGISTRY,
     AblationCAM,
+    AttentionRollout,
     Deconvnet,
+    DeepLift,
+    DeepLiftShap,
     EigenCAM,
     Explainer,
     GradCAM,
     GradCAMPlusPlus,
+    GradientAttentionRollout,
+    GradientShap,
     GuidedBackprop,
     GuidedGradCAM,
     HiResCAM,
@@ -39,6 +45,7 @@ from .methods import (
     Saliency,
     ScoreCAM,
     SmoothGrad,
+    SmoothGradSquared,
     VarGrad,
     XGradCAM,
     get_method,
@@ -49,6 +56,11 @@ from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, s
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionRecord",
+    "AttentionRollout",
+    "CapturedAttention",
+    "GradientAttentionRollout",
+    "capture_attention",
     "DetectionTarget",
     "EmbeddingSimilarity",
     "compare",
@@ -56,12 +68,16 @@ __all__ = [
     "SegmentationTarget",
     "select_output",
     "Deconvnet",
+    "DeepLift",
+    "DeepLiftShap",
+    "GradientShap",
     "GuidedBackprop",
     "GuidedGradCAM",
     "InputXGradient",
     "IntegratedGradients",
     "Saliency",
     "SmoothGrad",
+    "SmoothGradSquared",
     "VarGrad",
     "AblationCAM",
     "EigenCAM",

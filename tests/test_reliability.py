@@ -30,7 +30,7 @@ def build(name: str, model: nn.Module, layer: str, **extra):
     options = dict(extra)
     if issubclass(cls, PerturbationCAM):
         options["progress"] = False
-    if cls in (explain.SmoothGrad, explain.VarGrad):
+    if issubclass(cls, (explain.SmoothGrad, explain.GradientShap)):
         options["samples"] = 3
     if cls is explain.IntegratedGradients:
         options["steps"] = 4

@@ -141,6 +141,36 @@ class InputXGradient(GradientExplainer):
         return self.attribution_from(batch[:, None] * gradients, selected, zero_gradient=all_zero(gradients))
 
 
+BASELINES = ("zeros", "blur")
+
+
+def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tensor:
+    """The baseline x' for a (N, C, H, W) batch, same shape: "zeros" (zero model input), "blur"
+    (the input blurred by a Gaussian of σ = max(H, W) / 8) or a tensor broadcastable to the batch.
+    With ``batch`` None, only checks the kind of baseline (and returns an empty tensor)."""
+    if isinstance(baseline, str) and baseline not in BASELINES:
+        raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
+    if not isinstance(baseline, (str, Tensor)):
+        raise TypeError(f"baseline must be 'zeros', 'blur' or a tensor; got {type(baseline).__name__}.")
+    if batch is None:
+        return torch.empty(0)
+    if isinstance(baseline, Tensor):
+        baseline = baseline.to(batch.device, batch.dtype)
+        try:
+            return baseline.expand_as(batch)
+        except RuntimeError:
+            raise ValueError(
+                f"the baseline has shape {tuple(baseline.shape)}, which does not broadcast to the batch "
+                f"{tuple(batch.shape)}: give a (C, H, W) or (N, C, H, W) tensor in the model's input space "
+                "(after preprocessing), or baseline='zeros' / 'blur'."
+            ) from None
+    if baseline == "zeros":
+        return torch.zeros_like(batch)
+    sigma = max(batch.shape[-2:]) / 8
+    kernel = 2 * math.ceil(3 * sigma) + 1
+    return TF.gaussian_blur(batch, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
+
+
 RULE_ALIASES = {"riemann": "midpoint", "riemann_middle": "midpoint", "riemann_left": "left",
                 "riemann_right": "right", "riemann_trapezoid": "trapezoid"}
 """Other spellings of the rules (Captum's names; "riemann" was this toolkit's midpoint rule)."""
@@ -209,8 +239,7 @@ class IntegratedGradients(GradientExplainer):
     ):
         super().__init__(model, **options)
         integration_nodes(steps, rule)  # validates
-        if isinstance(baseline, str) and baseline not in ("zeros", "blur"):
-            raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
+        baseline_like(baseline, None)  # validates
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
         if tolerance is not None and not tolerance > 0:
@@ -223,21 +252,7 @@ class IntegratedGradients(GradientExplainer):
 
     def baseline_for(self, batch: Tensor) -> Tensor:
         """The baseline x' for a (N, C, H, W) batch, same shape."""
-        if isinstance(self.baseline, Tensor):
-            baseline = self.baseline.to(batch.device, batch.dtype)
-            try:
-                return baseline.expand_as(batch)
-            except RuntimeError:
-                raise ValueError(
-                    f"the baseline has shape {tuple(baseline.shape)}, which does not broadcast to the batch "
-                    f"{tuple(batch.shape)}: give a (C, H, W) or (N, C, H, W) tensor in the model's input space "
-                    "(after preprocessing), or baseline='zeros' / 'blur'."
-                ) from None
-        if self.baseline == "zeros":
-            return torch.zeros_like(batch)
-        sigma = max(batch.shape[-2:]) / 8
-        kernel = 2 * math.ceil(3 * sigma) + 1
-        return TF.gaussian_blur(batch, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
+        return baseline_like(self.baseline, batch)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]

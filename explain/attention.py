@@ -1,0 +1,462 @@
+"""Call-scoped rules, and attention probabilities recorded through any attention implementation.
+
+**Rules.** A ``Rule`` says "these torch functions are computed this way during this call".
+``call_rules(rule, ...)`` activates rules with a ``torch.overrides.TorchFunctionMode`` for the
+duration of a ``with`` block, in the current thread only (torch keeps the mode stack per
+thread), as a ``CallScope``: the mode is off again when the block ends, whatever happens.
+Functional calls are caught as well as the ones modules make, and no module of the model is
+replaced. A rule's ``compute`` runs with the mode switched off (torch pops a mode while its
+handler runs), so what it calls is computed plainly. The same is true of a Python-level torch
+function that dispatches on its own and calls other torch functions inside
+(``F.multi_head_attention_forward`` calls ``F.scaled_dot_product_attention``): the mode sees
+the outer call only, so a rule for the inner function must handle the outer one as a whole,
+from its arguments (they carry every weight it uses).
+
+**Attention.** ``capture_attention`` records the attention probabilities
+A = softmax(QKᵀ·scale + mask), (N, heads, T_q, T_k), of every attention layer of a model,
+inside the autograd graph, so that both A and ∂y/∂A are available, whatever computes them:
+
+- ``F.scaled_dot_product_attention`` (timm's fused attention, HuggingFace ``sdpa``): computed
+  step by step instead of by the fused kernel; masks (boolean or additive), ``is_causal``,
+  ``scale=``, dropout and grouped heads (``enable_gqa``) as the kernel takes them;
+- ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``,
+  torchvision's ViT, with ``need_weights=False`` or not): computed from its arguments, with
+  key-padding and attention masks, ``bias_k``/``bias_v``, ``add_zero_attn`` and separate
+  projection weights;
+- eager implementations (timm ``fused_attn=False``, HuggingFace ``eager``): a softmax over the
+  last dimension of (N, heads, T_q, T_k) scores, recorded as computed.
+
+The model's output with recording on equals its fused output to float rounding. Only
+attention computed inside the model's own forward is recorded: the innermost module of the
+model on the Python call stack names each record (``"blocks.3.attn"``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .capture import LayerSpec, find_layers
+from .scope import CallScope
+
+# ------------------------------------------------------------------ call-scoped rules
+
+
+class Rule:
+    """How some torch functions are computed during a call.
+
+    ``functions``: the torch functions the rule takes over (``F.relu``, ``Tensor.relu``, ...).
+    ``compute(func, args, kwargs)``: what a call of one of them returns instead. It runs with
+    the rules' mode off; to leave a call as it is, return ``func(*args, **kwargs)``.
+    """
+
+    functions: ClassVar[frozenset] = frozenset()
+
+    def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+
+class CallRules(TorchFunctionMode):
+    """The function mode that routes each call of a rule's function to that rule."""
+
+    def __init__(self, rules: Sequence[Rule]):
+        super().__init__()
+        self.rules = list(rules)
+        self.table: dict[Callable, Rule] = {}
+        for rule in self.rules:
+            for function in rule.functions:
+                if function in self.table:
+                    raise ValueError(f"two rules take over {function}; give each function one rule.")
+                self.table[function] = rule
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = self.table.get(func)
+        if rule is None:
+            return func(*args, **kwargs)
+        return rule.compute(func, args, kwargs)
+
+
+class call_rules(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
+    """``with call_rules(rule, ...) as mode:`` — within the block, in this thread, every call of a
+    rule's functions is computed by the rule. The mode is removed when the block ends, also on an
+    exception or an interrupt (see ``explain.scope``)."""
+
+    def __init__(self, *rules: Rule):
+        super().__init__()
+        self.mode = CallRules(rules)
+
+    def setup(self) -> CallRules:
+        return self.enter(self.mode)
+
+
+def calling_module(modules: dict[int, str]) -> Optional[str]:
+    """The name of the innermost module among ``modules`` (``id(module)`` → name) whose code is
+    on the Python call stack of this thread, found through the ``self`` of each frame; None when
+    no such module is running."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            name = modules.get(id(frame.f_locals.get("self")))
+            if name is not None:
+                return name
+        frame = frame.f_back
+    return None
+
+
+# ------------------------------------------------------------------ attention computed step by step
+
+
+def _softmax_of_scores(scores: Tensor, masked: bool) -> Tensor:
+    """softmax over the last dimension; with a mask, rows masked entirely give zeros, as the fused
+    kernels do. Half-precision scores are normalised in float32 and cast back."""
+    dtype = scores.dtype
+    blocked = torch.isneginf(scores).all(dim=-1, keepdim=True) if masked else None
+    if blocked is not None:
+        scores = scores.masked_fill(blocked, 0.0)
+    if dtype in (torch.float16, torch.bfloat16):
+        probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
+    else:
+        probabilities = scores.softmax(dim=-1)
+    return probabilities if blocked is None else probabilities.masked_fill(blocked, 0.0)
+
+
+def attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``F.scaled_dot_product_attention`` step by step: (output (..., L, E_v), probabilities (..., L, S)).
+
+    attn_mask: boolean (True: may attend) or additive, broadcastable to (..., L, S);
+    is_causal: query i attends keys j ≤ i (top-left aligned); scale: default 1/√E;
+    enable_gqa: key and value have fewer heads (dimension -3) than the query, shared by groups.
+    Rows that may attend nothing get zero probabilities (and a zero output).
+    """
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask cannot be given with is_causal=True.")
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = torch.where(attn_mask, scores, torch.tensor(float("-inf"), dtype=scores.dtype,
+                                                                 device=scores.device))
+        else:
+            scores = scores + attn_mask
+    probabilities = _softmax_of_scores(scores, masked=attn_mask is not None)
+    weights = F.dropout(probabilities, dropout_p) if dropout_p > 0 else probabilities
+    return torch.matmul(weights.to(value.dtype), value), probabilities
+
+
+def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """nn.MultiheadAttention's masks (boolean: True = may *not* attend, or additive) as additive masks."""
+    if mask is None or mask.is_floating_point():
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+
+
+def multi_head_attention(
+    record: Callable[[Tensor], None],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: Optional[Tensor],
+    in_proj_bias: Optional[Tensor],
+    bias_k: Optional[Tensor],
+    bias_v: Optional[Tensor],
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    training: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    need_weights: bool = True,
+    attn_mask: Optional[Tensor] = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: Optional[Tensor] = None,
+    k_proj_weight: Optional[Tensor] = None,
+    v_proj_weight: Optional[Tensor] = None,
+    static_k: Optional[Tensor] = None,
+    static_v: Optional[Tensor] = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``F.multi_head_attention_forward`` step by step (same arguments after ``record``, same
+    results); ``record`` receives the (N, heads, L, S) probabilities."""
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    target_length, batch_size, embed_dim = query.shape
+    if embed_dim != embed_dim_to_check:
+        raise AssertionError(f"was expecting embedding dimension of {embed_dim_to_check}, but got {embed_dim}")
+    if is_causal and attn_mask is None:
+        raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
+    head_dim = embed_dim // num_heads
+    biases = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
+    weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else in_proj_weight.chunk(3)
+    q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    attn_mask = _additive_mask(attn_mask, q.dtype)
+    key_padding_mask = _additive_mask(key_padding_mask, q.dtype)
+    if attn_mask is not None and attn_mask.dim() == 2:
+        attn_mask = attn_mask.unsqueeze(0)  # (1 or N·heads, L, S)
+    if bias_k is not None and bias_v is not None:
+        k = torch.cat([k, bias_k.repeat(1, batch_size, 1)])
+        v = torch.cat([v, bias_v.repeat(1, batch_size, 1)])
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+
+    def heads(x: Tensor, static: Optional[Tensor]) -> Tensor:  # (S, N, E) → (N, heads, S, d)
+        if static is not None:
+            return static.view(batch_size, num_heads, -1, head_dim)
+        return x.reshape(x.shape[0], batch_size * num_heads, head_dim).transpose(0, 1).view(
+            batch_size, num_heads, -1, head_dim)
+
+    q, k, v = heads(q, None), heads(k, static_k), heads(v, static_v)
+    if add_zero_attn:
+        zeros = torch.zeros(batch_size, num_heads, 1, head_dim, dtype=k.dtype, device=k.device)
+        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    source_length = k.shape[2]
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.view(-1, num_heads if attn_mask.shape[0] > 1 else 1, target_length, source_length)
+    if key_padding_mask is not None:
+        padding = key_padding_mask.view(batch_size, 1, 1, source_length)
+        mask = padding if mask is None else mask + padding
+    output, probabilities = attend(q, k, v, mask, dropout_p if training else 0.0)
+    record(probabilities)
+    output = output.permute(2, 0, 1, 3).reshape(target_length * batch_size, embed_dim)
+    output = F.linear(output, out_proj_weight, out_proj_bias).view(target_length, batch_size, -1)
+    returned = None
+    if need_weights:
+        returned = probabilities.mean(dim=1) if average_attn_weights else probabilities
+    if not batched:
+        output = output.squeeze(1)
+        returned = None if returned is None else returned.squeeze(0)
+    return output, returned
+
+
+def _attend_with_heads(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                       *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """``attend``, with (N, L, E) inputs computed as one head, so that the probabilities are (N, 1, L, S)."""
+    if query.dim() != 3:
+        return attend(query, key, value, attn_mask, *args, **kwargs)
+    if attn_mask is not None and attn_mask.dim() == 3:
+        attn_mask = attn_mask.unsqueeze(1)
+    output, probabilities = attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attn_mask, *args,
+                                   **kwargs)
+    return output.squeeze(1), probabilities
+
+
+# ------------------------------------------------------------------ recording attention
+
+
+@dataclass
+class AttentionRecord:
+    """One attention call: ``module``, the innermost module of the model that made it (``""`` for
+    the model itself); ``probabilities`` (N, heads, T_q, T_k), rows summing to 1 (0 for rows that
+    may attend nothing); ``grad``, ∂loss/∂probabilities after a backward pass when recorded;
+    ``source``: "scaled_dot_product_attention", "multi_head_attention_forward" or "softmax"."""
+
+    module: str
+    probabilities: Tensor
+    source: str
+    grad: Optional[Tensor] = None
+
+
+BlockSpec = Union[None, int, slice, Sequence[int], LayerSpec, Sequence[LayerSpec]]
+"""Which attention calls to record: None (all); positions in call order (an int, a slice or ints;
+negative from the end, ``slice(-4, None)`` for the last four); or modules (names, globs, modules
+or a module type, see ``find_layers``) inside which the attention is computed."""
+
+_SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
+
+
+def _is_positions(blocks: BlockSpec) -> bool:
+    if isinstance(blocks, (int, slice)) and not isinstance(blocks, bool):
+        return True
+    return isinstance(blocks, (list, tuple, range)) and len(blocks) > 0 and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in blocks)
+
+
+class AttentionRecorder(Rule):
+    """The rule behind ``capture_attention``: computes attention step by step inside ``model``
+    (or inside the selected modules of it) and records the probabilities."""
+
+    functions = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward}) | _SOFTMAX
+
+    def __init__(self, model: nn.Module, modules: Optional[Sequence[str]] = None, *, softmax: bool = True):
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.selected = None if modules is None else set(modules)
+        self.softmax = softmax
+        self.records: list[AttentionRecord] = []
+        self.on_record: Optional[Callable[[AttentionRecord], None]] = None
+
+    def _module(self) -> Optional[str]:
+        """The module making the current call, if the call is one to record."""
+        name = calling_module(self.names)
+        if name is None or self.selected is None:
+            return name
+        parts = name.split(".")
+        ancestors = {".".join(parts[:length]) for length in range(len(parts) + 1)}
+        return name if ancestors & self.selected else None
+
+    def _record(self, module: str, probabilities: Tensor, source: str) -> None:
+        record = AttentionRecord(module, probabilities, source)
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if func in _SOFTMAX:
+            return self._softmax(func, args, kwargs)
+        module = self._module()
+        if module is None:
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            output, probabilities = _attend_with_heads(*args, **kwargs)
+            self._record(module, probabilities, "scaled_dot_product_attention")
+            return output
+        return multi_head_attention(lambda probabilities: self._record(
+            module, probabilities, "multi_head_attention_forward"), *args, **kwargs)
+
+    def _softmax(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        result = func(*args, **kwargs)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if self.softmax and result.dim() == 4 and dim in (-1, 3):
+            module = self._module()
+            if module is not None:
+                self._record(module, result, "softmax")
+        return result
+
+
+class CapturedAttention:
+    """What ``capture_attention`` recorded: the selected attention calls, in call order.
+
+    ``records`` (AttentionRecord each), ``probabilities`` (N, heads, T_q, T_k) each, ``grads``
+    (same shapes, after a backward pass inside the block; None before), ``modules`` (names);
+    indexing and iteration go over ``records``.
+    """
+
+    def __init__(self, recorder: AttentionRecorder, positions: Union[None, int, slice, Sequence[int]]):
+        self._recorder = recorder
+        self._positions = positions
+
+    @property
+    def records(self) -> list[AttentionRecord]:
+        records = self._recorder.records
+        if self._positions is None:
+            return list(records)
+        if isinstance(self._positions, slice):
+            return records[self._positions]
+        positions = [self._positions] if isinstance(self._positions, int) else list(self._positions)
+        for position in positions:
+            if not -len(records) <= position < len(records):
+                raise IndexError(f"attention block {position} does not exist: {len(records)} attention "
+                                 "call(s) were recorded.")
+        return [records[position] for position in positions]
+
+    @property
+    def probabilities(self) -> list[Tensor]:
+        return [record.probabilities for record in self.records]
+
+    @property
+    def grads(self) -> list[Optional[Tensor]]:
+        return [record.grad for record in self.records]
+
+    @property
+    def modules(self) -> list[str]:
+        return [record.module for record in self.records]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> AttentionRecord:
+        return self.records[index]
+
+    def __iter__(self) -> Iterator[AttentionRecord]:
+        return iter(self.records)
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{record.module!r}: {tuple(record.probabilities.shape)}" for record in self.records)
+        return f"CapturedAttention([{rows}])"
+
+
+@contextmanager
+def capture_attention(
+    model: nn.Module,
+    blocks: BlockSpec = None,
+    *,
+    grads: bool = False,
+    detach: bool = True,
+    softmax: bool = True,
+) -> Iterator[CapturedAttention]:
+    """Record the attention probabilities of the model's attention layers while the block runs it.
+
+    blocks: which attention calls: None (all), positions in call order (``slice(-4, None)``:
+        the last four; ``-1``: the last), or the modules that compute them (a name, a glob such
+        as ``"blocks.*"``, a module, a module type, or a list of these; their submodules count).
+        Attention outside the selected modules keeps its fused kernel.
+    grads: also record ∂loss/∂probabilities when a backward pass runs inside the block (the
+        last backward's, for several).
+    detach: True stores detached tensors; False keeps them in the autograd graph, so that
+        ``torch.autograd.grad(score, captured.probabilities)`` works.
+    softmax: also record eager attention (a softmax over the last dimension of 4-D scores).
+
+    Works in this thread only, on every forward pass inside the block; nothing stays on the
+    model::
+
+        with explain.capture_attention(vit, slice(-4, None), grads=True) as attention:
+            vit(x)[0, 3].backward()
+        attention.probabilities[-1], attention.grads[-1]     # (N, heads, T, T) each
+    """
+    positions = blocks if _is_positions(blocks) else None
+    modules = None
+    if blocks is not None and positions is None:
+        modules = [name for name, _ in find_layers(model, blocks)]
+    recorder = AttentionRecorder(model, modules, softmax=softmax)
+    captured = CapturedAttention(recorder, positions)
+    closed = False
+
+    def keep(record: AttentionRecord) -> None:
+        in_graph = record.probabilities
+        if detach:
+            record.probabilities = in_graph.detach()
+        if grads and in_graph.requires_grad:
+            def store(gradient: Tensor) -> None:
+                if not closed:
+                    record.grad = gradient.detach() if detach else gradient
+
+            in_graph.register_hook(store)
+
+    recorder.on_record = keep
+    try:
+        with call_rules(recorder):
+            yield captured
+    finally:
+        closed = True

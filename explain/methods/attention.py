@@ -1,0 +1,210 @@
+"""Attention-based methods for vision transformers: attention rollout and gradient-weighted rollout.
+
+Both read each block's attention probabilities A (N, heads, T, T) through
+``explain.attention.capture_attention``, whatever computes them (fused
+``scaled_dot_product_attention``, ``nn.MultiheadAttention``, eager softmax), roll them out
+across the blocks into a (T, T) relevance matrix R per image, and read one row of R over the
+patch tokens, laid out on the patch grid inferred from the token count and the input size
+(``explain.layouts``).
+
+The row is the class token's (the first token) when the tokens start with class,
+distillation or register tokens; a model with patch tokens only (global average pooling)
+has no class token, and the row is then the mean of all rows of R (each token's share of
+the average the head reads). ``row="class"`` or ``"mean"`` chooses explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import BlockSpec, capture_attention
+from ..layouts import token_grid
+from ..targets import SelectedTargets, Target, select_targets
+from .base import Attribution, Explainer, register
+
+HEAD_FUSIONS = ("mean", "max", "min")
+Relevance = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
+ROWS = ("auto", "class", "mean")
+
+
+class AttentionExplainer(Explainer):
+    """Shared by the attention methods: records the blocks' attention during the forward pass.
+
+    blocks: which attention layers: None (every attention computed inside the model), or the
+        modules computing it (a name such as ``"vision_model"`` for CLIP's image tower, a glob,
+        a module or a module type; see ``explain.capture_attention``).
+    start_block: the first block rolled out (an index among the recorded blocks; negative from
+        the end). row: "auto" (the class token's row when there is one, else the mean over
+        tokens), "class" or "mean". reshape: (h, w), the patch grid, when the guess from the
+        token count and the input's aspect ratio is wrong (the last h·w tokens are the patches).
+    Other keyword arguments: see ``Explainer``.
+    """
+
+    needs_attention: ClassVar[bool] = True
+    """Marks methods that need a transformer (attention layers) rather than any model."""
+    uses_gradients: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        blocks: BlockSpec = None,
+        start_block: int = 0,
+        row: str = "auto",
+        reshape: Optional[Sequence[int]] = None,
+        **options,
+    ):
+        super().__init__(model, **options)
+        if row not in ROWS:
+            raise ValueError(f"row must be one of {ROWS}; got {row!r}.")
+        self.blocks = blocks
+        self.start_block = start_block
+        self.row = row
+        self.reshape = None if reshape is None else tuple(int(size) for size in reshape)
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        count = batch.shape[0]
+        with torch.enable_grad() if self.uses_gradients else torch.no_grad():
+            with capture_attention(self.model, self.blocks, detach=not self.uses_gradients) as attention:
+                output = self.call_model(batch)
+            selected = select_targets(output, target, topk, batch_size=count)
+            probabilities = self._checked(attention.probabilities, count)
+            first = self._first_block(len(probabilities))
+            relevance, zero_gradient, disconnected = self.relevance(probabilities[first:], selected)
+        selected.scores = selected.scores.detach()
+        prefix, (height, width) = self._layout(relevance.shape[-1], batch.shape[-2:])
+        maps = self._token_row(relevance.detach(), prefix)[..., prefix:].reshape(count, -1, height, width)
+        return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
+                           disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
+
+    def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
+        """The method: each rolled-out block's (N, heads, T, T) probabilities → (N, K, T, T) relevance,
+        and for gradient methods (N, K) flags: where ∂score/∂A was zero in every block, and where the
+        score does not depend on the attention at all (None for methods without gradients)."""
+        raise NotImplementedError
+
+    def _first_block(self, blocks: int) -> int:
+        if not -blocks <= self.start_block < blocks:
+            raise ValueError(f"start_block={self.start_block} is out of range: the model has {blocks} attention "
+                             "block(s).")
+        return self.start_block % blocks
+
+    def _checked(self, probabilities: list[Tensor], count: int) -> list[Tensor]:
+        """The recorded probabilities, or an error saying why this model's attention cannot be rolled out."""
+        if not probabilities:
+            raise ValueError(
+                f"{type(self).__name__} found no attention in the model's forward pass (it looks for "
+                "F.scaled_dot_product_attention, nn.MultiheadAttention and softmax over the last dimension of "
+                "(N, heads, T, T) scores). Attention methods need a transformer; for other models use GradCAM."
+            )
+        shapes = {tuple(p.shape[-2:]) for p in probabilities}
+        if any(p.shape[0] != count for p in probabilities):
+            raise ValueError(
+                f"the attention's batch dimension is {probabilities[0].shape[0]}, not the {count} image(s) "
+                "explained: this looks like window attention (Swin and other hierarchical transformers attend "
+                "within local windows, so no token-to-token matrix of the whole image exists to roll out). "
+                "Use GradCAM(model) instead: it picks a norm layer of the last stage."
+            )
+        if len(shapes) > 1 or any(rows != columns for rows, columns in shapes):
+            raise ValueError(
+                f"the attention matrices have shapes {sorted(shapes)} across blocks: rollout needs self-attention "
+                "over the same tokens in every block (token merging, pooled keys and cross-attention cannot be "
+                "rolled out). Choose the blocks with blocks=, or use GradCAM(model)."
+            )
+        return probabilities
+
+    def _layout(self, tokens: int, input_size) -> tuple[int, tuple[int, int]]:
+        if self.reshape is not None:
+            height, width = self.reshape
+            if height * width > tokens:
+                raise ValueError(f"reshape={self.reshape} needs at least {height * width} tokens; the attention "
+                                 f"has {tokens}.")
+            return tokens - height * width, (height, width)
+        return token_grid(tokens, input_size)
+
+    def _token_row(self, relevance: Tensor, prefix: int) -> Tensor:
+        """(N, K, T, T) → (N, K, T): the class token's row, or the mean of the rows."""
+        use_class = self.row == "class" or (self.row == "auto" and prefix > 0)
+        return relevance[:, :, 0] if use_class else relevance.mean(dim=2)
+
+
+@register
+class AttentionRollout(AttentionExplainer):
+    """Attention rollout (Abnar & Zuidema 2020): R = Â_L ⋯ Â_s, with Â each block's attention fused
+    over heads, the identity added for the residual connection and rows renormalised to sum to 1.
+
+    head_fusion: "mean" (the paper), "max" or "min" over heads. discard_ratio: the share in
+    [0, 1) of each image's smallest fused attention weights set to 0 before the identity is
+    added (1 − ratio of the weights kept). Class-agnostic: every target of an image gets the same
+    map. Other options: see ``AttentionExplainer``.
+    """
+
+    name = "attentionrollout"
+    summary = "Attention rollout: attention fused over heads, multiplied across blocks (class-agnostic)"
+
+    def __init__(self, model: nn.Module, *, head_fusion: str = "mean", discard_ratio: float = 0.0, **options):
+        super().__init__(model, **options)
+        if head_fusion not in HEAD_FUSIONS:
+            raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}; got {head_fusion!r}.")
+        if not 0.0 <= discard_ratio < 1.0:
+            raise ValueError(f"discard_ratio must be in [0, 1); got {discard_ratio!r}.")
+        self.head_fusion = head_fusion
+        self.discard_ratio = discard_ratio
+
+    def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
+        count, tokens = probabilities[0].shape[0], probabilities[0].shape[-1]
+        identity = torch.eye(tokens, device=probabilities[0].device)
+        rollout = identity.expand(count, tokens, tokens)
+        for block in probabilities:
+            block = block.float()
+            fused = {"mean": block.mean(dim=1), "max": block.amax(dim=1), "min": block.amin(dim=1)}[self.head_fusion]
+            discarded = int(self.discard_ratio * tokens * tokens)
+            if discarded:
+                flat = fused.reshape(count, -1)
+                smallest = flat.topk(discarded, dim=1, largest=False).indices
+                fused = flat.scatter(1, smallest, 0.0).reshape(count, tokens, tokens)
+            with_residual = fused + identity
+            rollout = (with_residual / with_residual.sum(dim=-1, keepdim=True)) @ rollout
+        return rollout.unsqueeze(1).expand(-1, selected.scores.shape[1], -1, -1), None, None
+
+
+@register
+class GradientAttentionRollout(AttentionExplainer):
+    """Gradient-weighted attention rollout (Chefer, Gur & Wolf 2021, "Generic attention-model
+    explainability"): per block Ā = mean over heads of (∂y/∂A ⊙ A)⁺, and R ← R + Ā·R from R = I,
+    block after block; the map is the class token's row of R over the patch tokens.
+
+    Class-specific: one backward pass per target (K targets per image), each giving every
+    image of the batch its own gradient. Other options: see ``AttentionExplainer``.
+    """
+
+    name = "gradientrollout"
+    summary = "Gradient-weighted attention rollout (Chefer et al. 2021): class-specific, for transformers and CLIP"
+    uses_gradients = True
+
+    def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
+        count, tokens = probabilities[0].shape[0], probabilities[0].shape[-1]
+        targets = selected.scores.shape[1]
+        identity = torch.eye(tokens, device=probabilities[0].device)
+        per_target, zero_gradient, disconnected = [], [], []
+        for target_index in range(targets):
+            score = selected.scores[:, target_index].sum()
+            gradients = [None] * len(probabilities)
+            if score.requires_grad:
+                gradients = torch.autograd.grad(score, probabilities, retain_graph=target_index < targets - 1,
+                                                allow_unused=True)
+            relevance = identity.expand(count, tokens, tokens)
+            nonzero = torch.zeros(count, dtype=torch.bool, device=identity.device)
+            for block, gradient in zip(probabilities, gradients):
+                if gradient is None:
+                    continue
+                nonzero |= gradient.flatten(1).ne(0).any(dim=1)
+                weighted = (gradient.float() * block.detach().float()).clamp(min=0).mean(dim=1)
+                relevance = relevance + weighted @ relevance
+            per_target.append(relevance)
+            zero_gradient.append(~nonzero)
+            disconnected.append(torch.full_like(nonzero, all(gradient is None for gradient in gradients)))
+        return torch.stack(per_target, dim=1), torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)

@@ -1,0 +1,132 @@
+"""Expected gradients / GradientSHAP (Erion et al. 2021; Lundberg & Lee 2017): Integrated Gradients
+with the baseline drawn from a distribution and the integral estimated by sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..targets import SelectedTargets, Target, select_targets
+from .base import Attribution, register
+from .gradients import GradientExplainer, all_zero, input_gradients
+
+
+def check_references(baselines: Optional[Tensor]) -> None:
+    """Refuse reference inputs that are not a (B, C, H, W) tensor with B ≥ 1 (None: the zero input)."""
+    if baselines is not None and (not isinstance(baselines, Tensor) or baselines.dim() != 4 or len(baselines) < 1):
+        shape = tuple(baselines.shape) if isinstance(baselines, Tensor) else type(baselines).__name__
+        raise ValueError(f"baselines must be a (B, C, H, W) tensor of reference inputs, B ≥ 1, or None; got {shape}.")
+
+
+def references_for(baselines: Optional[Tensor], batch: Tensor) -> Tensor:
+    """(B, C, H, W) references on the batch's device and dtype (the zero input for None)."""
+    if baselines is None:
+        return torch.zeros_like(batch[:1])
+    if baselines.shape[1:] != batch.shape[1:]:
+        raise ValueError(f"the baselines are {tuple(baselines.shape[1:])} per image but the inputs are "
+                         f"{tuple(batch.shape[1:])}; give baselines of the model input's shape.")
+    return baselines.to(batch.device, batch.dtype)
+
+
+@dataclass
+class PathSamples:
+    """The random draws of one call, for S samples per image (rows ordered image by image).
+
+    baseline_index: (N·S,) which reference each sample uses; alphas: (N·S,) positions on the
+    path in [0, 1]; noise: (N·S, C, H, W) Gaussian noise added to the image.
+    """
+
+    baseline_index: Tensor
+    alphas: Tensor
+    noise: Tensor
+
+
+@register
+class GradientShap(GradientExplainer):
+    """Expected gradients / GradientSHAP: the mean over samples s of
+    (x + ε_s − b_s) ⊙ ∂y/∂x at b_s + α_s (x + ε_s − b_s), with b_s drawn uniformly from the
+    references, α_s ~ U(0, 1) and ε_s ~ N(0, noise_std²). Its expectation is the mean of
+    Integrated Gradients over the references (for noise_std = 0).
+
+    baselines: (B, C, H, W) reference inputs, e.g. a batch of (preprocessed) training images,
+        as expected gradients proper takes them; None (default): the zero input alone, which
+        makes this a sampled Integrated Gradients from zero.
+    samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
+        in model-input units (Captum's stdevs); seed: same seed, same draws.
+    multiply_by_inputs: False gives the mean gradient itself.
+    batch_size: samples per forward/backward pass.
+    ``diagnostics["completeness_error"]`` (N, K): Σ attributions − mean over the drawn
+    references of (y(x) − y(b)); it shrinks as ``samples`` grows.
+    """
+
+    name = "gradientshap"
+    summary = "GradientSHAP / expected gradients: gradients at random points between the input and random references"
+
+    def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
+                 noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True, batch_size: int = 32,
+                 **options: Any):
+        super().__init__(model, **options)
+        check_references(baselines)
+        if samples < 1 or batch_size < 1 or noise_std < 0:
+            raise ValueError("samples and batch_size must be at least 1 and noise_std non-negative.")
+        self.baselines, self.samples, self.noise_std, self.seed = baselines, samples, noise_std, seed
+        self.multiply_by_inputs, self.batch_size = multiply_by_inputs, batch_size
+
+    def draw(self, batch: Tensor) -> PathSamples:
+        """The call's random draws, from a generator seeded with ``seed`` (on the CPU, so that the
+        same seed gives the same draws on every device)."""
+        rows = batch.shape[0] * self.samples
+        generator = torch.Generator().manual_seed(self.seed)
+        baseline_index = torch.randint(1 if self.baselines is None else len(self.baselines), (rows,),
+                                       generator=generator)
+        alphas = torch.rand(rows, generator=generator, dtype=torch.float64)
+        noise = torch.randn((rows, *batch.shape[1:]), generator=generator) * self.noise_std
+        return PathSamples(baseline_index.to(batch.device), alphas.to(batch.device),
+                           noise.to(batch.device, batch.dtype))
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        count = batch.shape[0]
+        with torch.no_grad():
+            selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
+        return self.attribute_with(batch, selected, self.draw(batch))
+
+    def attribute_with(self, batch: Tensor, selected: SelectedTargets, samples: PathSamples) -> Attribution:
+        """The attributions for given draws (``draw`` makes them; a test may give a peer's)."""
+        count, targets = batch.shape[0], selected.scores.shape[1]
+        baselines = references_for(self.baselines, batch)
+        per_image = len(samples.alphas) // count
+        image_of_row = torch.arange(count, device=batch.device).repeat_interleave(per_image)
+        total = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
+        baseline_scores = torch.zeros(count, targets, dtype=torch.float64, device=batch.device)
+        disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
+        for start in range(0, len(image_of_row), self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            images = image_of_row[rows]
+            references = baselines[samples.baseline_index[rows]]
+            noisy = batch[images] + samples.noise[rows]
+            alphas = samples.alphas[rows].to(batch.dtype).view(-1, 1, 1, 1)
+            points = alphas * noisy + (1 - alphas) * references
+
+            def scores_of(output, images=images):
+                return selected.scores_for(output, images)
+
+            def forward(inputs, images=images):
+                return self.forward(inputs, images)
+
+            gradients, _, unreachable = input_gradients(forward, points, scores_of)
+            if self.multiply_by_inputs:
+                gradients = (noisy - references)[:, None] * gradients
+            total.index_add_(0, images, gradients.double())
+            disconnected[images] &= unreachable
+            with torch.no_grad():
+                baseline_scores.index_add_(0, images, selected.scores_for(
+                    self.call_model(references, rows=images), images).double())
+        attributions = (total / per_image).to(batch.dtype)
+        score_change = selected.scores.detach().double() - baseline_scores / per_image
+        self.disconnected = disconnected
+        completeness_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
+        return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
+                                     completeness_error=completeness_error.float(), score_change=score_change.float())

@@ -1,23 +1,33 @@
 """Explain a whole folder or DataLoader, writing results to disk: resumable, bounded memory,
-sharded across processes under ``torchrun``.
+sharded across processes under ``torchrun``, safe against ``kill -9`` at any moment.
 
 Output folder layout:
 
-    OUT/index.csv            one row per image and target: id, image, target, class_name,
-                             score, probability, map  (written by rank 0 when sharded)
+    OUT/index.csv            one row per image and target: id, image, target, k, targets,
+                             class_name, score, probability, map (written by rank 0 when sharded)
     OUT/maps/<id>.npy        float16 (K, H, W) maps in [0, 1] at the input's resolution
     OUT/overlays/<id>.png    heatmap overlays, K side by side (with overlays=True)
+    OUT/skipped.csv          files that could not be read as images, with the reason
     OUT/index.rank<R>.csv    each process's rows when run under torchrun (merged into index.csv)
 
-An image whose row is in an index is done: a rerun skips it, so an interrupted run
-resumes where it stopped. A row is written only after its map file.
+An image is done when its K rows (k = 0 … K−1, ``targets`` = K) are in an index: a rerun
+skips it, so an interrupted run resumes where it stopped. Writes are ordered so that a kill
+at any moment leaves a consistent folder: map and overlay files are written to a temporary
+name and renamed into place before the image's rows, an image's rows go to the index in one
+write, and a resumed run first cuts an index back to its last complete image (a kill can tear
+the last line). A file's id is its path relative to the folder, made safe as a file name,
+plus a short hash of that path, so that ``cat.png`` and ``cat.jpg``, or ``a/b.png`` and
+``a__b.png``, never share files.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -27,10 +37,13 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from . import render
+from .capture import ModelInputError
+from .inputs import load_image
 from .methods.base import Explainer
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
-FIELDS = ["id", "image", "target", "class_name", "score", "probability", "map"]
+FIELDS = ["id", "image", "target", "k", "targets", "class_name", "score", "probability", "map"]
+SKIPPED_FIELDS = ["image", "reason"]
 
 
 @dataclass
@@ -49,31 +62,117 @@ class Shard:
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
 
-def image_files(folder: Union[str, Path]) -> list[Path]:
-    """Every image file under ``folder`` (recursively), sorted."""
+@dataclass
+class RunSummary:
+    """What a run did. index: this process's index file; explained: images explained by this
+    run; already_done: images skipped because an earlier run had explained them; skipped:
+    files that could not be read (listed with the reason in ``skipped_file``)."""
+
+    index: Path
+    explained: int = 0
+    already_done: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    skipped_file: Optional[Path] = None
+
+
+def display_name(path: Union[str, Path]) -> str:
+    """A path as one line of text that can always be written: bytes that are not UTF-8, and
+    control characters (a newline in a file name), appear as \\x escapes."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return re.sub(r"[\x00-\x1f\x7f]", lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def item_id(path: Path, folder: Path) -> str:
+    """A stable, unique, file-name-safe id: the relative path (separators as "__", other unsafe
+    characters as "_") and 8 hex digits of a hash of the exact relative path."""
+    relative = path.relative_to(folder)
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", "__".join(display_name(part) for part in relative.parts))
+    digest = hashlib.sha1(os.fsencode(relative)).hexdigest()[:8]
+    return f"{readable[-100:]}-{digest}"
+
+
+def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = None) -> list[Path]:
+    """Every image file under ``folder`` (recursively), sorted; files under ``exclude`` (the output
+    folder, when it lies inside the input folder) are left out."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"no folder at {str(folder)!r}.")
-    return sorted(path for path in folder.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file())
+        raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    files = []
+    for path in folder.rglob("*"):
+        if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+            continue
+        if excluded is not None and path.resolve().is_relative_to(excluded):
+            continue
+        files.append(path)
+    return sorted(files)
 
 
-def _item_id(path: Path, folder: Path) -> str:
-    return str(path.relative_to(folder).with_suffix("")).replace(os.sep, "__")
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(temporary)`` then rename into place: a kill leaves the old file or the new one."""
+    temporary = path.with_name(f".{path.name}.part")
+    write(temporary)
+    os.replace(temporary, path)
 
 
-def _done_ids(out: Path) -> set[str]:
-    done = set()
+def _complete_rows(index: Path) -> list[dict]:
+    """The rows of an index that form complete images, after cutting the file back to the end of
+    its last complete image (a kill while appending can leave a torn line or part of an image's
+    rows). Creates the index, with its header, when it does not exist."""
+    header = (",".join(FIELDS) + "\r\n").encode()
+    if not index.exists():
+        _write_atomically(index, lambda temporary: temporary.write_bytes(header))
+        return []
+    lines = index.read_bytes().splitlines(keepends=True)
+    if not lines or lines[0] != header:
+        raise ValueError(
+            f"{display_name(index)} is not an index of this version of explain (it does not start with the "
+            f"header {header.decode().strip()!r}); move it away or choose another output folder."
+        )
+    rows: list[dict] = []
+    pending: list[dict] = []
+    position = end = len(header)
+    for line in lines[1:]:
+        position += len(line)
+        if not line.endswith(b"\n"):
+            break  # torn by a kill
+        values = next(csv.reader([line.decode("utf-8", "replace")]), [])
+        row = dict(zip(FIELDS, values))
+        if len(values) != len(FIELDS) or not (row["k"].isdigit() and row["targets"].isdigit()):
+            break
+        if int(row["k"]) != len(pending) or (pending and row["id"] != pending[0]["id"]):
+            break
+        pending.append(row)
+        if len(pending) == int(row["targets"]):
+            rows.extend(pending)
+            pending, end = [], position
+    if end < sum(len(line) for line in lines):
+        with open(index, "r+b") as file:
+            file.truncate(end)
+    return rows
+
+
+def _done_ids(out: Path, own_index: Path) -> set[str]:
+    """Ids of the images complete in this process's index (cut back to its last complete image)
+    and in the other indexes of the folder (other ranks, the merged index)."""
+    done = {row["id"] for row in _complete_rows(own_index)}
     for index in out.glob("index*.csv"):
-        with open(index, newline="") as file:
-            done.update(row["id"] for row in csv.DictReader(file))
+        if index != own_index:
+            with open(index, newline="", encoding="utf-8", errors="replace") as file:
+                rows = list(csv.DictReader(file))
+            counts: dict[str, int] = {}
+            for row in rows:
+                counts[row["id"]] = counts.get(row["id"], 0) + 1
+            done.update(row["id"] for row in rows if row.get("targets", "").isdigit()
+                        and counts[row["id"]] == int(row["targets"]))
     return done
 
 
-def _batches_of_files(folder: Path, shard: Shard, batch_size: int) -> Iterator[tuple[list[str], list, list[str]]]:
-    files = image_files(folder)[shard.rank :: shard.world_size]
+def _batches_of_files(files: Sequence[Path], folder: Path, batch_size: int
+                      ) -> Iterator[tuple[list[str], list[Path], list[str]]]:
     for start in range(0, len(files), batch_size):
         chunk = files[start : start + batch_size]
-        yield [_item_id(path, folder) for path in chunk], [str(path) for path in chunk], [str(path) for path in chunk]
+        yield [item_id(path, folder) for path in chunk], list(chunk), [display_name(path) for path in chunk]
 
 
 def _batches_of_loader(loader: Iterable, shard: Shard) -> Iterator[tuple[list[str], object, list[str]]]:
@@ -100,100 +199,164 @@ def run(
     progress: bool = True,
     shard: Optional[Shard] = None,
     on_batch: Optional[Callable[[int], None]] = None,
-) -> Path:
+) -> RunSummary:
     """Explain every image of a folder (recursively) or every batch of a DataLoader, and write
     maps, optional overlays and an index to ``out`` (layout in this module's docstring).
 
     data: a folder of images, or an iterable of (N, C, H, W) model-input batches (or
         (batch, labels) pairs, e.g. a DataLoader without shuffling, so that a rerun sees the
         same order). target / topk: as in ``explain``, applied to every batch.
-    Images already in the index are skipped. Memory stays that of one batch.
-    Under torchrun each process takes every world_size-th image. on_batch(done) is called
-    after each batch with the number of images written so far. Returns this process's index.
+    Images already in the index are skipped; files that cannot be read as images are skipped
+    and listed in OUT/skipped.csv with the reason (a rerun tries them again). An output folder
+    inside the input folder is not explained. Memory stays that of one batch. Under torchrun
+    each process takes every world_size-th image. on_batch(done) is called after each batch
+    with the number of images written so far. Returns a RunSummary.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"the output {display_name(out)!r} is a file; give a folder (it is created if missing).")
     (out / "maps").mkdir(parents=True, exist_ok=True)
     if overlays:
         (out / "overlays").mkdir(exist_ok=True)
     shard = shard or Shard.from_environment()
     index_path = out / ("index.csv" if shard.world_size == 1 else f"index.rank{shard.rank}.csv")
-    done = _done_ids(out)
+    summary = RunSummary(index_path, skipped_file=out / "skipped.csv")
+    done = _done_ids(out, index_path)
     if isinstance(data, (str, Path)):
         folder = Path(data)
-        total = len(image_files(folder)[shard.rank :: shard.world_size])
-        batches = _batches_of_files(folder, shard, batch_size)
+        files = image_files(folder, exclude=out)[shard.rank :: shard.world_size]
+        total: Optional[int] = len(files)
+        batches: Iterator = _batches_of_files(files, folder, batch_size)
     else:
         total = None
         batches = _batches_of_loader(data, shard)
-    new_index = not index_path.exists()
-    written = 0
-    with open(index_path, "a", newline="") as index_file, tqdm(
+    with open(index_path, "a", newline="", encoding="utf-8") as index_file, tqdm(
         total=total, disable=not progress, desc=f"explain {explainer.method_name}", unit="image"
     ) as bar:
-        writer = csv.DictWriter(index_file, fieldnames=FIELDS)
-        if new_index:
-            writer.writeheader()
         for ids, inputs, names in batches:
-            todo = [position for position, item_id in enumerate(ids) if item_id not in done]
+            todo = [position for position, item in enumerate(ids) if item not in done]
+            summary.already_done += len(ids) - len(todo)
             bar.update(len(ids) - len(todo))
             if not todo:
                 continue
-            inputs = _select(inputs, todo)
-            explanation = explainer.explain(inputs, target=target, topk=topk)
-            for row, position in enumerate(todo):
-                _write_result(out, writer, explanation, row, ids[position], names[position], overlays)
-            index_file.flush()
-            written += len(todo)
+            for loaded, readable in _explainable_groups(inputs, todo, names, summary):
+                try:
+                    explanation = explainer.explain(loaded, target=target, topk=topk)
+                except (ValueError, ModelInputError) as error:
+                    if summary.explained == 0 and len(readable) == len(todo):
+                        raise  # the first batch fails as a whole: a problem of the run, not of its files
+                    for position in readable:
+                        summary.skipped[names[position]] = f"explaining it failed: {_first_line(error)}"
+                    _write_skipped(summary)
+                    continue
+                for row, position in enumerate(readable):
+                    _write_result(out, index_file, explanation, row, ids[position], names[position], overlays)
+                summary.explained += len(readable)
             bar.update(len(todo))
             if on_batch is not None:
-                on_batch(written)
-    return index_path
+                on_batch(summary.explained)
+    _write_skipped(summary)
+    return summary
 
 
-def _select(inputs, positions: Sequence[int]):
-    if isinstance(inputs, list):
-        return [inputs[position] for position in positions]
-    return inputs[list(positions)]
+def _explainable_groups(inputs, todo: list[int], names: list[str], summary: RunSummary
+                        ) -> Iterator[tuple[object, list[int]]]:
+    """The inputs still to explain, loaded, in groups of one image size (a batch needs one size);
+    files that cannot be read are recorded as skipped."""
+    if not isinstance(inputs, list):  # a DataLoader batch: tensors, nothing to read
+        yield (inputs[todo] if len(todo) < len(inputs) else inputs), todo
+        return
+    groups: dict[tuple[int, int], tuple[list, list[int]]] = {}
+    for position in todo:
+        try:
+            image = load_image(inputs[position])
+        except Exception as error:  # corrupt, empty, truncated, not an image, RGBA, decompression bomb ...
+            summary.skipped[names[position]] = _first_line(error)
+            continue
+        images, positions = groups.setdefault(image.size, ([], []))
+        images.append(image)
+        positions.append(position)
+    if len(summary.skipped):
+        _write_skipped(summary)
+    yield from groups.values()
 
 
-def _write_result(out: Path, writer: csv.DictWriter, explanation, row: int, item_id: str, name: str,
-                  overlays: bool) -> None:
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _write_skipped(summary: RunSummary) -> None:
+    if summary.skipped_file is None or (not summary.skipped and not summary.skipped_file.exists()):
+        return
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=SKIPPED_FIELDS)
+            writer.writeheader()
+            writer.writerows({"image": image, "reason": reason} for image, reason in summary.skipped.items())
+
+    _write_atomically(summary.skipped_file, write)
+
+
+def _write_result(out: Path, index_file, explanation, row: int, item: str, name: str, overlays: bool) -> None:
+    """The image's map (and overlay) files, renamed into place, then its K rows in one write."""
     maps = explanation.map_grid[row].detach().float().cpu()  # (K, H, W)
-    map_file = Path("maps") / f"{item_id}.npy"
-    np.save(out / map_file, maps.numpy().astype(np.float16))
+    map_file = Path("maps") / f"{item}.npy"
+    _write_atomically(out / map_file, lambda temporary: _save_array(temporary, maps.numpy().astype(np.float16)))
     if overlays:
-        tiles = render.overlay(explanation.images[row], maps)
-        Image.fromarray(np.concatenate(list(tiles), axis=1)).save(out / "overlays" / f"{item_id}.png")
-    for k in range(maps.shape[0]):
+        tiles = np.concatenate(list(render.overlay(explanation.images[row], maps)), axis=1)
+        _write_atomically(out / "overlays" / f"{item}.png",
+                          lambda temporary: Image.fromarray(tiles).save(temporary, format="PNG"))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    targets = maps.shape[0]
+    for k in range(targets):
         index = None if explanation.class_indices is None else int(explanation.class_indices[row, k])
         names = explanation.class_names
         writer.writerow({
-            "id": item_id,
+            "id": item,
             "image": name,
             "target": "" if index is None else index,
+            "k": k,
+            "targets": targets,
             "class_name": names[index] if names is not None and index is not None and index < len(names) else "",
             "score": f"{float(explanation.scores[row, k]):.6g}",
             "probability": "" if explanation.probabilities is None
             else f"{float(explanation.probabilities[row, k]):.6g}",
-            "map": str(map_file),
+            "map": map_file.as_posix(),
         })
+    index_file.write(buffer.getvalue())
+    index_file.flush()
+    os.fsync(index_file.fileno())
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as file:
+        np.save(file, array)
 
 
 def merge_shard_indexes(out: Union[str, Path]) -> Path:
-    """Append the rows of every ``index.rank*.csv`` to ``index.csv`` (once) and remove them."""
+    """Merge every ``index.rank*.csv`` into ``index.csv`` and remove them. Idempotent: rows of an
+    image already in index.csv are not added twice, so a merge cut short by a kill can be rerun."""
     out = Path(out)
     index_path = out / "index.csv"
-    rows = []
+    existing = _complete_rows(index_path)
+    present = {row["id"] for row in existing}
     shards = sorted(out.glob("index.rank*.csv"))
+    rows = []
     for shard_index in shards:
-        with open(shard_index, newline="") as file:
-            rows.extend(csv.DictReader(file))
-    new_index = not index_path.exists()
-    with open(index_path, "a", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=FIELDS)
-        if new_index:
+        rows.extend(row for row in _complete_rows(shard_index) if row["id"] not in present)
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=FIELDS)
             writer.writeheader()
-        writer.writerows(sorted(rows, key=lambda row: row["id"]))
+            writer.writerows(existing + sorted(rows, key=lambda row: (row["id"], int(row["k"]))))
+
+    _write_atomically(index_path, write)
     for shard_index in shards:
         shard_index.unlink()
     return index_path

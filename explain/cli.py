@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import torch
 
@@ -27,6 +29,14 @@ from .models import LoadedModel, WeightsUnavailableError, load_model
 DEMO_SEED = 2024
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the command's error format: one ``explain: error:`` line, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"explain: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **options) -> Explainer:
     """Build a registered method for a loaded model; methods that need a layer get it."""
     cls = get_method(method)
@@ -34,6 +44,77 @@ def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **opt
     if cls.needs_layer:  # layer None: the method picks one on its first call
         return cls(loaded.model, layer if layer is not None or loaded.name != "demo" else "layer4", **common)
     return cls(loaded.model, **common)
+
+
+def parse_device(text: str) -> torch.device:
+    """--device: "cpu", "cuda", "cuda:1", "mps", ...; an error that says what is available otherwise."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: no CUDA GPU is available on this machine; use --device cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: MPS is not available on this machine; use --device cpu.")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {text}: explain runs on cpu, cuda or mps.")
+    return device
+
+
+def check_colormap(name: str) -> str:
+    """--cmap: a matplotlib colour map name, or an error listing close names."""
+    import matplotlib
+
+    if name not in matplotlib.colormaps:
+        close = difflib.get_close_matches(name, list(matplotlib.colormaps), n=4, cutoff=0.5)
+        hint = f" Did you mean {', '.join(close)}?" if close else " Try jet, viridis, cividis, inferno or turbo."
+        raise ValueError(f"--cmap {name!r} is not a matplotlib colour map.{hint}")
+    return name
+
+
+def check_output_folder(path: str) -> Path:
+    """--out: a folder (created when missing); an error when a file is in the way."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {path!r} is a file; give a folder (it is created if missing).")
+    return out
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def output_names(paths: Sequence[str]) -> list[str]:
+    """A distinct name per input file for its outputs: the file's stem, or, where stems collide
+    (a/x.png, b/x.png, x.jpg), its path below the inputs' common folder with the suffix spelled
+    out (a__x_png, b__x_png, x_jpg); a file given twice is numbered."""
+    stems = [Path(path).stem for path in paths]
+    resolved = [Path(path).resolve() for path in paths]
+    common = Path(os.path.commonpath([str(path.parent) for path in resolved])) if paths else Path()
+    names = []
+    for stem, path in zip(stems, resolved):
+        if stems.count(stem) == 1:
+            names.append(stem)
+        else:
+            below = "__".join(path.relative_to(common).with_suffix("").parts)
+            names.append(re.sub(r"[^A-Za-z0-9._-]", "_", below) + "_" + path.suffix.lstrip("."))
+    original, seen = list(names), {}
+    for index, name in enumerate(original):
+        if original.count(name) > 1:
+            seen[name] = seen.get(name, 0) + 1
+            names[index] = f"{name}-{seen[name]}"
+    return names
 
 
 def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]):
@@ -57,16 +138,18 @@ def _describe(explanation, image_index: int, target_index: int) -> str:
 
 
 def run_images(arguments: argparse.Namespace) -> int:
+    check_colormap(arguments.cmap)
+    device = parse_device(arguments.device)
+    out = check_output_folder(arguments.out)
     loaded = load_model(arguments.model, arguments.weights)
-    device = torch.device(arguments.device)
     loaded.model.to(device)
     explainer = make_explainer(arguments.method, loaded, arguments.layer)
     target = parse_target(arguments.target, loaded.class_names)
-    out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
-    for path in arguments.images:
+    method = get_method(arguments.method).name
+    for path, name in zip(arguments.images, output_names(arguments.images)):
         explanation = explainer.explain(path, target=target, topk=arguments.topk)
-        destination = out / f"{Path(path).stem}_{get_method(arguments.method).name}.png"
+        destination = out / f"{name}_{method}.png"
         explanation.save(destination, alpha=arguments.alpha, cmap=arguments.cmap)
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
@@ -106,36 +189,42 @@ def run_batch(argv: Sequence[str]) -> int:
     """``explain batch``: every image of a folder, written to OUT (see explain.batch)."""
     from .batch import Shard, merge_shard_indexes, run
 
-    parser = argparse.ArgumentParser(prog="explain batch", description=run_batch.__doc__)
+    parser = Parser(prog="explain batch", description=run_batch.__doc__)
     parser.add_argument("folder", help="folder of images (searched recursively)")
     _add_model_options(parser)
-    parser.add_argument("--out", required=True, help="output folder: index.csv, maps/, overlays/")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--out", required=True, help="output folder: index.csv, maps/, overlays/, skipped.csv")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--overlays", action="store_true", help="also write overlay PNGs")
     parser.add_argument("--no-progress", action="store_true")
     arguments = parser.parse_args(argv)
+    device = parse_device(arguments.device)
+    check_output_folder(arguments.out)
     shard = Shard.from_environment()
     distributed = shard.world_size > 1 and not torch.distributed.is_initialized()
     if distributed:  # launched by torchrun: one shard per process
-        backend = "nccl" if arguments.device.startswith("cuda") else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend)
-        if arguments.device.startswith("cuda"):
-            arguments.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     try:
         loaded = load_model(arguments.model, arguments.weights)
-        loaded.model.to(torch.device(arguments.device))
+        loaded.model.to(device)
         explainer = make_explainer(arguments.method, loaded, arguments.layer)
         target = parse_target(arguments.target, loaded.class_names)
-        index = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
-                    batch_size=arguments.batch_size, overlays=arguments.overlays,
-                    progress=not arguments.no_progress, shard=shard)
+        summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
+                      batch_size=arguments.batch_size, overlays=arguments.overlays,
+                      progress=not arguments.no_progress, shard=shard)
+        index = summary.index
         if shard.world_size > 1:
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
             if shard.rank == 0:
                 index = merge_shard_indexes(arguments.out)
-        if shard.rank == 0:
-            print(f"results in {arguments.out}; index {index}")
+        skipped = (f"; {len(summary.skipped)} file(s) skipped, listed with the reason in {summary.skipped_file}"
+                   if summary.skipped else "")
+        print(f"rank {shard.rank}: " if shard.world_size > 1 else "", end="")
+        print(f"{summary.explained} image(s) explained, {summary.already_done} already done{skipped}; "
+              f"results in {arguments.out}, index {index}")
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -153,7 +242,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _image_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="explain",
         description="Explain images with a vision model and write heatmap overlays.",
         epilog="Other commands: `explain demo` (no network needed), `explain methods`, `explain layers MODEL`, "
@@ -171,7 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "demo":
-            parser = argparse.ArgumentParser(prog="explain demo", description=run_demo.__doc__)
+            parser = Parser(prog="explain demo", description=run_demo.__doc__)
             parser.add_argument("--out", default="explain-demo.png")
             parser.add_argument("--count", type=int, default=6)
             arguments = parser.parse_args(argv[1:])
@@ -183,10 +272,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if argv and argv[0] == "batch":
             return run_batch(argv[1:])
         if argv and argv[0] == "layers":
-            parser = argparse.ArgumentParser(prog="explain layers", description="List layer names and output shapes.")
+            parser = Parser(prog="explain layers", description="List layer names and output shapes.")
             parser.add_argument("model", help="'demo' or a torchvision model name")
             parser.add_argument("--weights", help="a state-dict file or a torchvision weights name")
-            parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"),
+            parser.add_argument("--input-size", type=positive_int, nargs=3, metavar=("C", "H", "W"),
                                 help="input size (default: 3 64 64 for demo, 3 224 224 otherwise)")
             arguments = parser.parse_args(argv[1:])
             loaded = load_model(arguments.model, arguments.weights)
@@ -194,8 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))
-    except (ValueError, TypeError, FileNotFoundError, WeightsUnavailableError, LayerNotRunError,
-            ModelInputError) as error:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, WeightsUnavailableError,
+            LayerNotRunError, ModelInputError) as error:
         print(f"explain: error: {error}", file=sys.stderr)
         return 2
 

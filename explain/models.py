@@ -16,7 +16,7 @@ import torch
 import torchvision
 from torch import nn
 
-from .data.demo import load_demo_model
+from .data.demo import DemoNet, load_demo_model
 from .data.synthetic import CLASS_NAMES
 from .inputs import Normalize
 
@@ -57,11 +57,29 @@ def _resolve_weights_name(model_name: str, weights: str):
         ) from None
 
 
+def _load_state_dict(model: nn.Module, state: dict, weights: str, name: str) -> None:
+    """Load weights into a model, or say in a few lines which keys or shapes do not fit."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        details = [line.strip() for line in str(error).splitlines() if line.strip()][1:4]
+        raise WeightsUnavailableError(
+            f"the weights in {weights!r} do not fit the {name} model (were they saved from another "
+            f"architecture, or with another number of classes?): {' '.join(details)[:400]}"
+        ) from error
+
+
 def _read_state_dict(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file at {str(path)!r}.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip and format errors of any kind
-        raise WeightsUnavailableError(f"could not read weights from {str(path)!r}: {error}") from error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise WeightsUnavailableError(
+            f"could not read weights from {str(path)!r} ({type(error).__name__}: {first[:200]}): give a state "
+            "dict saved with torch.save(model.state_dict(), path)."
+        ) from error
     for key in ("state_dict", "model_state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -78,7 +96,12 @@ def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
     cannot be downloaded or read, with the fix in the message.
     """
     if name == "demo":
-        model = load_demo_model(weights) if weights else load_demo_model()
+        if weights is None:
+            model = load_demo_model()
+        else:
+            model = DemoNet()
+            _load_state_dict(model, _read_state_dict(Path(weights).expanduser()), weights, name)
+            model.eval()
         return LoadedModel(model, Normalize(), list(CLASS_NAMES), "demo")
     available = torchvision.models.list_models()
     if name not in available:
@@ -93,10 +116,7 @@ def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
     elif Path(weights).expanduser().is_file():
         state = _read_state_dict(Path(weights).expanduser())
         model = torchvision.models.get_model(name, weights=None)
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as error:
-            raise WeightsUnavailableError(f"the weights in {weights!r} do not fit {name}: {error}") from error
+        _load_state_dict(model, state, weights, name)
         chosen = default_weights
     elif any(separator in weights for separator in ("/", "\\")) or weights.endswith((".pt", ".pth", ".bin")):
         raise FileNotFoundError(f"no weights file at {weights!r}.")

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 import explain
-from explain.batch import run
+from explain.batch import item_id, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
 
@@ -85,7 +85,7 @@ def test_run_over_a_dataloader_with_topk(tmp_path):
     normalized = explain.Normalize()(batch[0])  # one image, to check the layout below
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
         torch.stack([explain.Normalize()(image) for image in batch]), torch.from_numpy(data.labels)), batch_size=4)
-    index = run(explain.GradCAM(model, "layer4"), loader, tmp_path, topk=2, progress=False)
+    index = run(explain.GradCAM(model, "layer4"), loader, tmp_path, topk=2, progress=False).index
     rows = read_index(index)
     assert len(rows) == 20 and [row["id"] for row in rows[:2]] == ["00000000", "00000000"]
     assert np.load(tmp_path / rows[0]["map"]).shape == (2, 64, 64)
@@ -106,8 +106,7 @@ def test_explain_batch_command_and_torchrun_shards_each_image_once(image_folder,
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = read_index(out / "index.csv")
-    assert sorted(row["id"] for row in rows) == sorted(
-        f"{path.parent.name}__{path.stem}" for path in small.rglob("*.png"))
+    assert sorted(row["id"] for row in rows) == sorted(item_id(path, small) for path in small.rglob("*.png"))
     assert not list(out.glob("index.rank*.csv"))
     assert len(list((out / "maps").glob("*.npy"))) == 12
     assert main(["batch", str(small), "--model", "demo", "--out", str(out), "--no-progress"]) == 0

@@ -2,6 +2,9 @@
 
     python benchmarks/cam_cost.py            # resnet18, layer4, 1 image of 224 px, CPU
 
+Also the CAM options (smooth="augment": 6 passes; smooth="eigen": an SVD per map; two layers
+combined) and FullGrad, which needs the gradient at the input and at every conv and BatchNorm.
+
 Score-CAM is also compared with a naive loop of one forward per channel (the
 definition, as other libraries run it), and Ablation-CAM with full forwards of
 ablated copies (what it falls back to when the tail cannot be replayed alone).
@@ -54,9 +57,17 @@ def main() -> None:
         print(f"{label}: {seconds * 1000:.0f} ms = {seconds / forward:.1f} forwards", flush=True)
         return seconds
 
-    for name in ("gradcam", "gradcam++", "xgradcam", "hirescam", "layercam", "eigencam"):
+    for name in ("gradcam", "gradcam++", "xgradcam", "hirescam", "layercam", "eigencam", "eigengradcam",
+                 "gradcamelementwise", "shapleycam", "kpcacam", "fem", "randomcam"):
         explainer = explain.get_method(name)(model, "layer4")
         measure(explainer.method_name, lambda explainer=explainer: explainer.explain(x, target=1), repeats=10)
+    for label, options in (("smooth='augment'", {"smooth": "augment"}), ("smooth='eigen'", {"smooth": "eigen"})):
+        explainer = explain.GradCAM(model, "layer4", **options)
+        measure(f"GradCAM, {label}", lambda explainer=explainer: explainer.explain(x, target=1), repeats=10)
+    both = explain.GradCAM(model, ["layer3", "layer4"])
+    measure("GradCAM, layer3 + layer4 (normalised mean)", lambda: both.explain(x, target=1), repeats=10)
+    fullgrad = explain.FullGrad(model)
+    measure("FullGrad (whole network, no layer)", lambda: fullgrad.explain(x, target=1), repeats=10)
     ablation = explain.AblationCAM(model, "layer4", progress=False)
     measure("AblationCAM (replays the tail after layer4)", lambda: ablation.explain(x, target=1), repeats=5)
     fallback = explain.AblationCAM(model, "layer4", progress=False)

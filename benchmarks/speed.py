@@ -1,13 +1,16 @@
 """Time and peak memory of each method as multiples of one no-grad forward of the same model and batch.
 
     python benchmarks/speed.py [--models resnet50 vgg16 vit_b_16] [--batches 1 16] [--device cpu]
+    python benchmarks/speed.py --transformers     # attention methods and the rest on vit_b_16 and timm vit_small
 
 Each (model, batch, method) is measured in a fresh process: its peak memory growth
 (RSS on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over the memory held
 before the call, and its median time over repeated calls next to a no-grad forward
 timed in the same process. Peers (pytorch-grad-cam, Captum, torchcam) are measured
 alike when installed (``pip install -e ".[bench]"``). Random weights, 224 px inputs.
-Writes the "Speed and memory" section of benchmarks/RESULTS.md.
+Writes the "Speed and memory" section of benchmarks/RESULTS.md; with ``--transformers``, the
+"Speed and memory: transformers" section (torchvision vit_b_16 with its zero head re-initialised,
+timm vit_small_patch16_224; CAMs at the automatic layer, the last block's first norm).
 """
 
 from __future__ import annotations
@@ -28,7 +31,29 @@ LAYERS = {"resnet50": "layer4", "vgg16": "features.29", "vit_b_16": None}
 OURS = ("gradcam", "gradcam++", "hirescam", "layercam", "eigencam", "saliency", "guidedbackprop", "ablationcam",
         "scorecam")
 PEERS = ("pytorch-grad-cam", "captum", "torchcam")
-SLOW = {"scorecam", "ablationcam"}  # one forward per channel (Score-CAM), or ablated copies: batch 1 only
+SLOW = {"scorecam", "ablationcam", "integratedgradients"}  # one forward per channel or per step: batch 1 only
+TRANSFORMERS = {"vit_b_16": None, "vit_small_patch16_224": None}  # layer None: the automatic one
+TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "gradcam", "saliency", "integratedgradients",
+                       "scorecam")
+TIMM_MODELS = {"vit_small_patch16_224"}
+
+
+def build_model(name: str):
+    """A torchvision or timm model with random weights; classifier heads that start at zero are
+    re-initialised, so that gradients are not zero."""
+    import torch
+    import torchvision
+
+    if name in TIMM_MODELS:
+        import timm
+
+        model = timm.create_model(name, pretrained=False)
+    else:
+        model = torchvision.models.get_model(name, weights=None)
+    head = getattr(getattr(model, "heads", None), "head", None)
+    if isinstance(head, torch.nn.Linear):
+        torch.nn.init.normal_(head.weight, std=0.01)
+    return model.eval()
 
 
 def build_call(method: str, model, layer_name: str | None, batch, device):
@@ -45,7 +70,7 @@ def build_call(method: str, model, layer_name: str | None, batch, device):
     import explain
 
     cls = explain.get_method(method)
-    options = {"progress": False} if method in SLOW else {}
+    options = {"progress": False} if method in ("scorecam", "ablationcam") else {}
     explainer = cls(model, layer_name, **options) if cls.needs_layer else cls(model, **options)
     return lambda: explainer.explain(batch).maps
 
@@ -90,13 +115,12 @@ def measure_one(model_name: str, batch_size: int, method: str, device_name: str,
     """Run in a fresh process: memory of one call, then median times of the method and a forward."""
     import psutil
     import torch
-    import torchvision
 
     torch.manual_seed(0)
     device = torch.device(device_name)
-    model = torchvision.models.get_model(model_name, weights=None).eval().to(device)
+    model = build_model(model_name).to(device)
     batch = torch.randn(batch_size, 3, 224, 224, device=device)
-    call = build_call(method, model, LAYERS[model_name], batch, device)
+    call = build_call(method, model, {**LAYERS, **TRANSFORMERS}[model_name], batch, device)
     forward = build_call("forward", model, None, batch, device)
     started = time.perf_counter()
     if device.type == "cuda":
@@ -148,6 +172,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--transformers", action="store_true", help="the transformer benchmark (see above)")
     parser.add_argument("--one", nargs=4, metavar=("MODEL", "BATCH", "METHOD", "REPEATS"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.one:
@@ -158,12 +183,15 @@ def main() -> None:
         print(json.dumps(measure_one(model_name, int(batch), method, arguments.device, int(repeats))))
         return
     batches = arguments.batches or ([1, 32] if arguments.device.startswith("cuda") else [1, 16])
-    methods = list(arguments.methods or OURS) + available_peers()
+    if arguments.transformers:
+        models, methods = list(TRANSFORMERS), list(arguments.methods or TRANSFORMER_METHODS)
+    else:
+        models, methods = arguments.models, list(arguments.methods or OURS) + available_peers()
     results = []
-    for model_name in arguments.models:
+    for model_name in models:
         for batch in batches:
             configs = ["forward"] + [m for m in methods if not (m in SLOW and batch > 1)]
-            if LAYERS[model_name] is None:  # token layouts come with issue 7: gradient methods only
+            if not arguments.transformers and LAYERS[model_name] is None:  # the CNN benchmark's ViT row
                 configs = [m for m in configs if m in ("forward", "saliency", "guidedbackprop")]
             for method in configs:
                 repeats = 15 if batch == 1 else 3
@@ -178,10 +206,10 @@ def main() -> None:
                 figures = json.loads(completed.stdout.strip().splitlines()[-1])
                 results.append({"model": model_name, "batch": batch, "method": method, **figures})
                 print(f"{model_name} b{batch} {method}: {figures}", flush=True)
-    write(results, arguments.device)
+    write(results, arguments.device, arguments.transformers)
 
 
-def write(results: list[dict], device: str) -> None:
+def write(results: list[dict], device: str, transformers: bool = False) -> None:
     from common import write_section
 
     lines = [
@@ -204,6 +232,13 @@ def write(results: list[dict], device: str) -> None:
             f"| {row['model']} | {row['batch']} | {row['method']} | {row['method_s']:.3f} | {time_ratio:.2f} | "
             f"{row['growth'] / 2**20:.0f} | {memory_ratio:.2f} |"
         )
+    if transformers:
+        lines[0] += (" torchvision vit_b_16 (zero head re-initialised) and timm vit_small_patch16_224; Grad-CAM and "
+                     "Score-CAM at the automatic layer (the last block's first norm); rollouts over all blocks; "
+                     "Integrated Gradients with its default steps.")
+        lines += ["", "Command: `python benchmarks/speed.py --transformers`."]
+        write_section(f"Speed and memory: transformers ({device.upper()})", "\n".join(lines))
+        return
     lines += ["", "Command: `python benchmarks/speed.py`."]
     write_section(f"Speed and memory ({device.upper()})", "\n".join(lines))
 

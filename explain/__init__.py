@@ -24,15 +24,21 @@ from .inputs import Normalize, load_image
 from .layers import LayerInfo, format_layers, list_layers
 from .methods import (
     CAM,
+    FEM,
     REGISTRY,
     AblationCAM,
     AttentionRollout,
     Deconvnet,
+    DeepFeatureFactorization,
     DeepLift,
     DeepLiftShap,
     EigenCAM,
+    EigenGradCAM,
     Explainer,
+    Factorization,
+    FullGrad,
     GradCAM,
+    GradCAMElementWise,
     GradCAMPlusPlus,
     GradientAttentionRollout,
     GradientShap,
@@ -41,9 +47,12 @@ from .methods import (
     HiResCAM,
     InputXGradient,
     IntegratedGradients,
+    KernelPCACAM,
     LayerCAM,
+    RandomCAM,
     Saliency,
     ScoreCAM,
+    ShapleyCAM,
     SmoothGrad,
     SmoothGradSquared,
     VarGrad,
@@ -52,6 +61,7 @@ from .methods import (
 )
 from .render import colorize, overlay
 from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
+from .units import Channel, Neuron
 
 __version__ = "0.1.0"
 
@@ -86,6 +96,17 @@ __all__ = [
     "LayerCAM",
     "ScoreCAM",
     "XGradCAM",
+    "EigenGradCAM",
+    "FEM",
+    "FullGrad",
+    "GradCAMElementWise",
+    "KernelPCACAM",
+    "RandomCAM",
+    "ShapleyCAM",
+    "DeepFeatureFactorization",
+    "Factorization",
+    "Channel",
+    "Neuron",
     "CAM",
     "Call",
     "Captured",

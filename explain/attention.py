@@ -1,18 +1,6 @@
-"""Call-scoped rules, and attention probabilities recorded through any attention implementation.
+"""Attention probabilities recorded through any attention implementation.
 
-**Rules.** A ``Rule`` says "these torch functions are computed this way during this call".
-``call_rules(rule, ...)`` activates rules with a ``torch.overrides.TorchFunctionMode`` for the
-duration of a ``with`` block, in the current thread only (torch keeps the mode stack per
-thread), as a ``CallScope``: the mode is off again when the block ends, whatever happens.
-Functional calls are caught as well as the ones modules make, and no module of the model is
-replaced. A rule's ``compute`` runs with the mode switched off (torch pops a mode while its
-handler runs), so what it calls is computed plainly. The same is true of a Python-level torch
-function that dispatches on its own and calls other torch functions inside
-(``F.multi_head_attention_forward`` calls ``F.scaled_dot_product_attention``): the mode sees
-the outer call only, so a rule for the inner function must handle the outer one as a whole,
-from its arguments (they carry every weight it uses).
-
-**Attention.** ``capture_attention`` records the attention probabilities
+``capture_attention`` records the attention probabilities
 A = softmax(QKᵀ·scale + mask), (N, heads, T_q, T_k), of every attention layer of a model,
 inside the autograd graph, so that both A and ∂y/∂A are available, whatever computes them:
 
@@ -26,7 +14,8 @@ inside the autograd graph, so that both A and ∂y/∂A are available, whatever 
 - eager implementations (timm ``fused_attn=False``, HuggingFace ``eager``): a softmax over the
   last dimension of (N, heads, T_q, T_k) scores, recorded as computed.
 
-The model's output with recording on equals its fused output to float rounding. Only
+The recording is a call-scoped rule (``explain.rules``). The model's output with recording on
+equals its fused output to float rounding. Only
 attention computed inside the model's own forward is recorded: the innermost module of the
 model on the Python call stack names each record (``"blocks.3.attn"``).
 """
@@ -35,67 +24,16 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from .capture import LayerSpec, find_layers
+from .rules import CallRules, Rule
 from .scope import CallScope
-
-# ------------------------------------------------------------------ call-scoped rules
-
-
-class Rule:
-    """How some torch functions are computed during a call.
-
-    ``functions``: the torch functions the rule takes over (``F.relu``, ``Tensor.relu``, ...).
-    ``compute(func, args, kwargs)``: what a call of one of them returns instead. It runs with
-    the rules' mode off; to leave a call as it is, return ``func(*args, **kwargs)``.
-    """
-
-    functions: ClassVar[frozenset] = frozenset()
-
-    def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        raise NotImplementedError
-
-
-class CallRules(TorchFunctionMode):
-    """The function mode that routes each call of a rule's function to that rule."""
-
-    def __init__(self, rules: Sequence[Rule]):
-        super().__init__()
-        self.rules = list(rules)
-        self.table: dict[Callable, Rule] = {}
-        for rule in self.rules:
-            for function in rule.functions:
-                if function in self.table:
-                    raise ValueError(f"two rules take over {function}; give each function one rule.")
-                self.table[function] = rule
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        rule = self.table.get(func)
-        if rule is None:
-            return func(*args, **kwargs)
-        return rule.compute(func, args, kwargs)
-
-
-class call_rules(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
-    """``with call_rules(rule, ...) as mode:`` — within the block, in this thread, every call of a
-    rule's functions is computed by the rule. The mode is removed when the block ends, also on an
-    exception or an interrupt (see ``explain.scope``)."""
-
-    def __init__(self, *rules: Rule):
-        super().__init__()
-        self.mode = CallRules(rules)
-
-    def setup(self) -> CallRules:
-        return self.enter(self.mode)
 
 
 def calling_module(modules: dict[int, str]) -> Optional[str]:
@@ -407,7 +345,30 @@ class CapturedAttention:
         return f"CapturedAttention([{rows}])"
 
 
-@contextmanager
+class AttentionBlock(CallScope):
+    """The ``with`` block of ``capture_attention``: the recording rule for this thread, removed at its end."""
+
+    def __init__(self, recorder: AttentionRecorder, captured: CapturedAttention, *, grads: bool, detach: bool):
+        super().__init__()
+        self.recorder, self.captured = recorder, captured
+        self.grads, self.detach = grads, detach
+        recorder.on_record = self._keep
+
+    def _keep(self, record: AttentionRecord) -> None:
+        in_graph = record.probabilities
+        if self.detach:
+            record.probabilities = in_graph.detach()
+        if self.grads and in_graph.requires_grad:
+            def store(gradient: Tensor) -> None:
+                record.grad = gradient.detach() if self.detach else gradient
+
+            self.add_undo(in_graph.register_hook(store).remove)
+
+    def setup(self) -> CapturedAttention:
+        self.enter(CallRules([self.recorder]))
+        return self.captured
+
+
 def capture_attention(
     model: nn.Module,
     blocks: BlockSpec = None,
@@ -415,7 +376,7 @@ def capture_attention(
     grads: bool = False,
     detach: bool = True,
     softmax: bool = True,
-) -> Iterator[CapturedAttention]:
+) -> AttentionBlock:
     """Record the attention probabilities of the model's attention layers while the block runs it.
 
     blocks: which attention calls: None (all), positions in call order (``slice(-4, None)``:
@@ -428,8 +389,9 @@ def capture_attention(
         ``torch.autograd.grad(score, captured.probabilities)`` works.
     softmax: also record eager attention (a softmax over the last dimension of 4-D scores).
 
-    Works in this thread only, on every forward pass inside the block; nothing stays on the
-    model::
+    ``with capture_attention(...) as attention`` gives a ``CapturedAttention``. It works in
+    this thread only, on every forward pass inside the block; nothing stays on the model when
+    the block ends, also on an exception or an interrupt::
 
         with explain.capture_attention(vit, slice(-4, None), grads=True) as attention:
             vit(x)[0, 3].backward()
@@ -438,25 +400,6 @@ def capture_attention(
     positions = blocks if _is_positions(blocks) else None
     modules = None
     if blocks is not None and positions is None:
-        modules = [name for name, _ in find_layers(model, blocks)]
+        modules = [name for name, _ in find_layers(model, blocks)]  # type: ignore[arg-type]
     recorder = AttentionRecorder(model, modules, softmax=softmax)
-    captured = CapturedAttention(recorder, positions)
-    closed = False
-
-    def keep(record: AttentionRecord) -> None:
-        in_graph = record.probabilities
-        if detach:
-            record.probabilities = in_graph.detach()
-        if grads and in_graph.requires_grad:
-            def store(gradient: Tensor) -> None:
-                if not closed:
-                    record.grad = gradient.detach() if detach else gradient
-
-            in_graph.register_hook(store)
-
-    recorder.on_record = keep
-    try:
-        with call_rules(recorder):
-            yield captured
-    finally:
-        closed = True
+    return AttentionBlock(recorder, CapturedAttention(recorder, positions), grads=grads, detach=detach)

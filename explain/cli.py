@@ -232,7 +232,9 @@ def run_batch(argv: Sequence[str]) -> int:
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="'demo' or a torchvision model name (resnet50, vgg16, ...)")
+    parser.add_argument("--model", required=True,
+                        help="'demo' (the shipped CNN), 'demo-vit' (the shipped transformer) or a torchvision model "
+                        "name (resnet50, vgg16, ...)")
     parser.add_argument("--weights", help="a state-dict file, or a torchvision weights name (DEFAULT, IMAGENET1K_V2)")
     parser.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
     parser.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
@@ -279,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 help="input size (default: 3 64 64 for demo, 3 224 224 otherwise)")
             arguments = parser.parse_args(argv[1:])
             loaded = load_model(arguments.model, arguments.weights)
-            size = arguments.input_size or ((3, 64, 64) if loaded.name == "demo" else (3, 224, 224))
+            size = arguments.input_size or ((3, 64, 64) if loaded.name.startswith("demo") else (3, 224, 224))
             print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))

@@ -17,6 +17,7 @@ import torchvision
 from torch import nn
 
 from .data.demo import DemoNet, load_demo_model
+from .data.demo_vit import DemoViT, load_demo_vit
 from .data.synthetic import CLASS_NAMES
 from .inputs import Normalize
 
@@ -89,12 +90,21 @@ def _read_state_dict(path: Path) -> dict:
 
 
 def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
-    """A model by name: "demo" (shipped, trained) or any torchvision classification model name.
+    """A model by name: "demo" (the shipped CNN), "demo-vit" (the shipped transformer) or any
+    torchvision classification model name.
 
     weights: None (random weights for torchvision models), a path to a state dict,
     or a torchvision weights name. Raises WeightsUnavailableError when weights
     cannot be downloaded or read, with the fix in the message.
     """
+    if name == "demo-vit":
+        if weights is None:
+            model = load_demo_vit()
+        else:
+            model = DemoViT()
+            _load_state_dict(model, _read_state_dict(Path(weights).expanduser()), weights, name)
+            model.eval()
+        return LoadedModel(model, Normalize(), list(CLASS_NAMES), "demo-vit")
     if name == "demo":
         if weights is None:
             model = load_demo_model()
@@ -107,7 +117,7 @@ def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
     if name not in available:
         close = difflib.get_close_matches(name, available, n=5, cutoff=0.5)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown model {name!r}: use 'demo' or a torchvision model name.{hint}")
+        raise ValueError(f"unknown model {name!r}: use 'demo', 'demo-vit' or a torchvision model name.{hint}")
     enum = _weights_enum(name)
     default_weights = enum.DEFAULT if enum is not None else None
     if weights is None:

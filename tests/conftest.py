@@ -45,6 +45,26 @@ class SmallCNN(nn.Module):
         return self.head(self.dropout(self.features(x).mean(dim=(2, 3))))
 
 
+class SmallViT(nn.Module):
+    """A small vision transformer for state and memory checks of the attention methods: 4 × 4
+    patches of a 16 × 16 input, a class token, two nn.TransformerEncoder layers with dropout
+    (so that train mode matters), a head on the class token."""
+
+    def __init__(self, classes: int = 5, dim: int = 16):
+        super().__init__()
+        self.patches = nn.Conv2d(3, dim, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        layer = nn.TransformerEncoderLayer(dim, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls_token.expand(len(x), -1, -1), tokens], dim=1)
+        return self.head(self.norm(self.encoder(tokens))[:, 0])
+
+
 def gradcam_by_hand(model, layer_module, x, score_of, to_grid=lambda tensor: tensor) -> torch.Tensor:
     """Grad-CAM by an independent route: capture the layer's output in the graph with a plain
     hook, take ∂score/∂output with autograd, lay both out as (N, C, h, w) with ``to_grid``

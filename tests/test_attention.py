@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import explain
-from explain.attention import Rule, attend, call_rules
+from explain.attention import attend
+from explain.rules import Rule, call_rules
 
 
 def probabilities_by_hand(q, k, mask=None, scale=None, causal=False):
@@ -157,7 +158,7 @@ def test_capture_selects_blocks_by_position_and_by_module_and_ignores_attention_
     with explain.capture_attention(model, 5) as attention:
         model(x)
     with pytest.raises(IndexError, match="3 attention call"):
-        attention.probabilities
+        _ = attention.probabilities
     with pytest.raises(explain.LayerNotFoundError):
         with explain.capture_attention(model, "blocks.7"):
             pass

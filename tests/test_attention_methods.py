@@ -85,8 +85,10 @@ def test_rollout_options_head_fusion_discard_ratio_and_start_block():
     with torch.no_grad():
         _, blocks = run_by_hand(family, model, x)
     for fusion, ratio, start in [("max", 0.0, 0), ("min", 0.5, 0), ("mean", 0.9, 1), ("mean", 0.0, -1)]:
-        maps = explain.AttentionRollout(model, head_fusion=fusion, discard_ratio=ratio, start_block=start,
-                                        normalize=None).explain(x).low_res_maps[0][:, 0]
+        with warnings.catch_warnings():  # discarding half of the min-fused weights may empty a map
+            warnings.simplefilter("ignore", RuntimeWarning)
+            maps = explain.AttentionRollout(model, head_fusion=fusion, discard_ratio=ratio, start_block=start,
+                                            normalize=None).explain(x).low_res_maps[0][:, 0]
         expected = rollout_by_hand(blocks[start:], 1, fusion, ratio).reshape(2, 3, 3)
         torch.testing.assert_close(maps, expected, rtol=1e-5, atol=1e-6, msg=f"{fusion} {ratio} {start}")
     with pytest.raises(ValueError, match="head_fusion"):
@@ -149,7 +151,7 @@ def test_clip_model_with_prompts_as_classes_explains_the_image_tower_only():
     for k in range(3):
         alone = explainer.explain(pixels, target=k, **call)
         torch.testing.assert_close(together.raw_maps[:, k], alone.raw_maps, rtol=1e-4, atol=1e-7)
-    with pytest.raises(ValueError, match="same tokens in every block"):  # image and text attention together
+    with pytest.raises(ValueError, match="same tokens of the 2 image"):  # image and text attention together
         explain.AttentionRollout(clip, output="logits_per_image").explain(pixels, **call)
 
 

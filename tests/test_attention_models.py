@@ -36,7 +36,8 @@ def heads_by_hand(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float | No
         return tensor.reshape(count, tokens, heads, head_dim).transpose(1, 2)
 
     probabilities = torch.softmax(split(q) @ split(k).transpose(-2, -1) * scale, dim=-1)
-    probabilities.retain_grad()
+    if probabilities.requires_grad:
+        probabilities.retain_grad()
     return (probabilities @ split(v)).transpose(1, 2).reshape(count, tokens, dim), probabilities
 
 

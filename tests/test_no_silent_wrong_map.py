@@ -10,12 +10,11 @@ import pytest
 import torch
 import torchvision
 from conftest import ConvGapLinear, SmallCNN, assert_state_equal, class_scores, gradcam_by_hand, model_state
-from test_reliability import ALL_METHODS, build
+from test_reliability import CNN_METHODS, build
 from torch import nn
 
 import explain
 
-CNN_METHODS = [name for name in ALL_METHODS if "rollout" not in name and "attention" not in name]
 GRADIENT_METHODS = ["saliency", "inputxgradient", "integratedgradients", "smoothgrad", "vargrad", "guidedbackprop",
                     "deconvnet"]
 
@@ -220,7 +219,8 @@ class FoldsPatchesIntoTheBatch(nn.Module):
     def forward(self, x):
         features = self.stem(x)
         n, c, h, w = features.shape
-        folded = features.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4).reshape(n * 4, c, h // 2, w // 2)
+        patches = features.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4)
+        folded = patches.reshape(n * 4, c, h // 2, w // 2)
         unfolded = self.inside(folded).reshape(n, 2, 2, c, h // 2, w // 2).permute(0, 3, 4, 1, 5, 2)
         return self.fc(unfolded.reshape(n, c, h, w).mean(dim=(2, 3)))
 

@@ -9,10 +9,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import SmallCNN
-from test_reliability import ALL_METHODS, build
-
-CNN_METHODS = [name for name in ALL_METHODS if "rollout" not in name and "attention" not in name]
+from conftest import SmallCNN, SmallViT
+from test_reliability import ATTENTION_METHODS, CNN_METHODS, build
 
 import explain
 
@@ -23,8 +21,8 @@ class Server:
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, grad_enabled: bool):
         self.model, self.x, self.grad_enabled = model, x, grad_enabled
-        with torch.no_grad():
-            self.expected = model(x)
+        with torch.set_grad_enabled(grad_enabled):  # (nn.TransformerEncoder takes a fused path without grad)
+            self.expected = model(x).detach()
         self.stop, self.problems, self.forwards = threading.Event(), [], 0
         self.thread = threading.Thread(target=self._serve)
 
@@ -52,18 +50,20 @@ class Server:
 
 
 @pytest.mark.parametrize("grad_enabled", [False, True])
-def test_another_threads_inference_sees_the_plain_model_while_every_method_explains(grad_enabled):
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_another_threads_inference_sees_the_plain_model_while_every_method_explains(grad_enabled, kind):
     torch.manual_seed(0)
-    model = SmallCNN().eval()
+    model = (SmallCNN() if kind == "cnn" else SmallViT()).eval()
+    methods = CNN_METHODS if kind == "cnn" else [*ATTENTION_METHODS, "gradcam", "saliency", "guidedbackprop"]
+    layer = "features.6" if kind == "cnn" else None
     served, explained = torch.randn(3, 3, 16, 16), torch.randn(2, 3, 16, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        expected = {name: build(name, model, "features.6").explain(explained, target=[1, 3]).raw_maps
-                    for name in CNN_METHODS}
+        expected = {name: build(name, model, layer).explain(explained, target=[1, 3]).raw_maps for name in methods}
         with Server(model, served, grad_enabled) as server:
             for _ in range(3):
-                for name in CNN_METHODS:
-                    maps = build(name, model, "features.6").explain(explained, target=[1, 3]).raw_maps
+                for name in methods:
+                    maps = build(name, model, layer).explain(explained, target=[1, 3]).raw_maps
                     torch.testing.assert_close(maps, expected[name], msg=name)
     assert server.forwards > 20, "the serving thread hardly ran"
     assert not server.problems, server.problems[:5]

@@ -2,9 +2,25 @@
 
 from .attention import AttentionExplainer, AttentionRollout, GradientAttentionRollout
 from .base import REGISTRY, Attribution, Explainer, get_method, normalize_maps, register
-from .cam import CAM, EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
+from .cam import (
+    CAM,
+    FEM,
+    EigenCAM,
+    EigenGradCAM,
+    GradCAM,
+    GradCAMElementWise,
+    GradCAMPlusPlus,
+    HiResCAM,
+    KernelPCACAM,
+    LayerCAM,
+    RandomCAM,
+    ShapleyCAM,
+    XGradCAM,
+)
 from .deeplift import DeepLift, DeepLiftShap
 from .expected_gradients import GradientShap
+from .factorization import DeepFeatureFactorization, Factorization
+from .fullgrad import FullGrad
 from .gradients import GradientExplainer, InputXGradient, IntegratedGradients, Saliency
 from .guided import Deconvnet, GuidedBackprop, GuidedGradCAM, relu_backward_rule
 from .perturbation import AblationCAM, ScoreCAM
@@ -18,11 +34,17 @@ __all__ = [
     "AttentionRollout",
     "Attribution",
     "Deconvnet",
+    "DeepFeatureFactorization",
     "DeepLift",
     "DeepLiftShap",
     "EigenCAM",
+    "EigenGradCAM",
     "Explainer",
+    "FEM",
+    "Factorization",
+    "FullGrad",
     "GradCAM",
+    "GradCAMElementWise",
     "GradCAMPlusPlus",
     "GradientAttentionRollout",
     "GradientExplainer",
@@ -32,9 +54,12 @@ __all__ = [
     "HiResCAM",
     "InputXGradient",
     "IntegratedGradients",
+    "KernelPCACAM",
     "LayerCAM",
+    "RandomCAM",
     "Saliency",
     "ScoreCAM",
+    "ShapleyCAM",
     "SmoothGrad",
     "SmoothGradSquared",
     "VarGrad",

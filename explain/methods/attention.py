@@ -100,19 +100,22 @@ class AttentionExplainer(Explainer):
                 "F.scaled_dot_product_attention, nn.MultiheadAttention and softmax over the last dimension of "
                 "(N, heads, T, T) scores). Attention methods need a transformer; for other models use GradCAM."
             )
-        shapes = {tuple(p.shape[-2:]) for p in probabilities}
-        if any(p.shape[0] != count for p in probabilities):
+        if any(p.shape[0] != count and p.shape[0] % count == 0 for p in probabilities):
             raise ValueError(
-                f"the attention's batch dimension is {probabilities[0].shape[0]}, not the {count} image(s) "
+                f"some attention has {max(p.shape[0] for p in probabilities)} rows for the {count} image(s) "
                 "explained: this looks like window attention (Swin and other hierarchical transformers attend "
-                "within local windows, so no token-to-token matrix of the whole image exists to roll out). "
-                "Use GradCAM(model) instead: it picks a norm layer of the last stage."
+                "within local windows, so no token-to-token matrix of the whole image exists to roll out). Use "
+                "GradCAM(model) instead: it picks a norm layer of the last stage."
             )
-        if len(shapes) > 1 or any(rows != columns for rows, columns in shapes):
+        shapes = sorted({(p.shape[0], *p.shape[-2:]) for p in probabilities})
+        if len(shapes) > 1 or shapes[0][1] != shapes[0][2] or shapes[0][0] != count:
+            listed = ", ".join(f"{rows} × {queries} × {keys}" for rows, queries, keys in shapes)
             raise ValueError(
-                f"the attention matrices have shapes {sorted(shapes)} across blocks: rollout needs self-attention "
-                "over the same tokens in every block (token merging, pooled keys and cross-attention cannot be "
-                "rolled out). Choose the blocks with blocks=, or use GradCAM(model)."
+                f"the recorded attention matrices (rows × queries × keys: {listed}) are not self-attention over "
+                f"the same tokens of the {count} image(s) in every block, which rollout needs. Attention of other "
+                "inputs (CLIP's text tower), token merging, pooled keys or cross-attention are recorded too: choose "
+                "the image's blocks with blocks= (blocks='vision_model' for a HuggingFace CLIPModel), or use "
+                "GradCAM(model)."
             )
         return probabilities
 

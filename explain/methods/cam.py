@@ -3,12 +3,15 @@
 The shared ``CAM.attribute`` runs the model once with the layers before the
 target layer outside autograd (the target layer's output becomes the leaf that
 gradients are taken at), takes ∂score/∂A with ``torch.autograd.grad`` for each
-target, and hands (A, G) to the method's ``layer_map``.
+target, and hands (A, G) to the method's ``layer_map``. Most methods give their
+per-channel terms (``channel_terms``, e.g. w_k A_k), which are summed over channels, or
+with ``smooth="eigen"`` projected on their first principal component.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Sequence
+import contextlib
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,9 +20,16 @@ from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layer
 from ..layers import default_layer
 from ..layouts import Layout, Reshape, infer_layout
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, PerThread, register, upsample_maps
+from ..units import BoundUnits, UnitTarget
+from .base import Attribution, Explainer, PerThread, normalize_maps, register, upsample_maps
 
-COMBINATIONS = ("mean", "max", "sum")
+COMBINATIONS = ("mean", "max", "sum", "product")
+SMOOTHINGS = (None, "augment", "eigen")
+AUGMENTATIONS: tuple[tuple[bool, float], ...] = tuple(
+    (flip, factor) for flip in (False, True) for factor in (1.0, 0.9, 1.1)
+)
+"""smooth="augment": (horizontal flip, intensity factor) of each copy, the unchanged image first
+(pytorch-grad-cam's aug_smooth: flips × intensities 0.9, 1, 1.1 of the model input)."""
 
 
 def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) -> tuple[list[Tensor], Tensor]:
@@ -39,6 +49,68 @@ def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) 
     return filled, disconnected
 
 
+def principal_component(terms: Tensor) -> Tensor:
+    """(..., C, h, w) → (..., h, w): the terms projected on their first principal component.
+
+    Channels are the variables and positions the samples (centred over positions), as in
+    Eigen-CAM. The SVD's sign is arbitrary; it is fixed so that the projection correlates
+    positively with Σ_k terms_k (the map without smoothing): evidence stays positive.
+    """
+    *leading, channels, height, width = terms.shape
+    samples = terms.float().reshape(-1, channels, height * width).transpose(1, 2)  # (B, hw, C)
+    centred = samples - samples.mean(dim=1, keepdim=True)
+    _, _, right_vectors = torch.linalg.svd(centred, full_matrices=False)
+    projection = torch.einsum("bpc,bc->bp", centred, right_vectors[:, 0])
+    return oriented_like(projection, samples.sum(dim=2)).reshape(*leading, height, width)
+
+
+def oriented_like(projection: Tensor, reference: Tensor) -> Tensor:
+    """(B, P) projections, each negated where it correlates negatively with its (B, P) reference."""
+    centred_reference = reference - reference.mean(1, keepdim=True)
+    correlation = ((projection - projection.mean(1, keepdim=True)) * centred_reference).sum(1)
+    return projection * torch.where(correlation < 0, -1.0, 1.0).to(projection.dtype)[:, None]
+
+
+def augmented_attribution(attribute: Callable[[Tensor, Target, Optional[int]], Attribution], batch: Tensor,
+                          target: Target, topk: Optional[int], normalize: Optional[str]) -> Attribution:
+    """smooth="augment": the mean of the maps of flipped and intensity-scaled copies of the batch.
+
+    Each copy's maps (normalised as the explainer normalises, then flipped back to the original
+    frame) are averaged; the targets are chosen on the unchanged images and kept for every copy.
+    The per-layer ``low_res_maps`` are the mean of the copies' raw low-resolution maps.
+    """
+    total: Optional[Tensor] = None
+    first: Optional[Attribution] = None
+    low_res: Optional[list[Tensor]] = None
+    flags: dict[str, Tensor] = {}
+    for flip, factor in AUGMENTATIONS:
+        copy = batch * factor
+        attribution = attribute(copy.flip(-1) if flip else copy, target, topk)
+        if first is None:  # the unchanged images come first: their targets are kept for every copy
+            first = attribution
+            target, topk = attribution.selected.target_function or attribution.selected.class_indices, None
+
+        def back(maps: Tensor, flip: bool = flip) -> Tensor:
+            return maps.flip(-1) if flip else maps
+
+        maps = back(normalize_maps(attribution.maps.float(), normalize))
+        total = maps if total is None else total + maps
+        if attribution.low_res_maps is not None:
+            layers = [back(maps.float()) for maps in attribution.low_res_maps]
+            low_res = layers if low_res is None else [a + b for a, b in zip(low_res, layers)]
+        for key in ("zero_gradient", "disconnected", "negative_everywhere"):
+            value = getattr(attribution, key)
+            if value is not None:
+                flags[key] = value & flags[key] if key in flags else value
+    count = len(AUGMENTATIONS)
+    first.maps = total / count
+    first.low_res_maps = None if low_res is None else [maps / count for maps in low_res]
+    for key in ("zero_gradient", "disconnected", "negative_everywhere"):
+        setattr(first, key, flags.get(key))
+    first.diagnostics["augmentations"] = torch.tensor(count)
+    return first
+
+
 class CAM(Explainer):
     """Base of the class-activation-map family.
 
@@ -47,13 +119,24 @@ class CAM(Explainer):
         None picks one on the first call (see ``explain.layers.default_layer``) and the
         Explanation records it.
     relu: keep only positive evidence (the papers' ReLU); False keeps signed maps.
-    combine: how maps of several layers are merged: "mean", "max" or "sum".
+    combine: how maps of several layers are merged, after each is resized to the input:
+        "mean" (default), "max", "sum" or "product" (RefineCAM).
+    normalize_layers: divide each layer's maps by their maximum |value| before combining
+        (default), so that no layer dominates by its scale (on resnet18, layer4's raw maps are
+        several times layer3's); False combines the raw maps.
+    smooth: None; "augment" (the mean map over flipped and intensity-scaled copies of the
+        input, each mapped back: pytorch-grad-cam's aug_smooth; 6 passes); "eigen" (the first
+        principal component of the per-channel terms instead of their sum: eigen_smooth).
     reshape: how the layer's output becomes (N, C, h, w) maps; None guesses channels-first,
         channels-last or tokens on a patch grid (see ``explain.layouts``).
     Other keyword arguments: see ``Explainer``.
 
-    A subclass gives its formula as ``layer_map(A, G)``; methods that weight the
-    feature maps by other means (perturbations) override ``layer_maps``.
+    Targets may be hidden units (``explain.Channel``, ``explain.Neuron``): the graph then starts
+    at the input, since the unit may lie before the target layer.
+
+    A subclass gives its formula as ``channel_terms(A, G)`` (the per-channel terms whose sum
+    is the map) or ``layer_map(A, G)`` (the map itself); methods that weight the feature maps
+    by other means (perturbations) override ``layer_maps``.
     """
 
     needs_layer = True
@@ -65,6 +148,10 @@ class CAM(Explainer):
     """During a call: (N, K) bool where the gradient at every layer was zero everywhere, and (N, K)
     bool where the score does not depend on the layers at all."""
 
+    layer_maps_reduce_channels: ClassVar[bool] = False
+    """For a subclass that overrides ``layer_maps``: whether it sums channels with
+    ``reduce_channels`` (so smooth="eigen" applies to it)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -72,15 +159,24 @@ class CAM(Explainer):
         *,
         relu: bool = True,
         combine: str = "mean",
+        normalize_layers: bool = True,
+        smooth: Optional[str] = None,
         reshape: Reshape = None,
         **options,
     ):
         super().__init__(model, **options)
         if combine not in COMBINATIONS:
             raise ValueError(f"combine must be one of {COMBINATIONS}; got {combine!r}.")
+        if smooth not in SMOOTHINGS:
+            raise ValueError(f"smooth must be one of {SMOOTHINGS}; got {smooth!r}.")
+        if smooth == "eigen" and type(self).layer_maps is not CAM.layer_maps and not self.layer_maps_reduce_channels:
+            raise ValueError(f"{type(self).__name__} sums its channels itself, so smooth='eigen' does not apply to it "
+                             "yet; use smooth='augment' or None.")
         self.layers = None if layer is None else find_layers(model, layer)
         self.relu = relu
         self.combine = combine
+        self.normalize_layers = normalize_layers
+        self.smooth = smooth
         self.reshape = reshape
 
     @property
@@ -88,16 +184,48 @@ class CAM(Explainer):
         return [name for name, _ in self.layers or []]
 
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
-        """The method's formula: A (N, C, h, w) and G = ∂y/∂A (N, C, h, w) → map (N, h, w), before ReLU."""
-        raise TypeError(f"{type(self).__name__} defines neither layer_map nor layer_maps.")
+        """The method's formula: A (N, C, h, w) and G = ∂y/∂A (N, C, h, w) → map (N, h, w), before ReLU.
+        Default: ``reduce_channels(channel_terms(A, G))``."""
+        return self.reduce_channels(self.channel_terms(activations, gradients))
+
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        """The per-channel terms whose sum over channels is the map: (N, C, h, w)."""
+        raise TypeError(f"{type(self).__name__} defines neither channel_terms, layer_map nor layer_maps.")
+
+    def reduce_channels(self, terms: Tensor) -> Tensor:
+        """(..., C, h, w) per-channel terms → (..., h, w): Σ_k terms_k, or with smooth="eigen" their first
+        principal component (sign following Σ_k terms_k)."""
+        return principal_component(terms).to(terms.dtype) if self.smooth == "eigen" else terms.sum(dim=-3)
+
+    def weighted_maps(self, channel_weights: Tensor, activations: Tensor) -> Tensor:
+        """Σ_k w_k A_k (or its smooth="eigen" form): weights (N, C) or (N, K, C), A (N, C, h, w) →
+        (N, h, w) or (N, K, h, w)."""
+        if channel_weights.dim() == 2:
+            return self.reduce_channels(channel_weights[:, :, None, None] * activations)
+        return self.reduce_channels(channel_weights[..., None, None] * activations[:, None])
+
+    def layer_gradients(self, scores: Tensor, activations: list[Tensor],
+                        retain_graph: bool) -> tuple[list[Tensor], Tensor]:
+        """The gradients that ``layer_map`` receives: ∂(Σ_n scores[n])/∂A per layer (see ``gradients_at``)."""
+        return gradients_at(scores, activations, retain_graph)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        if isinstance(target, UnitTarget):  # a hidden unit: its layer is recorded for the whole call
+            with target.bind(self.model) as bound:
+                return self.attribute(batch, bound, topk)
+        if self.smooth == "augment":
+            return augmented_attribution(self._attribute_once, batch, target, topk, self.normalize)
+        return self._attribute_once(batch, target, topk)
+
+    def _attribute_once(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         if self.layers is None:
             self.layers = find_layers(self.model, default_layer(self.model, batch, run=self.call_model))
+        # a hidden unit may lie before the target layer: then the graph must start at the input
+        prefix = contextlib.nullcontext() if isinstance(target, BoundUnits) else torch.no_grad()
         # also inside a caller's no_grad(): gradient methods need a graph here
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=self.uses_gradients)
-            with capture, torch.no_grad():  # the prefix runs without a graph; the hook turns it on
+            with capture, prefix:  # the prefix runs without a graph; the hook turns it on
                 output = self.call_model(batch)
             activations = capture.activations()
             check_batch_dimension(self.layer_names, activations, batch.shape[0])
@@ -133,7 +261,7 @@ class CAM(Explainer):
         per_layer: list[list[Tensor]] = [[] for _ in activations]
         zero_gradient, disconnected = [], []
         for target_index in range(targets_per_image):
-            gradients, unreachable = gradients_at(
+            gradients, unreachable = self.layer_gradients(
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
             )
             zero_at_every_layer = torch.ones(len(selected.scores), dtype=torch.bool, device=selected.scores.device)
@@ -150,9 +278,10 @@ class CAM(Explainer):
         """Per layer (N, K, h, w) maps → Attribution with (N, K, H, W) maps, layers combined."""
         if len(low_res) == 1:
             return Attribution(maps=low_res[0], selected=selected, low_res_maps=low_res, layer=self.layer_names[0])
-        resized = torch.stack([upsample_maps(maps, input_size) for maps in low_res])
-        maps = {"mean": resized.mean(0), "max": resized.amax(0), "sum": resized.sum(0)}[self.combine]
-        return Attribution(maps=maps, selected=selected, low_res_maps=low_res, layer=self.layer_names)
+        scaled = [normalize_maps(maps, "max") if self.normalize_layers else maps for maps in low_res]
+        resized = torch.stack([upsample_maps(maps, input_size) for maps in scaled])
+        combined = {"mean": torch.mean, "max": torch.amax, "sum": torch.sum, "product": torch.prod}[self.combine]
+        return Attribution(maps=combined(resized, 0), selected=selected, low_res_maps=low_res, layer=self.layer_names)
 
 
 def check_batch_dimension(names: Sequence[str], activations: Sequence[Tensor], batch_size: int) -> None:
@@ -175,6 +304,11 @@ def weighted_sum(channel_weights: Tensor, activations: Tensor) -> Tensor:
     return torch.einsum("nkc,nchw->nkhw", channel_weights, activations)
 
 
+def channel_weighted(channel_weights: Tensor, activations: Tensor) -> Tensor:
+    """w_k A_k per channel: weights (N, C) and A (N, C, h, w) → (N, C, h, w)."""
+    return channel_weights[:, :, None, None] * activations
+
+
 @register
 class GradCAM(CAM):
     """Grad-CAM (Selvaraju et al. 2017): ReLU(Σ_k α_k A_k), α_k the spatial mean of ∂y/∂A_k."""
@@ -182,8 +316,8 @@ class GradCAM(CAM):
     name = "gradcam"
     summary = "Grad-CAM: feature maps weighted by their spatially averaged gradients"
 
-    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
-        return weighted_sum(gradients.mean(dim=(2, 3)), activations)
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return channel_weighted(gradients.mean(dim=(2, 3)), activations)
 
 
 @register
@@ -194,12 +328,12 @@ class GradCAMPlusPlus(CAM):
     name = "gradcam++"
     summary = "Grad-CAM++: pixel-wise weighted positive gradients (better for several instances)"
 
-    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         squared, cubed = gradients.pow(2), gradients.pow(3)
         denominator = 2 * squared + activations.sum(dim=(2, 3), keepdim=True) * cubed
         safe = torch.where(denominator != 0, denominator, torch.ones_like(denominator))
         alpha = torch.where(denominator != 0, squared / safe, torch.zeros_like(denominator))
-        return weighted_sum((alpha * torch.relu(gradients)).sum(dim=(2, 3)), activations)
+        return channel_weighted((alpha * torch.relu(gradients)).sum(dim=(2, 3)), activations)
 
 
 @register
@@ -209,11 +343,11 @@ class XGradCAM(CAM):
     name = "xgradcam"
     summary = "XGrad-CAM: gradients weighted by normalised activations (axiom-based)"
 
-    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         channel_sums = activations.sum(dim=(2, 3))
         safe = torch.where(channel_sums != 0, channel_sums, torch.ones_like(channel_sums))
         weights = torch.where(channel_sums != 0, (activations * gradients).sum(dim=(2, 3)) / safe, 0.0)
-        return weighted_sum(weights, activations)
+        return channel_weighted(weights, activations)
 
 
 @register
@@ -223,8 +357,20 @@ class HiResCAM(CAM):
     name = "hirescam"
     summary = "HiResCAM: element-wise gradient × activation, faithful to the score for CNNs"
 
-    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
-        return (gradients * activations).sum(dim=1)
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return gradients * activations
+
+
+@register
+class GradCAMElementWise(CAM):
+    """Grad-CAM element-wise (pytorch-grad-cam): Σ_k ReLU(G_k ⊙ A_k), the positive part of each
+    HiResCAM term. Map (N, h, w) ≥ 0."""
+
+    name = "gradcamelementwise"
+    summary = "Grad-CAM element-wise: sum over channels of ReLU(gradient × activation)"
+
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return torch.relu(gradients * activations)
 
 
 @register
@@ -234,8 +380,87 @@ class LayerCAM(CAM):
     name = "layercam"
     summary = "Layer-CAM: element-wise positive gradient × activation (good at shallow layers)"
 
-    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
-        return (torch.relu(gradients) * activations).sum(dim=1)
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return torch.relu(gradients) * activations
+
+
+@register
+class ShapleyCAM(GradCAM):
+    """Shapley-CAM (Cai 2025): Grad-CAM with the gradient replaced by G − ½ H A, a second-order
+    estimate of each activation's Shapley value: w_k = mean_ij (∂y/∂A − ½ (∂²y/∂A²) A)_k,ij,
+    map ReLU(Σ_k w_k A_k). H A is a Hessian-vector product (one double backward pass).
+
+    Where the network after the layer is piecewise linear in A (ReLU, pooling, a linear head)
+    H A = 0 and the map is Grad-CAM's; the paper pairs the method with a target that is not, such
+    as the logit plus its log-softmax (its "ReST" target): ``target=lambda out: out[:, c] +
+    out.log_softmax(1)[:, c]``.
+    """
+
+    name = "shapleycam"
+    summary = "Shapley-CAM: Grad-CAM weights from the gradient minus half a Hessian-vector product"
+
+    def layer_gradients(self, scores: Tensor, activations: list[Tensor],
+                        retain_graph: bool) -> tuple[list[Tensor], Tensor]:
+        if not scores.requires_grad:
+            return gradients_at(scores, activations, retain_graph)
+        gradients = torch.autograd.grad(scores.sum(), activations, create_graph=True, allow_unused=True)
+        disconnected = torch.full(scores.shape[:1], all(g is None for g in gradients), dtype=torch.bool)
+        shapley = []
+        for activation, gradient in zip(activations, gradients):
+            if gradient is None:
+                shapley.append(torch.zeros_like(activation))
+                continue
+            hessian_product = None
+            if gradient.requires_grad:  # else ∂y/∂A does not depend on A: H A = 0
+                (hessian_product,) = torch.autograd.grad(gradient, activation, grad_outputs=activation.detach(),
+                                                         retain_graph=True, allow_unused=True)
+            shapley.append(gradient.detach() - (0 if hessian_product is None else 0.5 * hessian_product))
+        return shapley, disconnected
+
+
+@register
+class RandomCAM(CAM):
+    """Random-CAM, a sanity baseline: ReLU(Σ_k w_k A_k) with channel weights w_k drawn uniformly
+    from [-1, 1] (a generator seeded with ``seed``: the same weights for every image, target and
+    call). Any real method should beat it; it needs no gradient."""
+
+    name = "randomcam"
+    summary = "Random-CAM: feature maps weighted by random numbers, a baseline every method should beat"
+    uses_gradients = False
+
+    def __init__(self, model: nn.Module, layer=None, *, seed: int = 0, **options):
+        super().__init__(model, layer, **options)
+        self.seed = seed
+
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        generator = torch.Generator().manual_seed(self.seed)
+        weights = torch.rand(activations.shape[1], generator=generator) * 2 - 1
+        return weights.to(activations)[None, :, None, None] * activations
+
+
+@register
+class FEM(CAM):
+    """FEM, feature explanation method (Fuad et al. 2020): Σ_k μ_k · 1[A_k > μ_k + k σ_k], the
+    binary maps of each channel's unusually strong responses (k-sigma rule; μ_k, σ_k the mean
+    and population standard deviation of A_k over positions) weighted by the channel's mean.
+    Class-agnostic, no gradient. k: the number of standard deviations (the paper's 2).
+
+    pytorch-grad-cam 1.5.7 computes Σ_k mean(1[A_k > μ_k + k σ_k]) · A_k instead (weights and
+    maps swapped; tests/test_peer_gradcam.py measures the difference).
+    """
+
+    name = "fem"
+    summary = "FEM: binary maps of each channel's k-sigma outliers weighted by the channel mean (no gradient)"
+    uses_gradients = False
+
+    def __init__(self, model: nn.Module, layer=None, *, k: float = 2.0, **options):
+        super().__init__(model, layer, **options)
+        self.k = k
+
+    def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        means = activations.mean(dim=(2, 3), keepdim=True)
+        stds = activations.std(dim=(2, 3), keepdim=True, correction=0)
+        return means * (activations > means + self.k * stds).to(activations.dtype)
 
 
 @register
@@ -245,6 +470,7 @@ class EigenCAM(CAM):
 
     The SVD's sign is arbitrary; it is fixed so that the map correlates positively with the
     activation mass Σ_k A_k (other libraries return inverted maps for about half the images).
+    smooth="eigen" changes nothing (the map already is a principal component).
     """
 
     name = "eigencam"
@@ -252,12 +478,69 @@ class EigenCAM(CAM):
     uses_gradients = False
 
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return principal_component(activations).to(activations.dtype)
+
+
+@register
+class EigenGradCAM(CAM):
+    """Eigen-Grad-CAM (pytorch-grad-cam): the first principal component of G ⊙ A (class-specific
+    Eigen-CAM), sign fixed to correlate positively with Σ_k G_k ⊙ A_k (HiResCAM's map).
+    pytorch-grad-cam leaves the sign arbitrary."""
+
+    name = "eigengradcam"
+    summary = "Eigen-Grad-CAM: first principal component of gradient × activation (class-specific)"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        return principal_component(gradients * activations).to(activations.dtype)
+
+
+KERNELS = ("sigmoid", "rbf", "poly", "linear", "cosine")
+
+
+@register
+class KernelPCACAM(CAM):
+    """KPCA-CAM (Karmani et al. 2024): Eigen-CAM with kernel PCA, the positions' scores on the first
+    kernel principal component of the feature maps (positions as samples, centred).
+
+    kernel: "sigmoid" (default, tanh(γ x·y + c₀)), "rbf" (exp(−γ‖x − y‖²)), "poly" ((γ x·y + c₀)^degree),
+    "linear" (x·y: Eigen-CAM) or "cosine"; gamma: γ, default 1 / channels; coef0: c₀. As scikit-learn's
+    KernelPCA: the Gram matrix is double-centred, the score is eigenvector · √eigenvalue. Sign fixed
+    to correlate positively with the activation mass Σ_k A_k. Class-agnostic, no gradient; costs an
+    eigendecomposition of an (h·w)² matrix per image.
+    """
+
+    name = "kpcacam"
+    summary = "KPCA-CAM: first kernel principal component of the feature maps (class-agnostic, no gradient)"
+    uses_gradients = False
+
+    def __init__(self, model: nn.Module, layer=None, *, kernel: str = "sigmoid", gamma: Optional[float] = None,
+                 degree: int = 3, coef0: float = 1.0, **options):
+        super().__init__(model, layer, **options)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}.")
+        self.kernel, self.gamma, self.degree, self.coef0 = kernel, gamma, degree, coef0
+
+    def gram(self, samples: Tensor) -> Tensor:
+        """(B, P, C) samples → (B, P, P) kernel matrix."""
+        gamma = self.gamma if self.gamma is not None else 1.0 / samples.shape[-1]
+        products = samples @ samples.transpose(1, 2)
+        if self.kernel == "linear":
+            return products
+        if self.kernel == "sigmoid":
+            return torch.tanh(gamma * products + self.coef0)
+        if self.kernel == "poly":
+            return (gamma * products + self.coef0) ** self.degree
+        if self.kernel == "rbf":
+            return torch.exp(-gamma * torch.cdist(samples, samples).pow(2))
+        norms = samples.norm(dim=-1, keepdim=True)
+        unit = samples / torch.where(norms > 0, norms, torch.ones_like(norms))
+        return unit @ unit.transpose(1, 2)
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         count, channels, height, width = activations.shape
-        samples = activations.float().reshape(count, channels, -1).transpose(1, 2)  # (N, hw, C)
-        centered = samples - samples.mean(dim=1, keepdim=True)
-        _, _, right_vectors = torch.linalg.svd(centered, full_matrices=False)
-        projection = torch.einsum("npc,nc->np", centered, right_vectors[:, 0])  # (N, hw)
-        mass = samples.sum(dim=2)
-        correlation = ((projection - projection.mean(1, keepdim=True)) * (mass - mass.mean(1, keepdim=True))).sum(1)
-        sign = torch.where(correlation < 0, -1.0, 1.0).to(projection.dtype)
-        return (projection * sign[:, None]).reshape(count, height, width).to(activations.dtype)
+        samples = activations.double().reshape(count, channels, -1).transpose(1, 2)  # (N, hw, C)
+        gram = self.gram(samples - samples.mean(dim=1, keepdim=True))
+        centred = gram - gram.mean(1, keepdim=True) - gram.mean(2, keepdim=True) + gram.mean((1, 2), keepdim=True)
+        eigenvalues, eigenvectors = torch.linalg.eigh(centred)  # ascending
+        scores = eigenvectors[..., -1] * eigenvalues[..., -1:].clamp_min(0).sqrt()
+        return oriented_like(scores, samples.sum(dim=2)).reshape(count, height, width).to(activations.dtype)

@@ -1,7 +1,7 @@
 """DeepLIFT with the rescale rule (Shrikumar et al. 2017) and DeepLIFT-SHAP.
 
 The model runs once on the images and their baselines stacked, [x; x'], (2N, C, H, W). During
-that forward only, a function mode reroutes every nonlinearity through an autograd function
+that forward only, a call-scoped rule (``explain.rules``) reroutes every nonlinearity through an autograd function
 whose backward is the rescale rule: the multiplier of y = f(z) is Δy/Δz = (f(z) − f(z'))/(z − z')
 instead of f'(z) (the ordinary derivative where |Δz| < eps). Max pooling takes its rule from
 the pair of maxima. ``autograd.grad`` then gives the multipliers m at the input, and the
@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, register
@@ -46,7 +46,7 @@ def _halves(tensor: Tensor) -> tuple[Tensor, Tensor]:
     return tensor.chunk(2)
 
 
-class RescaleRule(torch.autograd.Function):
+class RescaledNonlinearity(torch.autograd.Function):
     """y = f(z) on [z; z']; backward: grad · Δy/Δz for both halves, f'(z) · grad where |Δz| < eps."""
 
     @staticmethod
@@ -117,20 +117,21 @@ def _pool_options(function: Callable[..., Any], args: tuple, kwargs: dict) -> Op
     return options
 
 
-class _RescaleMode(TorchFunctionMode):
-    """During the forward on [x; x']: nonlinearities and max pooling with DeepLIFT's backward."""
+class RescaleRule(Rule):
+    """During the forward on [x; x']: nonlinearities and max pooling with DeepLIFT's backward;
+    ``calls`` counts the calls rerouted."""
+
+    functions = frozenset(ELEMENTWISE) | frozenset(MAX_POOLS)
 
     def __init__(self, eps: float):
-        super().__init__()
         self.eps = eps
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def compute(self, func, args: tuple, kwargs: dict) -> Any:
         if func in ELEMENTWISE and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
             self.calls += 1
             inputs, compute, in_place = _elementwise_call(func, args, kwargs)
-            result = RescaleRule.apply(inputs, compute, self.eps)
+            result = RescaledNonlinearity.apply(inputs, compute, self.eps)
             return inputs.copy_(result) if in_place else result
         if func in MAX_POOLS and args and isinstance(args[0], Tensor):
             options = _pool_options(func, args, kwargs)
@@ -157,15 +158,16 @@ def _elementwise_call(func: Callable[..., Any], args: tuple, kwargs: dict
 
 
 class rescale_rule(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
-    """``with rescale_rule(eps) as mode:`` — this thread's forward passes run on [x; x'] with DeepLIFT's
+    """``with rescale_rule(eps) as rule:`` — this thread's forward passes run on [x; x'] with DeepLIFT's
     rescale rule at every nonlinearity and max pooling; removed when the block ends."""
 
     def __init__(self, eps: float = 1e-10):
         super().__init__()
-        self.mode = _RescaleMode(eps)
+        self.rule = RescaleRule(eps)
 
-    def setup(self) -> _RescaleMode:
-        return self.enter(self.mode)
+    def setup(self) -> RescaleRule:
+        self.enter(CallRules([self.rule]))
+        return self.rule
 
 
 @register

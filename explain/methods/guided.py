@@ -1,6 +1,6 @@
 """Guided backpropagation, deconvnet and Guided Grad-CAM: ReLUs with a rewritten backward pass.
 
-During a call only, a ``torch.overrides.TorchFunctionMode`` reroutes every ReLU
+During a call only, a call-scoped rule (``explain.rules``) reroutes every ReLU
 of the forward pass through an autograd function with the method's backward
 rule. It catches ``nn.ReLU`` modules (in place or not, reused or not) and the
 functional calls ``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place
@@ -17,9 +17,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from ..capture import LayerSpec
+from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import Target
 from .base import Attribution, PerThread, register, upsample_maps
@@ -48,46 +48,39 @@ class RectifierWithRule(torch.autograd.Function):
         return positive_grad, None
 
 
-_OUT_OF_PLACE = {torch.relu, Tensor.relu}
-_IN_PLACE = {torch.relu_, Tensor.relu_}
+class RectifierRule(Rule):
+    """Every ReLU (``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place forms, which
+    ``nn.ReLU`` modules call) back-propagates by ``rule``; ``calls`` counts the ReLUs rerouted."""
 
+    functions = frozenset({F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_})
+    IN_PLACE = frozenset({torch.relu_, Tensor.relu_})
 
-class _ReLUBackwardOverride(TorchFunctionMode):
     def __init__(self, rule: str):
-        super().__init__()
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
         self.rule = rule
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.relu:
-            in_place = kwargs.get("inplace", args[1] if len(args) > 1 else False)
-            return self._rectify(args[0], in_place)
-        if func in _OUT_OF_PLACE:
-            return self._rectify(args[0], False)
-        if func in _IN_PLACE:
-            return self._rectify(args[0], True)
-        return func(*args, **kwargs)
-
-    def _rectify(self, inputs: Tensor, in_place: bool) -> Tensor:
+    def compute(self, func, args: tuple, kwargs: dict) -> Tensor:
+        inputs = args[0]
+        in_place = func in self.IN_PLACE or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
         self.calls += 1
         rectified = RectifierWithRule.apply(inputs, self.rule)
         return inputs.copy_(rectified) if in_place else rectified
 
 
 class relu_backward_rule(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
-    """``with relu_backward_rule("guided") as mode:`` — within the block, every ReLU of this thread's
-    forward passes back-propagates by the rule ("guided" or "deconvnet"). ``mode.calls`` counts
-    the ReLUs it rerouted. The mode is removed when the block ends, also on an interrupt."""
+    """``with relu_backward_rule("guided") as rule:`` — within the block, every ReLU of this thread's
+    forward passes back-propagates by the rule ("guided" or "deconvnet"). ``rule.calls`` counts
+    the ReLUs it rerouted. The rule is removed when the block ends, also on an interrupt."""
 
     def __init__(self, rule: str):
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
         super().__init__()
-        self.mode = _ReLUBackwardOverride(rule)
+        self.rule = RectifierRule(rule)
 
-    def setup(self) -> _ReLUBackwardOverride:
-        return self.enter(self.mode)
+    def setup(self) -> RectifierRule:
+        self.enter(CallRules([self.rule]))
+        return self.rule
 
 
 class _RectifiedGradient(GradientExplainer):
@@ -98,9 +91,9 @@ class _RectifiedGradient(GradientExplainer):
         """The model's forward with every ReLU rerouted; the rule is active during the forward only
         (the backward pass uses the autograd function recorded then), so a target callable that
         runs another explainer sees the model's plain ReLUs."""
-        with relu_backward_rule(self.rule) as mode:
+        with relu_backward_rule(self.rule) as rule:
             output = super().forward(inputs, rows)
-        self._relu_calls += mode.calls
+        self._relu_calls += rule.calls
         return output
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:

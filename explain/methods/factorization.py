@@ -1,0 +1,242 @@
+"""Deep feature factorisation (Collins, Achanta & Süsstrunk 2018): what does a layer group together?
+
+A layer's non-negative activations over a batch of images, A (C channels × N·h·w positions),
+are factorised by non-negative matrix factorisation, A ≈ W H, into k concepts: column j of W
+(C,) is concept j's channel profile, row j of H where it is present, one heat map per
+concept and image. Through the classifier, each concept's profile (as if an image were made of
+that concept alone) gives the classes it scores highest. A model-debugging tool: it needs no
+target and explains a batch, not an image, so it returns a ``Factorization``, not an
+``Explanation``.
+
+    dff = DeepFeatureFactorization(model, "layer4", concepts=4)
+    result = dff.factorize(images)
+    result.maps             # (N, k, H, W) in [0, 1]
+    result.top_classes()    # per concept, [(class, probability), ...]
+    result.figure().savefig("concepts.png")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..capture import LayerSpec, capture, check_hookable, find_layers, model_device, model_dtype, run_model
+from ..inputs import Inputs, Normalize, prepare_inputs
+from ..layouts import Reshape, infer_layout
+from ..render import image_as_float, label_text
+from ..scope import CallScope
+from .base import upsample_maps
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+PALETTE = np.array([  # matplotlib's tab10, as RGB in [0, 1]
+    (0.122, 0.467, 0.706), (1.000, 0.498, 0.055), (0.173, 0.627, 0.173), (0.839, 0.153, 0.157),
+    (0.580, 0.404, 0.741), (0.549, 0.337, 0.294), (0.890, 0.467, 0.761), (0.498, 0.498, 0.498),
+    (0.737, 0.741, 0.133), (0.090, 0.745, 0.812),
+])
+
+
+def nmf(matrix: Tensor, components: int, *, iterations: int = 1000, tolerance: float = 1e-7,
+        seed: int = 0) -> tuple[Tensor, Tensor, float]:
+    """Non-negative matrix factorisation V ≈ W H (Frobenius loss) by hierarchical alternating least
+    squares (Cichocki & Phan 2009): each column of W and row of H in turn is the exact non-negative
+    least-squares update with the others fixed.
+
+    matrix: (m, n) ≥ 0. Returns W (m, k) ≥ 0, H (k, n) ≥ 0 in float64 and the relative error
+    ‖V − W H‖_F / ‖V‖_F. Stops when an iteration lowers the relative error by less than ``tolerance``.
+    The start is drawn from a generator seeded with ``seed``: same seed, same factors.
+    """
+    values = matrix.double()
+    generator = torch.Generator().manual_seed(seed)
+    scale = float((values.mean() / components).sqrt())
+    rows, columns = values.shape
+    left = (torch.rand(rows, components, generator=generator, dtype=torch.float64) * scale).to(values.device)
+    right = (torch.rand(components, columns, generator=generator, dtype=torch.float64) * scale).to(values.device)
+    norm = float(values.norm()) or 1.0
+    error, previous = float("inf"), float("inf")
+    for _ in range(iterations):
+        products, gram = left.T @ values, left.T @ left
+        for j in range(components):
+            right[j] = (right[j] + (products[j] - gram[j] @ right) / gram[j, j].clamp_min(1e-12)).clamp_min(0)
+        products, gram = values @ right.T, right @ right.T
+        for j in range(components):
+            left[:, j] = (left[:, j] + (products[:, j] - left @ gram[:, j]) / gram[j, j].clamp_min(1e-12)).clamp_min(0)
+        error = float((values - left @ right).norm()) / norm
+        if previous - error < tolerance:
+            break
+        previous = error
+    return left, right, error
+
+
+@dataclass
+class Factorization:
+    """Deep feature factorisation of one layer over N images into k concepts.
+
+    concepts: (k, C) each concept's channel profile, scaled so that its heat maps peak at 1 over
+        the batch (the layer's activation where the concept is strongest).
+    low_res_maps: (N, k, h, w) ≥ 0, each concept's presence at the layer's resolution (A ≈ concepts
+        ᵀ · maps at every position).
+    maps: (N, k, H, W) in [0, 1], upsampled to the input (comparable across images and concepts).
+    relative_error: ‖A − W H‖_F / ‖A‖_F of the factorisation.
+    concept_scores: (k, classes) the classifier's logits for each concept profile, or None.
+    images: (N, H, W, 3) display images in [0, 1]. layer: the layer's name.
+    Concepts are ordered by their total presence in the batch, largest first.
+    """
+
+    concepts: Tensor
+    low_res_maps: Tensor
+    maps: Tensor
+    relative_error: float
+    images: Tensor
+    layer: str
+    concept_scores: Optional[Tensor] = None
+    class_names: Optional[Sequence[str]] = None
+
+    def __len__(self) -> int:
+        return self.maps.shape[0]
+
+    @property
+    def concept_probabilities(self) -> Optional[Tensor]:
+        """(k, classes) softmax of ``concept_scores``."""
+        return None if self.concept_scores is None else self.concept_scores.float().softmax(dim=1)
+
+    def top_classes(self, count: int = 2) -> list[list[tuple[int, float]]]:
+        """For each concept, its ``count`` highest-scoring classes as (class index, probability)."""
+        if self.concept_probabilities is None:
+            return [[] for _ in range(len(self.concepts))]
+        top = self.concept_probabilities.topk(min(count, self.concept_probabilities.shape[1]), dim=1)
+        return [list(zip(indices.tolist(), values.tolist())) for values, indices in zip(*top)]
+
+    def labels(self, count: int = 2, least: float = 0.01) -> list[str]:
+        """One legend line per concept: 'concept j: class p, class p' (up to ``count`` classes of
+        probability ≥ ``least``)."""
+        lines = []
+        for j, top in enumerate(self.top_classes(count)):
+            shown = [f"{label_text(index, self.class_names)} {p:.2f}" for index, p in top if p >= least]
+            lines.append(f"concept {j + 1}" + (": " + ", ".join(shown) if shown else ""))
+        return lines
+
+    def overlay(self, alpha: float = 0.8) -> np.ndarray:
+        """(N, H, W, 3) uint8: each pixel tinted with the colour of its strongest concept, as strongly as
+        that concept is present relative to the image's strongest presence (a pixel where no concept
+        is present keeps the image)."""
+        maps = self.maps.detach().float().cpu()
+        strength, concept = maps.max(dim=1)  # (N, H, W)
+        peak = strength.flatten(1).amax(1).clamp_min(1e-12)
+        strength = strength / peak[:, None, None]
+        colours = torch.from_numpy(PALETTE[np.arange(maps.shape[1]) % len(PALETTE)]).float()[concept]
+        weight = (alpha * strength)[..., None]
+        blended = image_as_float(self.images).cpu() * (1 - weight) + colours * weight
+        return (blended.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+    def figure(self, indices: Optional[Sequence[int]] = None, alpha: float = 0.8, classes: int = 2,
+               panel_size: float = 1.6) -> "Figure":
+        """Images (top row) over their concept overlays (bottom row), with a legend giving each
+        concept's colour and the classes it scores highest. indices: which images (default: the
+        first 8)."""
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+
+        indices = list(range(min(8, len(self)))) if indices is None else list(indices)
+        overlays = self.overlay(alpha)
+        images = (image_as_float(self.images).cpu().numpy() * 255).round().astype(np.uint8)
+        figure = Figure(figsize=(panel_size * len(indices), 2 * panel_size + 0.5 + 0.2 * len(self.concepts)),
+                        layout="constrained")
+        axes = figure.subplots(2, len(indices), squeeze=False)
+        for column, index in enumerate(indices):
+            for row, picture in enumerate((images[index], overlays[index])):
+                axes[row, column].imshow(picture)
+                axes[row, column].set_axis_off()
+        handles = [Patch(color=PALETTE[j % len(PALETTE)], label=label) for j, label in enumerate(self.labels(classes))]
+        figure.legend(handles=handles, loc="outside lower center", ncols=min(2, len(handles)), fontsize=8,
+                      frameon=False)
+        figure.suptitle(f"Deep feature factorisation of {self.layer} into {len(self.concepts)} concepts "
+                        f"(relative reconstruction error {self.relative_error:.3f})", fontsize=9)
+        return figure
+
+
+class DeepFeatureFactorization:
+    """Deep feature factorisation (Collins et al. 2018) of a layer's activations over a batch.
+
+    model: any ``nn.Module``; run in eval mode during ``factorize`` and left as found.
+    layer: the layer whose output is factorised; it must be non-negative (after a ReLU).
+    concepts: k, the number of concepts.
+    classifier: the module (or callable (k, C) → (k, classes)) that turns a concept's channel
+        profile into class scores; "auto" (default): the model's last ``nn.Linear`` taking C
+        features (a ResNet's ``fc``), if any; None: no class scores.
+    iterations, tolerance, seed: of the factorisation (see ``nmf``).
+    preprocess, reshape, class_names: as for the explainers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec,
+        *,
+        concepts: int = 4,
+        classifier: Union[str, nn.Module, Callable[[Tensor], Tensor], None] = "auto",
+        iterations: int = 1000,
+        tolerance: float = 1e-7,
+        seed: int = 0,
+        preprocess: Optional[Callable] = None,
+        reshape: Reshape = None,
+        class_names: Optional[Sequence[str]] = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
+        check_hookable(model)
+        found = find_layers(model, layer)
+        if len(found) != 1:
+            raise ValueError(f"deep feature factorisation needs one layer; {layer!r} selects {len(found)}.")
+        if concepts < 1:
+            raise ValueError(f"concepts must be at least 1; got {concepts}.")
+        self.model, (self.layer_name, self.module) = model, found[0]
+        self.concepts, self.classifier, self.iterations = concepts, classifier, iterations
+        self.tolerance, self.seed, self.reshape, self.class_names = tolerance, seed, reshape, class_names
+        self.preprocess = preprocess if preprocess is not None else Normalize()
+
+    def _classifier_for(self, channels: int) -> Optional[Callable[[Tensor], Tensor]]:
+        if self.classifier != "auto":
+            return self.classifier
+        heads = [module for module in self.model.modules()
+                 if isinstance(module, nn.Linear) and module.in_features == channels]
+        return heads[-1] if heads else None
+
+    def factorize(self, inputs: Inputs) -> Factorization:
+        """Factorise the layer's activations over ``inputs`` (anything ``explain`` takes: paths, PIL
+        images, arrays, tensors, a list of these) into the concepts."""
+        with CallScope(self.model, eval_mode=True), torch.no_grad():
+            prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
+            with capture(self.model, self.module) as captured:
+                run_model(self.model, prepared.batch)
+            output = captured[self.layer_name].output
+            layout = infer_layout(output, prepared.batch.shape[-2:], self.reshape, self.layer_name, self.module)
+            activations = layout.apply(output).double()  # (N, C, h, w)
+            if activations.min() < 0:
+                raise ValueError(
+                    f"layer {self.layer_name!r} has negative activations (min {float(activations.min()):.3g}); "
+                    "non-negative matrix factorisation needs a non-negative layer, such as one after a ReLU."
+                )
+            count, channels, height, width = activations.shape
+            matrix = activations.transpose(0, 1).reshape(channels, -1)  # (C, N·h·w)
+            profiles, presence, error = nmf(matrix, self.concepts, iterations=self.iterations,
+                                            tolerance=self.tolerance, seed=self.seed)
+            peaks = presence.amax(dim=1).clamp_min(1e-12)  # scale each concept to peak at 1
+            profiles, presence = profiles * peaks, presence / peaks[:, None]
+            order = presence.sum(dim=1).argsort(descending=True)
+            profiles, presence = profiles[:, order], presence[order]
+            low_res = presence.reshape(-1, count, height, width).transpose(0, 1).float()  # (N, k, h, w)
+            classifier = self._classifier_for(channels)
+            scores = None if classifier is None else classifier(profiles.T.to(model_dtype(self.model))).float()
+        maps = upsample_maps(low_res, prepared.batch.shape[-2:]).clamp(0, 1)
+        return Factorization(concepts=profiles.T.float(), low_res_maps=low_res, maps=maps, relative_error=error,
+                             images=prepared.images, layer=self.layer_name, concept_scores=scores,
+                             class_names=self.class_names)
+
+    def __repr__(self) -> str:
+        return f"DeepFeatureFactorization(layer={self.layer_name!r}, concepts={self.concepts})"

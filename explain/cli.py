@@ -158,21 +158,25 @@ def run_images(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(out: str = "explain-demo.png", count: int = 6) -> Path:
-    """Explain a few synthetic images with the shipped model; write one figure. No network."""
+DEMO_METHODS = {"demo": ("gradcam", "layer4", "Grad-CAM at layer4 of the demo CNN"),
+                "demo-vit": ("gradientrollout", None, "Gradient-weighted attention rollout of the demo transformer")}
+
+
+def run_demo(out: str = "explain-demo.png", count: int = 6, model: str = "demo") -> Path:
+    """Explain a few synthetic images with a shipped model ('demo', the CNN, or 'demo-vit', the
+    transformer); write one figure. No network."""
     from .data.synthetic import CLASS_NAMES, make_dataset
 
-    loaded = load_model("demo")
+    if model not in DEMO_METHODS:
+        raise ValueError(f"explain demo takes --model demo or demo-vit; got {model!r}.")
+    method, layer, what = DEMO_METHODS[model]
+    loaded = load_model(model)
     data = make_dataset(count, seed=DEMO_SEED)
-    explainer = make_explainer("gradcam", loaded, "layer4")
+    explainer = make_explainer(method, loaded, layer)
     explanation = explainer.explain(list(data.images))
     titles = [f"true class: {CLASS_NAMES[label]}" for label in data.labels]
     figure = explanation.figure(image_titles=titles)
-    figure.suptitle(
-        "Grad-CAM at layer4 of the demo model: the class is the filled shape; "
-        "rings, bars and boxes are distractors",
-        fontsize=9,
-    )
+    figure.suptitle(f"{what}: the class is the filled shape; rings, bars and boxes are distractors", fontsize=9)
     figure.savefig(out, dpi=120)
     for index in range(count):
         print(f"image {index}: {titles[index]}, predicted {_describe(explanation, index, 0)}")
@@ -264,9 +268,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if argv and argv[0] == "demo":
             parser = Parser(prog="explain demo", description=run_demo.__doc__)
             parser.add_argument("--out", default="explain-demo.png")
-            parser.add_argument("--count", type=int, default=6)
+            parser.add_argument("--count", type=positive_int, default=6)
+            parser.add_argument("--model", default="demo", choices=sorted(DEMO_METHODS),
+                                help="demo (the shipped CNN, Grad-CAM) or demo-vit (the shipped transformer, "
+                                "gradient-weighted attention rollout)")
             arguments = parser.parse_args(argv[1:])
-            run_demo(arguments.out, arguments.count)
+            run_demo(arguments.out, arguments.count, arguments.model)
             return 0
         if argv and argv[0] == "methods":
             print(list_methods())

@@ -36,9 +36,10 @@ def test_gradcam_peak_lies_on_the_object_that_decides_the_class(demo_model):
     assert np.mean(hits) >= 0.9, f"pointing game {np.mean(hits):.2f}"
 
 
-def test_demo_writes_its_figure(tmp_path, capsys):
+@pytest.mark.parametrize("model", ["demo", "demo-vit"])
+def test_demo_writes_its_figure(model, tmp_path, capsys):
     out = tmp_path / "demo.png"
-    assert main(["demo", "--out", str(out)]) == 0
+    assert main(["demo", "--model", model, "--out", str(out)]) == 0
     figure = np.asarray(Image.open(out))
     assert figure.shape[0] > 300 and figure.shape[1] > 900 and figure.std() > 10
     printed = capsys.readouterr().out

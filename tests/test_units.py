@@ -55,11 +55,15 @@ UNITS = [
 ]
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["unit given", "unit bound by the caller"])
 @pytest.mark.parametrize("unit, value_of", [case[1:] for case in UNITS], ids=[case[0] for case in UNITS])
-def test_saliency_of_a_unit_is_the_gradient_of_its_value(unit, value_of, resnet):
+def test_saliency_of_a_unit_is_the_gradient_of_its_value(unit, value_of, bound, resnet):
     model, x = resnet
-    with unit.bind(model) as target:
-        result = explain.Saliency(model).explain(x, target=target)
+    if bound:
+        with unit.bind(model) as target:
+            result = explain.Saliency(model).explain(x, target=target)
+    else:
+        result = explain.Saliency(model).explain(x, target=unit)
     torch.testing.assert_close(result.attributions[:, 0], input_gradient_of(model, x, unit.layer, value_of))
     _, stash = layer_outputs(model, [unit.layer], x)
     torch.testing.assert_close(result.scores[:, 0], value_of(stash[unit.layer]))
@@ -155,8 +159,8 @@ def test_captum_neuron_gradient_and_integrated_gradients_agree(resnet):
 
 def test_units_are_checked_and_explained_when_misused(resnet):
     model, x = resnet
-    with pytest.raises(TypeError, match="bind"):
-        explain.Saliency(model).explain(x, target=explain.Channel("layer3", 17))  # the pipeline does not bind yet
+    with pytest.raises(TypeError, match="bind"):  # a unit used outside a call, on an output alone
+        explain.Channel("layer3", 17)(model(x))
     with pytest.raises(ValueError, match="out of range"):
         explain.GradCAM(model, "layer2").explain(x, target=explain.Channel("layer3", 999))
     with pytest.raises(ValueError, match="needs 3 indices"):

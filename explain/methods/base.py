@@ -18,6 +18,7 @@ from ..explanation import Explanation
 from ..inputs import Inputs, Normalize, prepare_inputs
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_output
+from ..units import bind_units
 
 NORMALIZATIONS = ("max", "minmax", None)
 
@@ -288,7 +289,8 @@ class Explainer(ABC):
         inputs: a path, PIL image, (H, W, 3) ndarray, (C, H, W) or (N, C, H, W)
             tensor, or a list of these (see ``explain.inputs``).
         target: None (top-1 class), an int, one int per image, K ints per image,
-            or a callable ``f(output) -> Tensor[N]`` (see ``explain.targets``).
+            a callable ``f(output) -> Tensor[N]`` (see ``explain.targets``), or a hidden unit
+            (``explain.Channel``, ``explain.Neuron``).
         topk: explain each image's k highest-scoring classes.
         forward_args, forward_kwargs: the model's other inputs, for models with several; the
             explained batch goes at ``input_position`` (an index among the positional arguments,
@@ -305,6 +307,7 @@ class Explainer(ABC):
                                                 prepared.batch.shape[0])
                 scope.add_undo(self._forget_forward_call)
             scope.eval_mode(self.model)
+            target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
             attribution = self.attribute(prepared.batch, target, topk)
             raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
             check_finite_maps(raw, self.method_name)

@@ -1,29 +1,34 @@
 """The ``explain`` command.
 
-    explain demo                                   # no network, no arguments: writes explain-demo.png
-    explain IMAGE... --model resnet50 [--weights PATH|NAME] [--method gradcam] [--layer layer4]
-                     [--target CLASS | --topk K] [--out DIR]
-    explain methods                                # every method with one line each
+    explain demo [--model demo-vit]                # no network, no arguments: writes explain-demo.png
+    explain IMAGE... --model MODEL [--weights PATH|NAME] [--method gradcam] [--layer layer4]
+                     [--target CLASS | --topk K] [--option KEY=VALUE ...] [--out DIR]
+    explain methods [--verbose] [NAME]             # every method with one line each, or its options
     explain layers MODEL [--input-size 3 224 224]  # layer names with output shapes
-    explain batch DIR --model NAME --out OUT [--overlays]   # a whole folder, resumable;
+    explain batch DIR --model MODEL --out OUT [--overlays]   # a whole folder, resumable;
                                                    # under torchrun, sharded across processes
-"""
 
+MODEL: demo, demo-vit, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
+holding a whole model (with --allow-pickle); see ``explain.models``.
+"""
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import inspect
 import os
 import re
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 
 from .capture import LayerNotRunError, ModelInputError
 from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
+from .methods.base import parameter_docs
 from .models import LoadedModel, WeightsUnavailableError, load_model
 
 DEMO_SEED = 2024
@@ -37,13 +42,62 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"explain: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str], **options) -> Explainer:
-    """Build a registered method for a loaded model; methods that need a layer get it."""
+SET_BY_THE_COMMAND = ("model", "layer", "preprocess", "class_names", "output", "explainer")
+"""Constructor parameters that the command line sets from its own flags, not from --option."""
+
+
+def method_options(cls: type[Explainer]) -> dict[str, inspect.Parameter]:
+    """The options of a method that --option can set: its keyword parameters, by name."""
+    return {name: parameter for name, parameter in inspect.signature(cls).parameters.items()
+            if name not in SET_BY_THE_COMMAND and parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def parse_option(text: str, cls: type[Explainer]) -> tuple[str, Any]:
+    """--option KEY=VALUE for a method: VALUE read as a Python literal (64, 0.5, (7, 7), None, True;
+    a bare word such as blur is a string), checked against the option's default."""
+    key, separator, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    options = method_options(cls)
+    if not separator:
+        raise ValueError(f"--option {text!r}: write KEY=VALUE, e.g. --option steps=64.")
+    if key not in options:
+        close = difflib.get_close_matches(key, list(options), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"{cls.name} has no option {key!r}.{hint} Its options: {', '.join(options) or 'none'} "
+                         f"(`explain methods {cls.name}` describes them).")
+    raw = raw.strip()
+    words = {"none": None, "true": True, "false": False}
+    try:
+        value = words[raw.lower()] if raw.lower() in words else ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare word: a string
+    default = options[key].default
+    expected = type(default) if default is not inspect.Parameter.empty and default is not None else None
+    fits = (expected is None or isinstance(value, expected) or value is None
+            or (expected is float and isinstance(value, int) and not isinstance(value, bool)))
+    if expected is bool and not isinstance(value, bool) and value is not None:
+        fits = False
+    if expected is int and isinstance(value, bool):
+        fits = False
+    if not fits:
+        raise ValueError(f"--option {key}={raw}: {key} takes {expected.__name__ if expected else 'a value'} "
+                         f"values (default {default!r}).")
+    return key, value
+
+
+def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str] = None,
+                   options: Sequence[str] = ()) -> Explainer:
+    """Build a registered method for a loaded model: its preprocessing, class names and output
+    selector, the layer (the model's default layer, or chosen on the first call), and the
+    ``--option KEY=VALUE`` settings."""
     cls = get_method(method)
-    common = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **options)
+    settings = dict(parse_option(text, cls) for text in options)
+    common: dict[str, Any] = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **settings)
+    if loaded.output is not None:
+        common["output"] = loaded.output
     if cls.needs_layer:  # layer None: the method picks one on its first call
-        return cls(loaded.model, layer if layer is not None or loaded.name != "demo" else "layer4", **common)
-    return cls(loaded.model, **common)
+        return cls(loaded.model, layer if layer is not None else loaded.default_layer, **common)  # type: ignore
+    return cls(loaded.model, **common)  # type: ignore[call-arg]
 
 
 def parse_device(text: str) -> torch.device:
@@ -141,9 +195,9 @@ def run_images(arguments: argparse.Namespace) -> int:
     check_colormap(arguments.cmap)
     device = parse_device(arguments.device)
     out = check_output_folder(arguments.out)
-    loaded = load_model(arguments.model, arguments.weights)
+    loaded = load_from_arguments(arguments)
     loaded.model.to(device)
-    explainer = make_explainer(arguments.method, loaded, arguments.layer)
+    explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
     target = parse_target(arguments.target, loaded.class_names)
     out.mkdir(parents=True, exist_ok=True)
     method = get_method(arguments.method).name
@@ -184,9 +238,35 @@ def run_demo(out: str = "explain-demo.png", count: int = 6, model: str = "demo")
     return Path(out)
 
 
-def list_methods() -> str:
+def list_methods(verbose: bool = False) -> str:
+    """One line per method; with ``verbose``, each method's --option settings and their defaults."""
     width = max(len(name) for name in REGISTRY)
-    return "\n".join(f"{name:<{width}}  {cls.summary}" for name, cls in sorted(REGISTRY.items()))
+    lines = []
+    for name, cls in sorted(REGISTRY.items()):
+        lines.append(f"{name:<{width}}  {cls.summary}")
+        if verbose:
+            options = method_options(cls)
+            settings = " ".join(f"{key}={parameter.default!r}" for key, parameter in options.items()
+                                if parameter.default is not inspect.Parameter.empty)
+            lines.append(f"{'':<{width}}    --option {settings}" if settings else "")
+    return "\n".join(line for line in lines if line)
+
+
+def describe_method(name: str) -> str:
+    """A method's summary and every --option it takes, with its default and meaning."""
+    cls = get_method(name)
+    docs = parameter_docs(cls.__doc__)
+    first = (cls.__doc__ or "").strip().split("\n\n")[0]
+    lines = [f"{cls.name} ({cls.__name__}): {cls.summary}", "", first, "",
+             f"Options (--option KEY=VALUE; in Python, {cls.__name__}(model{', layer' if cls.needs_layer else ''}, "
+             "KEY=VALUE)):"]
+    for key, parameter in method_options(cls).items():
+        default = "" if parameter.default is inspect.Parameter.empty else f" (default {parameter.default!r})"
+        meaning = docs.get(key, "").split(":", 1)[-1].strip()
+        lines.append(f"  {key}{default}: {meaning}" if meaning else f"  {key}{default}")
+    if cls.needs_layer:
+        lines.append("  layer: --layer NAME (default: chosen on the first call)")
+    return "\n".join(lines)
 
 
 def run_batch(argv: Sequence[str]) -> int:
@@ -211,9 +291,9 @@ def run_batch(argv: Sequence[str]) -> int:
         if device.type == "cuda":
             device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     try:
-        loaded = load_model(arguments.model, arguments.weights)
+        loaded = load_from_arguments(arguments)
         loaded.model.to(device)
-        explainer = make_explainer(arguments.method, loaded, arguments.layer)
+        explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
         target = parse_target(arguments.target, loaded.class_names)
         summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
                       batch_size=arguments.batch_size, overlays=arguments.overlays,
@@ -236,23 +316,51 @@ def run_batch(argv: Sequence[str]) -> int:
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="'demo' (the shipped CNN), 'demo-vit' (the shipped transformer) or a torchvision model "
-                        "name (resnet50, vgg16, ...)")
-    parser.add_argument("--weights", help="a state-dict file, or a torchvision weights name (DEFAULT, IMAGENET1K_V2)")
-    parser.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
-    parser.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
-    parser.add_argument("--target", help="class index or name to explain (default: the top class)")
-    parser.add_argument("--topk", type=int, help="explain the k top classes of each image")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True,
+                       help="demo, demo-vit, a torchvision name (resnet50), timm:NAME (timm:vit_small_patch16_224), "
+                       "hf:ID_OR_DIRECTORY (a HuggingFace model), or a file holding a whole model (--allow-pickle)")
+    model.add_argument("--weights", help="a state-dict file (.pt, .pth, .bin, .safetensors), or a pretrained name: "
+                       "DEFAULT or a torchvision weights name (IMAGENET1K_V2); 'pretrained' for timm")
+    model.add_argument("--num-classes", type=positive_int, help="classes of a fine-tuned head (with --weights FILE)")
+    model.add_argument("--output", help="which output to explain when the model's is not a tensor of class scores "
+                       "(a key such as pooler_output; an index)")
+    model.add_argument("--allow-pickle", action="store_true",
+                       help="load a whole pickled model from --model FILE (runs code from the file: trust it)")
+    model.add_argument("--class-names", metavar="FILE", help="class names: one per line, or a JSON list")
+    model.add_argument("--size", type=positive_int, nargs="+", metavar="S",
+                       help="input size instead of the model's own: S (shorter side to S, centre crop S×S) or H W")
+    model.add_argument("--mean", type=float, nargs="+", help="normalisation mean per channel, in [0, 1] units")
+    model.add_argument("--std", type=float, nargs="+", help="normalisation std per channel, in [0, 1] units")
+    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    method = parser.add_argument_group("method")
+    method.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
+    method.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
+    method.add_argument("--target", help="class index or name to explain (default: the top class)")
+    method.add_argument("--topk", type=positive_int, help="explain the k top classes of each image")
+    method.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a method option, e.g. --option steps=64 --option baseline=blur (repeatable; "
+                        "`explain methods NAME` lists a method's options)")
+
+
+def load_from_arguments(arguments: argparse.Namespace) -> LoadedModel:
+    """The model of the command line's model options."""
+    output: Optional[str | int] = arguments.output
+    if isinstance(output, str) and output.lstrip("-").isdigit():
+        output = int(output)
+    if arguments.size is not None and len(arguments.size) > 2:
+        raise ValueError(f"--size takes S or H W; got {len(arguments.size)} numbers.")
+    return load_model(arguments.model, arguments.weights, num_classes=arguments.num_classes, output=output,
+                      allow_pickle=arguments.allow_pickle, class_names=arguments.class_names, size=arguments.size,
+                      mean=arguments.mean, std=arguments.std)
 
 
 def _image_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="explain",
         description="Explain images with a vision model and write heatmap overlays.",
-        epilog="Other commands: `explain demo` (no network needed), `explain methods`, `explain layers MODEL`, "
-        "`explain batch DIR`.",
+        epilog="Other commands: `explain demo` (no network needed), `explain methods [--verbose] [NAME]` (a "
+        "method's options), `explain layers MODEL`, `explain batch DIR`.",
     )
     parser.add_argument("images", nargs="+", help="image files")
     _add_model_options(parser)
@@ -276,19 +384,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_demo(arguments.out, arguments.count, arguments.model)
             return 0
         if argv and argv[0] == "methods":
-            print(list_methods())
+            parser = Parser(prog="explain methods", description="List the methods, or describe one.")
+            parser.add_argument("name", nargs="?", help="a method: its options, defaults and meaning")
+            parser.add_argument("--verbose", "-v", action="store_true", help="each method's options and defaults")
+            arguments = parser.parse_args(argv[1:])
+            print(describe_method(arguments.name) if arguments.name else list_methods(arguments.verbose))
             return 0
         if argv and argv[0] == "batch":
             return run_batch(argv[1:])
         if argv and argv[0] == "layers":
             parser = Parser(prog="explain layers", description="List layer names and output shapes.")
-            parser.add_argument("model", help="'demo' or a torchvision model name")
-            parser.add_argument("--weights", help="a state-dict file or a torchvision weights name")
+            parser.add_argument("model", help="demo, demo-vit, a torchvision name, timm:NAME or hf:ID_OR_DIRECTORY")
+            parser.add_argument("--weights", help="a state-dict file or a pretrained name")
+            parser.add_argument("--num-classes", type=positive_int, help="classes of a fine-tuned head")
+            parser.add_argument("--allow-pickle", action="store_true", help="MODEL is a trusted whole-model file")
             parser.add_argument("--input-size", type=positive_int, nargs=3, metavar=("C", "H", "W"),
-                                help="input size (default: 3 64 64 for demo, 3 224 224 otherwise)")
+                                help="input size (default: the model's own, else 3 224 224)")
             arguments = parser.parse_args(argv[1:])
-            loaded = load_model(arguments.model, arguments.weights)
-            size = arguments.input_size or ((3, 64, 64) if loaded.name.startswith("demo") else (3, 224, 224))
+            loaded = load_model(arguments.model, arguments.weights, num_classes=arguments.num_classes,
+                                allow_pickle=arguments.allow_pickle)
+            size = arguments.input_size or loaded.input_size or (3, 224, 224)
             print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))

@@ -114,14 +114,30 @@ class Explanation:
             Image.fromarray(render.tile(render.overlay(self.images, self.map_grid, alpha=alpha, cmap=cmap))).save(path)
         return path
 
-    def _repr_png_(self) -> bytes:
+    def png(self, dpi: int = 80) -> bytes:
+        """The figure of ``figure()`` as PNG bytes (what a notebook shows)."""
         buffer = io.BytesIO()
-        self.figure().savefig(buffer, format="png", dpi=100)
+        self.figure().savefig(buffer, format="png", dpi=dpi)
         return buffer.getvalue()
 
+    def __repr__(self) -> str:
+        """One line: method and layer, N × K, size, and the first images' classes with their scores."""
+        count, targets = self.map_grid.shape[:2]
+        height, width = self.map_grid.shape[-2:]
+        shown = min(count, 3)
+        explained = "; ".join(
+            f"image {n}: " + ", ".join(self.title(n, k) for k in range(min(targets, 3)))
+            + (", …" if targets > 3 else "")
+            for n in range(shown)
+        )
+        more = f"; … ({count - shown} more)" if count > shown else ""
+        return (f"Explanation({self.description()}, {count} image{'s' if count != 1 else ''} × {targets} "
+                f"target{'s' if targets != 1 else ''}, {height}×{width}; {explained}{more})")
+
     def _repr_html_(self) -> str:
-        """Notebook display: the figure, then a table of image, class, score and probability."""
-        picture = base64.b64encode(self._repr_png_()).decode("ascii")
+        """Notebook display: the figure (once, as one PNG at 80 dpi), then a table of image, class,
+        score and probability. There is no ``_repr_png_``: a notebook would store the figure twice."""
+        picture = base64.b64encode(self.png()).decode("ascii")
         rows = []
         for image in range(len(self)):
             for target in range(self.map_grid.shape[1]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -45,6 +45,135 @@ class Normalize:
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+class Preprocess(Protocol):
+    """What ``preprocess=`` takes: an RGB PIL image → a (C, H, W) float tensor of model input.
+
+    ``mean`` and ``std`` (per channel, in [0, 1] units), when the object has them, turn model
+    input back into display images; torchvision's ``weights.transforms()`` has them.
+    """
+
+    def __call__(self, image: Image.Image) -> Tensor: ...
+
+
+def _normalize_statistics(transform: Any) -> tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]:
+    """(mean, std) of a transform: its own attributes, or those of a Normalize step inside a Compose."""
+    mean, std = getattr(transform, "mean", None), getattr(transform, "std", None)
+    if mean is not None and std is not None:
+        return tuple(float(v) for v in mean), tuple(float(v) for v in std)
+    for step in getattr(transform, "transforms", []):
+        mean, std = _normalize_statistics(step)
+        if mean is not None:
+            return mean, std
+    return None, None
+
+
+class TransformPreprocess:
+    """A torchvision-style transform (PIL image → tensor: ``weights.transforms()``, timm's
+    ``create_transform``) as a preprocess, with the ``mean``/``std`` it normalises by."""
+
+    def __init__(self, transform: Callable[[Image.Image], Tensor], mean: Optional[Sequence[float]] = None,
+                 std: Optional[Sequence[float]] = None):
+        self.transform = transform
+        found_mean, found_std = _normalize_statistics(transform)
+        self.mean = tuple(float(v) for v in mean) if mean is not None else found_mean
+        self.std = tuple(float(v) for v in std) if std is not None else found_std
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        return self.transform(image)
+
+    def __repr__(self) -> str:
+        return f"TransformPreprocess({self.transform!r})"
+
+
+class ImageProcessorPreprocess:
+    """A HuggingFace image processor (``AutoImageProcessor``, ``CLIPImageProcessor``, ...) as a
+    preprocess: PIL image → its ``pixel_values`` (C, H, W), with the processor's mean and std."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        normalizes = getattr(processor, "do_normalize", True)
+        mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)
+        if not normalizes:
+            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        self.mean = None if mean is None else tuple(float(v) for v in mean)
+        self.std = None if std is None else tuple(float(v) for v in std)
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        pixels = self.processor(images=image, return_tensors="pt")["pixel_values"]
+        return pixels[0] if pixels.dim() == 4 else pixels
+
+    def __repr__(self) -> str:
+        return f"ImageProcessorPreprocess({type(self.processor).__name__})"
+
+
+def is_image_processor(value: Any) -> bool:
+    """Whether ``value`` is a HuggingFace image processor (or a processor holding one)."""
+    module = type(value).__module__ or ""
+    return module.startswith("transformers.") and hasattr(value, "image_mean") or (
+        module.startswith("transformers.") and hasattr(getattr(value, "image_processor", None), "image_mean"))
+
+
+def as_preprocess(value: Optional[Any]) -> Preprocess:
+    """``preprocess=`` as given: None → ``Normalize()``; a HuggingFace image processor (or a
+    ``CLIPProcessor``, whose image processor is used) → ``ImageProcessorPreprocess``; any other
+    callable as it is."""
+    if value is None:
+        return Normalize()
+    if is_image_processor(value):
+        return ImageProcessorPreprocess(getattr(value, "image_processor", None) or value)
+    if not callable(value):
+        raise TypeError(f"preprocess must be a callable (PIL image → tensor) or a HuggingFace image processor; "
+                        f"got {type(value).__name__}.")
+    return value
+
+
+class Renormalized:
+    """Another preprocess with its normalisation replaced: ``(base(image) · std₀ + mean₀ − mean) / std``."""
+
+    def __init__(self, base: Preprocess, mean: Sequence[float], std: Sequence[float]):
+        self.base = base
+        self.base_mean, self.base_std = _normalize_statistics(base)
+        if self.base_mean is None or self.base_std is None:
+            raise ValueError("--mean/--std without --size need the model's preprocess to state its mean and std; "
+                             "give --size too.")
+        self.mean, self.std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        values = self.base(image)
+        shape = (-1, 1, 1)
+        unit = values * torch.tensor(self.base_std).view(shape) + torch.tensor(self.base_mean).view(shape)
+        return (unit - torch.tensor(self.mean).view(shape)) / torch.tensor(self.std).view(shape)
+
+
+def resizing_preprocess(base: Preprocess, size: Optional[Sequence[int]], mean: Optional[Sequence[float]],
+                        std: Optional[Sequence[float]]) -> Preprocess:
+    """The command line's --size / --mean / --std applied to a model's preprocess.
+
+    size: (S,) shorter side resized to S then centre-cropped to S × S; (H, W) resized to exactly
+    H × W; None keeps the base's geometry. mean, std: per-channel statistics in [0, 1] units;
+    None keeps the base's (ImageNet's when it states none).
+    """
+    for name, values in (("mean", mean), ("std", std)):
+        if values is not None and len(values) not in (1, 3):
+            raise ValueError(f"--{name} takes 1 or 3 values; got {len(values)}.")
+        if name == "std" and values is not None and min(values) <= 0:
+            raise ValueError(f"--std values must be positive; got {list(values)}.")
+    base_mean, base_std = _normalize_statistics(base)
+    mean = tuple(mean) * (3 // len(mean)) if mean is not None else (base_mean or IMAGENET_MEAN)
+    std = tuple(std) * (3 // len(std)) if std is not None else (base_std or IMAGENET_STD)
+    if size is None:
+        return Renormalized(base, mean, std)
+    if len(size) not in (1, 2) or min(size) < 1:
+        raise ValueError(f"--size takes S (shorter side, centre crop S × S) or H W, each at least 1; got {list(size)}.")
+    from torchvision import transforms
+
+    steps: list[Callable[..., Any]] = (
+        [transforms.Resize(int(size[0])), transforms.CenterCrop(int(size[0]))] if len(size) == 1
+        else [transforms.Resize((int(size[0]), int(size[1])))])
+    steps += [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    return TransformPreprocess(transforms.Compose(steps), mean, std)
 
 
 def load_image(path: Union[str, os.PathLike]) -> Image.Image:

@@ -1,16 +1,36 @@
-"""Load a model by name for the command line: the shipped demo model or a torchvision model.
+"""Load a model as users have it, for Python (``explain.load_model``) and the command line's ``--model``.
 
-Weights are a local file (a state dict), a torchvision weights name ("DEFAULT",
-"IMAGENET1K_V2", "ResNet50_Weights.IMAGENET1K_V2") downloaded by torchvision,
-or none (random weights). A download that fails says so and how to pass a file.
+Sources:
+
+- ``"demo"``, ``"demo-vit"``: the shipped CNN and transformer (no network);
+- a torchvision model name (``"resnet50"``, also ``"torchvision:resnet50"``);
+- ``"timm:NAME"``: a timm model (``timm.create_model``);
+- ``"hf:ID_OR_DIRECTORY"``: a HuggingFace transformers model, through the Auto classes: an image
+  classifier, or any other model (a bare backbone, CLIP) whose output to explain ``output=`` names;
+- a file: a whole pickled model (only with ``allow_pickle=True``: unpickling runs code from the
+  file); TorchScript files are refused (hooks do not run inside them).
+
+Weights (``weights=``): None (random weights, or the directory's own for ``hf:``), a state-dict
+file for the named architecture (``.pt``, ``.pth``, ``.bin``, ``.safetensors``; wrappers such
+as ``{"state_dict": ...}`` and prefixes such as ``module.`` are handled; ``num_classes=`` for a
+fine-tuned head), or a pretrained name (``"DEFAULT"``, a torchvision weights name, or
+``"pretrained"`` for timm), downloaded by its library. A download that fails says so and how to
+pass a local file instead.
+
+Each model comes with its own preprocessing (torchvision ``weights.transforms()``, timm's data
+config, the HF image processor) and class names (the weights' metadata, the timm or HF config's
+labels), both of which can be overridden.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torchvision
@@ -19,36 +39,118 @@ from torch import nn
 from .data.demo import DemoNet, load_demo_model
 from .data.demo_vit import DemoViT, load_demo_vit
 from .data.synthetic import CLASS_NAMES
-from .inputs import Normalize
+from .inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
+from .targets import OutputSelector
+
+STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module", "net", "ema")
+PREFIXES = ("module.", "model.", "_orig_mod.")
+PRETRAINED_NAMES = ("DEFAULT", "pretrained")
+SOURCES_TEXT = ("'demo', 'demo-vit', a torchvision model name (resnet50), 'timm:NAME' (timm:vit_small_patch16_224), "
+                "'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a whole model")
 
 
 class WeightsUnavailableError(RuntimeError):
-    """Pretrained weights that could not be downloaded or read."""
+    """Pretrained weights that could not be downloaded or read, or a file that cannot be loaded."""
 
 
 @dataclass
 class LoadedModel:
-    """A model ready to explain: in eval mode, with what is known about its inputs and classes."""
+    """A model ready to explain, in eval mode, with what is known about its inputs and classes.
+
+    preprocess: the model's own preprocessing (PIL image → (C, H, W) tensor), with ``mean``/``std``.
+    class_names: one name per output class, or None. output: which part of the model's output
+        holds the scores (for ``Explainer(output=...)``), or None. input_size: (C, H, W) the model
+        expects, when known. default_layer: the layer CAMs use when none is given (None: chosen
+        automatically on the first call).
+    """
 
     model: nn.Module
-    preprocess: Optional[Callable]
-    class_names: Optional[Sequence[str]]
+    preprocess: Preprocess
+    class_names: Optional[list[str]]
     name: str
+    output: OutputSelector = None
+    input_size: Optional[tuple[int, int, int]] = None
+    default_layer: Optional[str] = None
 
 
-def _weights_enum(name: str):
+def load_model(
+    source: str,
+    weights: Optional[str] = None,
+    *,
+    num_classes: Optional[int] = None,
+    output: OutputSelector = None,
+    allow_pickle: bool = False,
+    class_names: Union[str, Path, Sequence[str], None] = None,
+    size: Optional[Sequence[int]] = None,
+    mean: Optional[Sequence[float]] = None,
+    std: Optional[Sequence[float]] = None,
+) -> LoadedModel:
+    """Load a model from any source (see the module's docstring), in eval mode.
+
+    weights: None, a state-dict file, or a pretrained name ("DEFAULT", "pretrained", a torchvision
+        weights name). num_classes: the number of classes of a fine-tuned head (torchvision, timm).
+    output: which part of the output to explain (an HF backbone's "pooler_output", ...).
+    allow_pickle: load a whole pickled model from a file (runs code from the file: trusted files only).
+    class_names: a list of names, or a text file (one name per line, or a JSON list).
+    size: (S,) resize the shorter side to S and centre-crop S × S, or (H, W) resize to exactly
+        H × W; mean, std: per-channel normalisation. Each replaces the model's own.
+    Raises WeightsUnavailableError when weights cannot be downloaded or read, with the fix.
+    """
+    if num_classes is not None and num_classes < 1:
+        raise ValueError(f"num_classes must be at least 1; got {num_classes}.")
+    if source in ("demo", "demo-vit"):
+        loaded = _load_demo(source, weights)
+    elif source.startswith("timm:"):
+        loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes)
+    elif source.startswith("hf:"):
+        loaded = _load_huggingface(source.removeprefix("hf:"), weights, output)
+    elif source.startswith("torchvision:") or source in torchvision.models.list_models():
+        loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes)
+    elif Path(source).expanduser().is_file():
+        loaded = _load_whole_model(Path(source).expanduser(), allow_pickle)
+    else:
+        raise ValueError(_unknown_source_message(source))
+    if output is not None:
+        loaded.output = output
+    if class_names is not None:
+        loaded.class_names = read_class_names(class_names)
+    if loaded.class_names is not None:
+        check_class_count(loaded.class_names, loaded.model)
+    if size is not None or mean is not None or std is not None:
+        loaded.preprocess = resizing_preprocess(loaded.preprocess, size, mean, std)
+        if size is not None:
+            loaded.input_size = (3, *_size_pair(size))
+    loaded.model.eval()
+    return loaded
+
+
+# ---------------------------------------------------------------- sources
+
+
+def _load_demo(name: str, weights: Optional[str]) -> LoadedModel:
+    architecture: type[nn.Module] = DemoViT if name == "demo-vit" else DemoNet
+    if weights is None:
+        model = load_demo_vit() if name == "demo-vit" else load_demo_model()
+    else:
+        model = architecture()
+        load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
+    return LoadedModel(model, Normalize(), list(CLASS_NAMES), name, input_size=(3, 64, 64),
+                       default_layer="layer4" if name == "demo" else None)
+
+
+def _weights_enum(name: str) -> Any:
     try:
         return torchvision.models.get_model_weights(name)
     except (ValueError, KeyError):
         return None
 
 
-def _resolve_weights_name(model_name: str, weights: str):
+def _torchvision_weights(model_name: str, weights: str) -> Any:
     enum = _weights_enum(model_name)
-    if "." in weights:
+    if "." in weights and not weights.startswith("."):
         return torchvision.models.get_weight(weights)
     if enum is None:
-        raise ValueError(f"torchvision has no pretrained weights for {model_name!r}.")
+        raise ValueError(f"torchvision has no pretrained weights for {model_name!r}; give a state-dict file.")
     try:
         return enum[weights]
     except KeyError:
@@ -58,80 +160,21 @@ def _resolve_weights_name(model_name: str, weights: str):
         ) from None
 
 
-def _load_state_dict(model: nn.Module, state: dict, weights: str, name: str) -> None:
-    """Load weights into a model, or say in a few lines which keys or shapes do not fit."""
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as error:
-        details = [line.strip() for line in str(error).splitlines() if line.strip()][1:4]
-        raise WeightsUnavailableError(
-            f"the weights in {weights!r} do not fit the {name} model (were they saved from another "
-            f"architecture, or with another number of classes?): {' '.join(details)[:400]}"
-        ) from error
-
-
-def _read_state_dict(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"no weights file at {str(path)!r}.")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # pickle, zip and format errors of any kind
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise WeightsUnavailableError(
-            f"could not read weights from {str(path)!r} ({type(error).__name__}: {first[:200]}): give a state "
-            "dict saved with torch.save(model.state_dict(), path)."
-        ) from error
-    for key in ("state_dict", "model_state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict):
-        raise WeightsUnavailableError(f"{str(path)!r} does not hold a state dict (got {type(state).__name__}).")
-    return {key.removeprefix("module."): value for key, value in state.items()}
-
-
-def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
-    """A model by name: "demo" (the shipped CNN), "demo-vit" (the shipped transformer) or any
-    torchvision classification model name.
-
-    weights: None (random weights for torchvision models), a path to a state dict,
-    or a torchvision weights name. Raises WeightsUnavailableError when weights
-    cannot be downloaded or read, with the fix in the message.
-    """
-    if name == "demo-vit":
-        if weights is None:
-            model = load_demo_vit()
-        else:
-            model = DemoViT()
-            _load_state_dict(model, _read_state_dict(Path(weights).expanduser()), weights, name)
-            model.eval()
-        return LoadedModel(model, Normalize(), list(CLASS_NAMES), "demo-vit")
-    if name == "demo":
-        if weights is None:
-            model = load_demo_model()
-        else:
-            model = DemoNet()
-            _load_state_dict(model, _read_state_dict(Path(weights).expanduser()), weights, name)
-            model.eval()
-        return LoadedModel(model, Normalize(), list(CLASS_NAMES), "demo")
-    available = torchvision.models.list_models()
-    if name not in available:
-        close = difflib.get_close_matches(name, available, n=5, cutoff=0.5)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown model {name!r}: use 'demo', 'demo-vit' or a torchvision model name.{hint}")
+def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[int]) -> LoadedModel:
+    if name not in torchvision.models.list_models():
+        raise ValueError(_unknown_source_message(name))
     enum = _weights_enum(name)
-    default_weights = enum.DEFAULT if enum is not None else None
-    if weights is None:
-        model = torchvision.models.get_model(name, weights=None)
-        chosen = default_weights
-    elif Path(weights).expanduser().is_file():
-        state = _read_state_dict(Path(weights).expanduser())
-        model = torchvision.models.get_model(name, weights=None)
-        _load_state_dict(model, state, weights, name)
-        chosen = default_weights
-    elif any(separator in weights for separator in ("/", "\\")) or weights.endswith((".pt", ".pth", ".bin")):
-        raise FileNotFoundError(f"no weights file at {weights!r}.")
+    chosen = enum.DEFAULT if enum is not None else None  # its transforms and categories
+    head = {} if num_classes is None else {"num_classes": num_classes}
+    if weights is None or _is_weights_file(weights):
+        model = torchvision.models.get_model(name, weights=None, **head)
+        if weights is not None:
+            load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
     else:
-        chosen = _resolve_weights_name(name, weights)
+        if num_classes is not None:
+            raise ValueError(f"--num-classes {num_classes} goes with a fine-tuned state-dict file, not with the "
+                             f"pretrained weights {weights!r} (their head has its own classes).")
+        chosen = _torchvision_weights(name, weights)
         try:
             model = torchvision.models.get_model(name, weights=chosen)
         except Exception as error:  # URLError, OSError, SSL errors: no network
@@ -142,15 +185,274 @@ def load_model(name: str, weights: Optional[str] = None) -> LoadedModel:
                 f"here and pass its path: --weights /path/to/{filename}"
             ) from error
     categories = chosen.meta.get("categories") if chosen is not None else None
-    num_classes = _num_outputs(model)
-    class_names = categories if categories is not None and len(categories) == num_classes else None
-    preprocess = chosen.transforms() if chosen is not None else Normalize()
-    return LoadedModel(model.eval(), preprocess, class_names, name)
+    names = list(categories) if categories is not None and len(categories) == count_outputs(model) else None
+    preprocess: Preprocess = TransformPreprocess(chosen.transforms()) if chosen is not None else Normalize()
+    crop = getattr(chosen.transforms(), "crop_size", None) if chosen is not None else None
+    size = (3, int(crop[0]), int(crop[0])) if crop else None
+    return LoadedModel(model, preprocess, names, name, input_size=size)
 
 
-def _num_outputs(model: nn.Module) -> Optional[int]:
+def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) -> LoadedModel:
+    try:
+        import timm
+        import timm.data
+    except ImportError:
+        raise ValueError("timm models need the timm package: pip install timm") from None
+    if name not in timm.list_models() and name.split(".")[0] not in timm.list_models():
+        close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+        hint = f" Did you mean {', '.join('timm:' + c for c in close)}?" if close else ""
+        raise ValueError(f"timm has no model named {name!r}.{hint}")
+    head = {} if num_classes is None else {"num_classes": num_classes}
+    pretrained = weights in PRETRAINED_NAMES
+    if weights is not None and not pretrained and not _is_weights_file(weights):
+        raise ValueError(f"--weights {weights!r} for a timm model: give a state-dict file, or 'pretrained' "
+                         "(downloaded by timm from the HuggingFace hub).")
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **head)
+    except (OSError, RuntimeError) as error:
+        if not pretrained:
+            raise
+        raise WeightsUnavailableError(
+            f"could not download timm's pretrained weights for {name} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200]}). This machine may have no network. Download the weights "
+            f"(model.safetensors of https://huggingface.co/timm/{name}) on a machine that has, copy the file here "
+            "and pass its path: --weights /path/to/model.safetensors"
+        ) from error
+    if weights is not None and not pretrained:
+        load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, f"timm:{name}")
+    config = timm.data.resolve_model_data_config(model)
+    preprocess = TransformPreprocess(timm.data.create_transform(**config), config["mean"], config["std"])
+    return LoadedModel(model, preprocess, _timm_class_names(model), f"timm:{name}",
+                       input_size=tuple(config["input_size"]))  # type: ignore[arg-type]
+
+
+def _timm_class_names(model: nn.Module) -> Optional[list[str]]:
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+
+    subset = infer_imagenet_subset(model)
+    if subset is None:
+        return None
+    names = ImageNetInfo(subset).label_descriptions()
+    return list(names) if len(names) == count_outputs(model) else None
+
+
+def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSelector) -> LoadedModel:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("HuggingFace models need the transformers package: pip install transformers") from None
+    if weights is not None:
+        raise ValueError("an hf: model brings its own weights (the directory's or the hub's); --weights is for "
+                         "torchvision and timm architectures.")
+    local = Path(identifier).expanduser()
+    where = str(local) if local.is_dir() else identifier
+    try:
+        config = transformers.AutoConfig.from_pretrained(where)
+        architectures = list(getattr(config, "architectures", None) or [])
+        classifier = not architectures or any(a.endswith("ForImageClassification") for a in architectures)
+        auto = transformers.AutoModelForImageClassification if classifier else transformers.AutoModel
+        model = auto.from_pretrained(where)
+    except OSError as error:
+        raise WeightsUnavailableError(
+            f"could not load the HuggingFace model {identifier!r} ({str(error).splitlines()[0][:200]}). A hub id "
+            "needs the network: on a machine that has it, save the model and its processor with "
+            "model.save_pretrained(DIR) and processor.save_pretrained(DIR), copy DIR here and pass --model hf:DIR."
+        ) from error
+    except ValueError as error:  # an architecture the Auto classes do not know
+        raise ValueError(f"transformers cannot build {identifier!r} with its Auto classes: {error}") from None
+    if not classifier and output is None:
+        raise ValueError(
+            f"{identifier!r} is a {type(model).__name__}, not an image classifier: say which output to explain, "
+            "e.g. --output pooler_output (an embedding; --target is then a feature index) or --output "
+            "image_embeds; in Python, use explain.EmbeddingSimilarity as the target."
+        )
+    size = getattr(getattr(model.config, "vision_config", model.config), "image_size", None)
+    input_size = (3, size, size) if isinstance(size, int) else None
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(where)
+        preprocess: Preprocess = ImageProcessorPreprocess(processor)
+    except (OSError, ValueError):  # no preprocessor_config.json: the config's size, ImageNet statistics
+        preprocess = Normalize() if size is None else resizing_preprocess(Normalize(), (size, size), None, None)
+    labels = getattr(model.config, "id2label", None) or {}
+    names = [str(labels[index]) for index in sorted(labels)] if classifier else None
+    if names is not None and all(name == f"LABEL_{index}" for index, name in enumerate(names)):
+        names = None  # transformers' placeholders, not class names
+    return LoadedModel(model, preprocess, names, f"hf:{identifier}", output=output, input_size=input_size)
+
+
+def _load_whole_model(path: Path, allow_pickle: bool) -> LoadedModel:
+    if is_torchscript(path):
+        raise TypeError(
+            f"{str(path)!r} is a TorchScript archive: forward hooks do not run inside scripted or traced code, so "
+            "no layer can be explained. Load the original nn.Module (its class and a state dict) instead."
+        )
+    if not allow_pickle:
+        raise ValueError(
+            f"--model {str(path)!r} is a file: a whole pickled model. Unpickling runs code from the file, so it "
+            "is loaded only when you say you trust it: add --allow-pickle (allow_pickle=True). For a state dict, "
+            "name the architecture instead: --model resnet18 --weights FILE [--num-classes N]."
+        )
+    loaded = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(loaded, dict):
+        loaded = next((value for value in loaded.values() if isinstance(value, nn.Module)), loaded)
+    if not isinstance(loaded, nn.Module):
+        raise WeightsUnavailableError(
+            f"{str(path)!r} holds a {type(loaded).__name__}, not a model; for a state dict name the architecture: "
+            "--model resnet18 --weights FILE."
+        )
+    return LoadedModel(loaded, Normalize(), None, path.name)
+
+
+def _unknown_source_message(source: str) -> str:
+    torchvision_names = torchvision.models.list_models()
+    close = difflib.get_close_matches(source, torchvision_names, n=4, cutoff=0.6)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    try:
+        import timm
+
+        if source in timm.list_models():
+            hint = f" {source!r} is a timm model: --model timm:{source}."
+    except ImportError:
+        pass
+    if "/" in source and not Path(source).exists():
+        hint += f" For a HuggingFace model: --model hf:{source}."
+    return f"unknown model {source!r}: use {SOURCES_TEXT}.{hint}"
+
+
+# ---------------------------------------------------------------- weights files
+
+
+def _is_weights_file(weights: str) -> bool:
+    """Whether --weights names a file (existing, or spelled like a path: then a missing file is an error)."""
+    path = Path(weights).expanduser()
+    if path.is_file():
+        return True
+    if any(separator in weights for separator in ("/", "\\")) or path.suffix in (".pt", ".pth", ".bin",
+                                                                                 ".safetensors", ".ckpt"):
+        raise FileNotFoundError(f"no weights file at {weights!r}.")
+    return False
+
+
+def is_torchscript(path: Path) -> bool:
+    """Whether a file is a TorchScript archive (torch.jit.save), whose zip holds compiled code."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.split("/", 1)[-1].startswith(("code/", "constants.pkl")) for name in archive.namelist())
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a file (torch.save or safetensors), unwrapped from {"state_dict": ...} and
+    similar, with ``module.`` / ``model.`` / ``_orig_mod.`` prefixes removed. Never unpickles code."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file at {str(path)!r}.")
+    if is_torchscript(path):
+        raise TypeError(f"{str(path)!r} is a TorchScript archive, not a state dict: forward hooks do not run inside "
+                        "TorchScript. Save the original model's state dict: torch.save(model.state_dict(), path).")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state: Any = load_file(str(path))
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise WeightsUnavailableError(
+                f"{str(path)!r} holds pickled Python objects, not only tensors (a whole model saved with "
+                "torch.save(model, path)?). Pass it as --model FILE --allow-pickle (allow_pickle=True) if you trust "
+                "it, or save a state dict: torch.save(model.state_dict(), path)."
+            ) from error
+        except Exception as error:  # zip, format and encoding errors of any kind
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise WeightsUnavailableError(
+                f"could not read weights from {str(path)!r} ({type(error).__name__}: {first[:200]}): give a state "
+                "dict saved with torch.save(model.state_dict(), path)."
+            ) from error
+    for _ in range(3):  # {"state_dict": {...}}, {"model": {"state_dict": ...}}
+        inner = next((state[key] for key in STATE_DICT_WRAPPERS if isinstance(state, dict)
+                      and isinstance(state.get(key), dict)), None)
+        if inner is None:
+            break
+        state = inner
+    if not isinstance(state, dict) or not any(isinstance(value, torch.Tensor) for value in state.values()):
+        raise WeightsUnavailableError(f"{str(path)!r} does not hold a state dict (got {type(state).__name__}).")
+    tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    for prefix in PREFIXES:
+        if all(key.startswith(prefix) for key in tensors):
+            tensors = {key.removeprefix(prefix): value for key, value in tensors.items()}
+    return tensors
+
+
+def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor], weights: str, name: str) -> None:
+    """Load weights into a model, or say in a few lines which keys or shapes do not fit (and the
+    number of classes the file's head has, for ``--num-classes``)."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        details = [line.strip() for line in str(error).splitlines() if line.strip()][1:4]
+        hint = ""
+        head = _head_classes(model, state)
+        if head is not None:
+            hint = f" The file's classifier has {head} classes: add --num-classes {head} (num_classes={head})."
+        raise WeightsUnavailableError(
+            f"the weights in {weights!r} do not fit the {name} model (were they saved from another "
+            f"architecture, or with another number of classes?): {' '.join(details)[:400]}{hint}"
+        ) from error
+
+
+def _head_classes(model: nn.Module, state: dict[str, torch.Tensor]) -> Optional[int]:
+    """The file's number of classes where the model's last linear layer has another."""
+    last = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last = name
+    if last is None or f"{last}.weight" not in state:
+        return None
+    rows = int(state[f"{last}.weight"].shape[0])
+    return rows if rows != count_outputs(model) else None
+
+
+def count_outputs(model: nn.Module) -> Optional[int]:
+    """The out_features of the model's last linear layer (its number of classes, for a classifier)."""
     last_linear = None
     for module in model.modules():
         if isinstance(module, nn.Linear):
             last_linear = module
     return None if last_linear is None else last_linear.out_features
+
+
+# ---------------------------------------------------------------- class names
+
+
+def read_class_names(names: Union[str, Path, Sequence[str]]) -> list[str]:
+    """Class names from a list, or from a file: a JSON list, or one name per line."""
+    if not isinstance(names, (str, Path)):
+        return [str(name) for name in names]
+    path = Path(names).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no class-names file at {str(path)!r}.")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{str(path)!r} looks like JSON but is not: {error}") from None
+        if not isinstance(loaded, list):
+            raise ValueError(f"{str(path)!r} must hold a JSON list of names, or one name per line.")
+        return [str(name) for name in loaded]
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def check_class_count(names: Sequence[str], model: nn.Module) -> None:
+    outputs = count_outputs(model)
+    if outputs is not None and len(names) != outputs and len(names) > 0:
+        raise ValueError(f"{len(names)} class names for a model whose last layer has {outputs} outputs; give one "
+                         "name per class, in the order of the outputs.")
+
+
+def _size_pair(size: Sequence[int]) -> tuple[int, int]:
+    return (int(size[0]), int(size[0])) if len(size) == 1 else (int(size[0]), int(size[1]))
+
+
+__all__ = ["LoadedModel", "WeightsUnavailableError", "load_model", "read_class_names", "read_state_dict"]
+

@@ -183,12 +183,12 @@ def explanation_figure(
     axes = figure.subplots(rows, count, squeeze=False)
     for image_index in range(count):
         if show_original:
-            axes[0, image_index].imshow(explanation.images[image_index].numpy())
+            axes[0, image_index].imshow(explanation.images[image_index].numpy(), interpolation="nearest")
             title = image_titles[image_index] if image_titles is not None else f"image {image_index}"
             axes[0, image_index].set_title(title, fontsize=9)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
-            axis.imshow(overlays[image_index, target_index])
+            axis.imshow(overlays[image_index, target_index], interpolation="nearest")
             axis.set_title(explanation.title(image_index, target_index), fontsize=9)
     for axis in axes.flat:
         axis.set_axis_off()

@@ -49,5 +49,12 @@ def test_the_notebook_runs():
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(EXAMPLES)}}).execute()
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
-    assert any("text/html" in output.get("data", {}) for output in outputs)  # the Explanation's own display
-    assert any("image/png" in output.get("data", {}) for output in outputs)
+    assert any("image/png" in output.get("data", {}) for output in outputs)  # the comparison figure
+    # the Explanation of 4 images × 3 targets displays itself once: one picture, a table, a short text
+    (explanation_cell,) = [cell for cell in notebook.cells if "topk=3" in cell.source]
+    (display,) = explanation_cell.outputs
+    assert set(display["data"]) == {"text/html", "text/plain"}
+    assert display["data"]["text/html"].count("data:image/") == 1 and "<table>" in display["data"]["text/html"]
+    assert display["data"]["text/plain"].startswith("Explanation(GradCAM @ layer4, 4 images × 3 targets")
+    size = len(nbformat.writes(nbformat.v4.new_notebook(cells=[explanation_cell])).encode())
+    assert size < 400_000, f"the cell's outputs take {size / 1000:.0f} kB"

@@ -80,4 +80,5 @@ def test_notebook_display(grid_case):
     page = explanations[0]._repr_html_()
     assert "GradCAM @ layer4" in page and 'src="data:image/png;base64,' in page
     assert any(name in page for name in CLASS_NAMES) and "<table>" in page
-    assert explanations[0]._repr_png_().startswith(b"\x89PNG")
+    assert explanations[0].png().startswith(b"\x89PNG")
+    assert not hasattr(explanations[0], "_repr_png_")  # the notebook stores the figure once, in the HTML

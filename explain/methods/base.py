@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
+import textwrap
 import threading
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,7 @@ from torch import Tensor, nn
 
 from ..capture import check_hookable, map_tensors, model_device, model_dtype, run_model
 from ..explanation import Explanation
-from ..inputs import Inputs, Normalize, prepare_inputs
+from ..inputs import Inputs, as_preprocess, prepare_inputs
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_output
 from ..units import bind_units
@@ -203,14 +206,91 @@ class PerThread(Generic[Value]):
         setattr(explainer._thread_state, self.name, value)
 
 
+class ExplainerOptions(TypedDict, total=False):
+    """The keyword options every explainer takes (see ``Explainer``), for ``**options: Unpack[...]``."""
+
+    preprocess: Any
+    normalize: Optional[str]
+    class_names: Optional[Sequence[str]]
+    output: OutputSelector
+
+
+_ENTRY = re.compile(r"^    (\w+(?:, \w+)*): ", re.M)
+
+
+def parameter_docs(docstring: Optional[str]) -> dict[str, str]:
+    """The "name: meaning" entries of a docstring written as this package writes them (an entry starts
+    at 4 spaces of indentation, its continuation lines at 8), by parameter name."""
+    docs: dict[str, str] = {}
+    if not docstring:
+        return docs
+    lines = inspect.cleandoc(docstring).splitlines()
+    text = "\n".join("    " + line for line in lines)
+    for match in _ENTRY.finditer(text):
+        end = text.find("\n    ", match.end())
+        while end != -1 and text.startswith("        ", end + 1):  # continuation lines
+            end = text.find("\n    ", end + 1)
+        entry = text[match.start() + 4 : len(text) if end == -1 else end]
+        for name in match.group(1).split(", "):
+            docs[name] = " ".join(part.strip() for part in entry.splitlines())
+    return docs
+
+
+def full_signature(cls: type) -> inspect.Signature:
+    """The constructor's signature with every ``**options`` expanded into the keyword parameters of the
+    base-class constructors it is passed on to (their defaults included): what a caller may pass."""
+    parameters: list[inspect.Parameter] = []
+    seen: set[str] = set()
+    for owner in cls.__mro__:
+        init = owner.__dict__.get("__init__")
+        if init is None or owner is object:
+            continue
+        own = list(inspect.signature(init).parameters.values())
+        if parameters:  # a base's constructor: only its keyword options fill the **options of the ones before
+            own = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY or p.kind is inspect.Parameter.VAR_KEYWORD]
+        pending_var = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
+        parameters = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        parameters += [p for p in own if p.name not in seen and p.kind is not inspect.Parameter.VAR_KEYWORD]
+        seen.update(p.name for p in own)
+        if not pending_var:
+            break
+        parameters += pending_var
+    return inspect.Signature(parameters)
+
+
+def document_options(cls: type) -> None:
+    """Give a class the signature of ``full_signature`` (for ``help()``, ``inspect.signature`` and
+    editors that read it) and append to its docstring the meaning of every option it takes but does
+    not document itself, as its base classes document them."""
+    signature = full_signature(cls)
+    if "__init__" in cls.__dict__:
+        cls.__init__.__signature__ = signature  # type: ignore[misc]
+        if cls.__init__.__doc__ is None:
+            cls.__init__.__doc__ = f"Every parameter is described in the class's docstring: help({cls.__name__})."
+    without_self = [p for name, p in signature.parameters.items() if name != "self"]
+    cls.__signature__ = signature.replace(parameters=without_self)  # type: ignore[attr-defined]
+    own_doc = cls.__dict__.get("__doc__") or ""
+    inherited: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        inherited.update(parameter_docs(base.__dict__.get("__doc__")))
+    missing = [inherited[name] for name in signature.parameters
+               if name in inherited and not re.search(rf"\b{name}\b[^\n]*:", own_doc)]
+    if missing:
+        entries = [textwrap.fill(entry, 100, subsequent_indent="    ", break_on_hyphens=False)
+                   for entry in dict.fromkeys(missing)]
+        cls.__doc__ = inspect.cleandoc(own_doc) + "\n\nOptions shared with other methods:\n\n" + "\n".join(entries)
+
+
 class Explainer(ABC):
     """Base class of every method: ``Method(model, ...).explain(inputs, target=...)``.
 
     model: any ``nn.Module``; it is run in eval mode during a call and left exactly
         as found afterwards (modes, flags, hooks), also when the call raises.
-    preprocess: turns an RGB image (PIL) into model input; default: ImageNet
-        mean/std normalisation with the size kept. Tensors skip it.
-    normalize: "max" (default), "minmax" or None, applied to each map.
+    preprocess: turns an RGB image (PIL) into model input: a callable (torchvision's
+        ``weights.transforms()``) or a HuggingFace image processor; default: ImageNet mean/std
+        normalisation with the size kept. Tensors are taken as model input and skip it.
+    normalize: "max" (default: each map divided by its largest |value|, so maps lie in [0, 1],
+        signed ones in [-1, 1]), "minmax" ([0, 1]) or None (raw values).
     class_names: names of the model's classes, for titles.
     output: which part of the model's output holds the scores when it is not a plain tensor
         (a key, an index or a callable); None picks it automatically (see ``select_output``).
@@ -240,11 +320,15 @@ class Explainer(ABC):
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         self.model = model
-        self.preprocess = preprocess if preprocess is not None else Normalize()
+        self.preprocess = as_preprocess(preprocess)
         self.normalize = normalize
         self.class_names = class_names
         self.output = output
         self._thread_state = threading.local()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        document_options(cls)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

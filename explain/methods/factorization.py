@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import LayerSpec, capture, check_hookable, find_layers, model_device, model_dtype, run_model
-from ..inputs import Inputs, Normalize, prepare_inputs
+from ..inputs import Inputs, as_preprocess, prepare_inputs
 from ..layouts import Reshape, infer_layout
 from ..render import image_as_float, label_text
 from ..scope import CallScope
@@ -198,7 +198,7 @@ class DeepFeatureFactorization:
         self.model, (self.layer_name, self.module) = model, found[0]
         self.concepts, self.classifier, self.iterations = concepts, classifier, iterations
         self.tolerance, self.seed, self.reshape, self.class_names = tolerance, seed, reshape, class_names
-        self.preprocess = preprocess if preprocess is not None else Normalize()
+        self.preprocess = as_preprocess(preprocess)
 
     def _classifier_for(self, channels: int) -> Optional[Callable[[Tensor], Tensor]]:
         if self.classifier != "auto":

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..capture import model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
-from ..inputs import Inputs, Normalize, prepare_inputs
+from ..inputs import Inputs, as_preprocess, prepare_inputs
 from ..targets import Target, select_targets
 
 MapsLike = Union[Explanation, Tensor]
@@ -59,7 +59,7 @@ def as_masks(masks_or_boxes: Tensor, size: tuple[int, int]) -> Tensor:
 
 def model_inputs(model: nn.Module, inputs: Inputs, preprocess: Optional[Callable]) -> Tensor:
     """Anything ``explain()`` accepts → the (N, C, H, W) model batch on the model's device."""
-    return prepare_inputs(inputs, preprocess or Normalize(), model_device(model), model_dtype(model)).batch
+    return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model)).batch
 
 
 def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target) -> Tensor:

@@ -247,7 +247,7 @@ def full_signature(cls: type) -> inspect.Signature:
             continue
         own = list(inspect.signature(init).parameters.values())
         if parameters:  # a base's constructor: only its keyword options fill the **options of the ones before
-            own = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY or p.kind is inspect.Parameter.VAR_KEYWORD]
+            own = [p for p in own if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)]
         pending_var = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
         parameters = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
         parameters += [p for p in own if p.name not in seen and p.kind is not inspect.Parameter.VAR_KEYWORD]

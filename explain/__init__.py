@@ -25,9 +25,12 @@ from .layers import LayerInfo, format_layers, list_layers
 from .methods import (
     CAM,
     FEM,
+    LRP,
     REGISTRY,
+    XRAI,
     AblationCAM,
     AttentionRollout,
+    BlurIG,
     Deconvnet,
     DeepFeatureFactorization,
     DeepLift,
@@ -36,6 +39,7 @@ from .methods import (
     EigenGradCAM,
     Explainer,
     Factorization,
+    Felzenszwalb,
     FullGrad,
     GradCAM,
     GradCAMElementWise,
@@ -44,11 +48,14 @@ from .methods import (
     GradientShap,
     GuidedBackprop,
     GuidedGradCAM,
+    GuidedIG,
     HiResCAM,
     InputXGradient,
     IntegratedGradients,
     KernelPCACAM,
     LayerCAM,
+    LayerConductance,
+    LayerIntegratedGradients,
     RandomCAM,
     Saliency,
     ScoreCAM,
@@ -59,6 +66,7 @@ from .methods import (
     XGradCAM,
     get_method,
 )
+from .models import LoadedModel, load_model
 from .render import colorize, overlay
 from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
 from .units import Channel, Neuron
@@ -66,6 +74,15 @@ from .units import Channel, Neuron
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlurIG",
+    "Felzenszwalb",
+    "GuidedIG",
+    "LRP",
+    "LayerConductance",
+    "LayerIntegratedGradients",
+    "LoadedModel",
+    "XRAI",
+    "load_model",
     "AttentionRecord",
     "AttentionRollout",
     "CapturedAttention",

@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from types import FrameType
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import TypeIs
 
 from .capture import LayerSpec, find_layers
 from .rules import CallRules, Rule
@@ -40,7 +42,7 @@ def calling_module(modules: dict[int, str]) -> Optional[str]:
     """The name of the innermost module among ``modules`` (``id(module)`` → name) whose code is
     on the Python call stack of this thread, found through the ``self`` of each frame; None when
     no such module is running."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_argcount and code.co_varnames[0] == "self":
@@ -155,7 +157,14 @@ def multi_head_attention(
         raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
     head_dim = embed_dim // num_heads
     biases = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
-    weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else in_proj_weight.chunk(3)
+    weights: Sequence[Tensor]
+    if use_separate_proj_weight:
+        assert q_proj_weight is not None and k_proj_weight is not None and v_proj_weight is not None, (
+            "use_separate_proj_weight is True but q_proj_weight, k_proj_weight or v_proj_weight is None")
+        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+    else:
+        assert in_proj_weight is not None, "use_separate_proj_weight is False but in_proj_weight is None"
+        weights = in_proj_weight.chunk(3)
     q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
     attn_mask = _additive_mask(attn_mask, q.dtype)
     key_padding_mask = _additive_mask(key_padding_mask, q.dtype)
@@ -227,15 +236,17 @@ class AttentionRecord:
     grad: Optional[Tensor] = None
 
 
-BlockSpec = Union[None, int, slice, Sequence[int], LayerSpec, Sequence[LayerSpec]]
+Positions = Union[int, slice, Sequence[int]]
+"""Attention calls by position in call order: an int, a slice or ints (negative from the end)."""
+BlockSpec = Union[None, Positions, LayerSpec, Sequence[LayerSpec]]
 """Which attention calls to record: None (all); positions in call order (an int, a slice or ints;
 negative from the end, ``slice(-4, None)`` for the last four); or modules (names, globs, modules
 or a module type, see ``find_layers``) inside which the attention is computed."""
 
-_SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
+_SOFTMAX: frozenset[Callable[..., Any]] = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
 
 
-def _is_positions(blocks: BlockSpec) -> bool:
+def _is_positions(blocks: BlockSpec) -> TypeIs[Positions]:
     if isinstance(blocks, (int, slice)) and not isinstance(blocks, bool):
         return True
     return isinstance(blocks, (list, tuple, range)) and len(blocks) > 0 and all(
@@ -246,7 +257,8 @@ class AttentionRecorder(Rule):
     """The rule behind ``capture_attention``: computes attention step by step inside ``model``
     (or inside the selected modules of it) and records the probabilities."""
 
-    functions = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward}) | _SOFTMAX
+    functions: ClassVar[frozenset[Callable[..., Any]]] = _SOFTMAX.union(
+        {F.scaled_dot_product_attention, F.multi_head_attention_forward})
 
     def __init__(self, model: nn.Module, modules: Optional[Sequence[str]] = None, *, softmax: bool = True):
         self.names = {id(module): name for name, module in model.named_modules()}
@@ -270,7 +282,7 @@ class AttentionRecorder(Rule):
         if self.on_record is not None:
             self.on_record(record)
 
-    def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in _SOFTMAX:
             return self._softmax(func, args, kwargs)
         module = self._module()
@@ -283,7 +295,7 @@ class AttentionRecorder(Rule):
         return multi_head_attention(lambda probabilities: self._record(
             module, probabilities, "multi_head_attention_forward"), *args, **kwargs)
 
-    def _softmax(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+    def _softmax(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         result = func(*args, **kwargs)
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if self.softmax and result.dim() == 4 and dim in (-1, 3):
@@ -301,7 +313,7 @@ class CapturedAttention:
     indexing and iteration go over ``records``.
     """
 
-    def __init__(self, recorder: AttentionRecorder, positions: Union[None, int, slice, Sequence[int]]):
+    def __init__(self, recorder: AttentionRecorder, positions: Optional[Positions]):
         self._recorder = recorder
         self._positions = positions
 
@@ -345,7 +357,7 @@ class CapturedAttention:
         return f"CapturedAttention([{rows}])"
 
 
-class AttentionBlock(CallScope):
+class AttentionBlock(CallScope[CapturedAttention]):
     """The ``with`` block of ``capture_attention``: the recording rule for this thread, removed at its end."""
 
     def __init__(self, recorder: AttentionRecorder, captured: CapturedAttention, *, grads: bool, detach: bool):
@@ -397,9 +409,11 @@ def capture_attention(
             vit(x)[0, 3].backward()
         attention.probabilities[-1], attention.grads[-1]     # (N, heads, T, T) each
     """
-    positions = blocks if _is_positions(blocks) else None
-    modules = None
-    if blocks is not None and positions is None:
-        modules = [name for name, _ in find_layers(model, blocks)]  # type: ignore[arg-type]
+    positions: Optional[Positions] = None
+    modules: Optional[list[str]] = None
+    if _is_positions(blocks):
+        positions = blocks
+    elif blocks is not None:
+        modules = [name for name, _ in find_layers(model, blocks)]
     recorder = AttentionRecorder(model, modules, softmax=softmax)
     return AttentionBlock(recorder, CapturedAttention(recorder, positions), grads=grads, detach=detach)

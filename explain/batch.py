@@ -29,21 +29,30 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TextIO, Union
 
 import numpy as np
 import torch
 from PIL import Image
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import render
 from .capture import ModelInputError
+from .explanation import Explanation
 from .inputs import load_image
 from .methods.base import Explainer
+from .targets import Target
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 FIELDS = ["id", "image", "target", "k", "targets", "class_name", "score", "probability", "map"]
 SKIPPED_FIELDS = ["image", "reason"]
+
+LoaderBatch = Union[Tensor, tuple[Any, ...], list[Any]]
+"""A batch of a DataLoader: (N, C, H, W) model input, or a tuple or list whose first item is that
+((batch, labels) pairs)."""
+Batch = tuple[list[str], Union[list[Path], Tensor], list[str]]
+"""(ids, the files to load or the model-input batch, display names) of one batch of a run."""
 
 
 @dataclass
@@ -98,7 +107,7 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
     excluded = Path(exclude).resolve() if exclude is not None else None
-    files = []
+    files: list[Path] = []
     for path in folder.rglob("*"):
         if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             continue
@@ -108,14 +117,14 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     return sorted(files)
 
 
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """``write(temporary)`` then rename into place: a kill leaves the old file or the new one."""
     temporary = path.with_name(f".{path.name}.part")
     write(temporary)
     os.replace(temporary, path)
 
 
-def _complete_rows(index: Path) -> list[dict]:
+def _complete_rows(index: Path) -> list[dict[str, str]]:
     """The rows of an index that form complete images, after cutting the file back to the end of
     its last complete image (a kill while appending can leave a torn line or part of an image's
     rows). Creates the index, with its header, when it does not exist."""
@@ -129,8 +138,8 @@ def _complete_rows(index: Path) -> list[dict]:
             f"{display_name(index)} is not an index of this version of explain (it does not start with the "
             f"header {header.decode().strip()!r}); move it away or choose another output folder."
         )
-    rows: list[dict] = []
-    pending: list[dict] = []
+    rows: list[dict[str, str]] = []
+    pending: list[dict[str, str]] = []
     position = end = len(header)
     for line in lines[1:]:
         position += len(line)
@@ -168,14 +177,13 @@ def _done_ids(out: Path, own_index: Path) -> set[str]:
     return done
 
 
-def _batches_of_files(files: Sequence[Path], folder: Path, batch_size: int
-                      ) -> Iterator[tuple[list[str], list[Path], list[str]]]:
+def _batches_of_files(files: Sequence[Path], folder: Path, batch_size: int) -> Iterator[Batch]:
     for start in range(0, len(files), batch_size):
         chunk = files[start : start + batch_size]
         yield [item_id(path, folder) for path in chunk], list(chunk), [display_name(path) for path in chunk]
 
 
-def _batches_of_loader(loader: Iterable, shard: Shard) -> Iterator[tuple[list[str], object, list[str]]]:
+def _batches_of_loader(loader: Iterable[LoaderBatch], shard: Shard) -> Iterator[Batch]:
     position = 0
     for batch in loader:
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
@@ -189,10 +197,10 @@ def _batches_of_loader(loader: Iterable, shard: Shard) -> Iterator[tuple[list[st
 
 def run(
     explainer: Explainer,
-    data: Union[str, Path, Iterable],
+    data: Union[str, Path, Iterable[LoaderBatch]],
     out: Union[str, Path],
     *,
-    target=None,
+    target: Target = None,
     topk: Optional[int] = None,
     batch_size: int = 16,
     overlays: bool = False,
@@ -228,7 +236,7 @@ def run(
         folder = Path(data)
         files = image_files(folder, exclude=out)[shard.rank :: shard.world_size]
         total: Optional[int] = len(files)
-        batches: Iterator = _batches_of_files(files, folder, batch_size)
+        batches: Iterator[Batch] = _batches_of_files(files, folder, batch_size)
     else:
         total = None
         batches = _batches_of_loader(data, shard)
@@ -261,14 +269,14 @@ def run(
     return summary
 
 
-def _explainable_groups(inputs, todo: list[int], names: list[str], summary: RunSummary
-                        ) -> Iterator[tuple[object, list[int]]]:
+def _explainable_groups(inputs: Union[list[Path], Tensor], todo: list[int], names: list[str], summary: RunSummary
+                        ) -> Iterator[tuple[Union[list[Image.Image], Tensor], list[int]]]:
     """The inputs still to explain, loaded, in groups of one image size (a batch needs one size);
     files that cannot be read are recorded as skipped."""
     if not isinstance(inputs, list):  # a DataLoader batch: tensors, nothing to read
         yield (inputs[todo] if len(todo) < len(inputs) else inputs), todo
         return
-    groups: dict[tuple[int, int], tuple[list, list[int]]] = {}
+    groups: dict[tuple[int, int], tuple[list[Image.Image], list[int]]] = {}
     for position in todo:
         try:
             image = load_image(inputs[position])
@@ -301,7 +309,8 @@ def _write_skipped(summary: RunSummary) -> None:
     _write_atomically(summary.skipped_file, write)
 
 
-def _write_result(out: Path, index_file, explanation, row: int, item: str, name: str, overlays: bool) -> None:
+def _write_result(out: Path, index_file: TextIO, explanation: Explanation, row: int, item: str, name: str,
+                  overlays: bool) -> None:
     """The image's map (and overlay) files, renamed into place, then its K rows in one write."""
     maps = explanation.map_grid[row].detach().float().cpu()  # (K, H, W)
     map_file = Path("maps") / f"{item}.npy"
@@ -346,7 +355,7 @@ def merge_shard_indexes(out: Union[str, Path]) -> Path:
     existing = _complete_rows(index_path)
     present = {row["id"] for row in existing}
     shards = sorted(out.glob("index.rank*.csv"))
-    rows = []
+    rows: list[dict[str, str]] = []
     for shard_index in shards:
         rows.extend(row for row in _complete_rows(shard_index) if row["id"] not in present)
 

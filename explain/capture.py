@@ -13,10 +13,11 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Generic, Literal, Optional, Sequence, Union, cast, overload
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import TypeVar
 
 from .scope import CallScope
 
@@ -40,7 +41,11 @@ class LayerOutputError(TypeError):
     """A layer's output (or an edit of it) that is not what the toolkit needs, e.g. not a tensor."""
 
 
-def run_model(model: nn.Module, inputs: Any, call: Optional[tuple[tuple, dict]] = None) -> Any:
+ForwardArguments = tuple[tuple[Any, ...], dict[str, Any]]
+"""``(args, kwargs)`` of one call of a model's forward."""
+
+
+def run_model(model: nn.Module, inputs: object, call: Optional[ForwardArguments] = None) -> Any:
     """``model(inputs)`` (or ``model(*call[0], **call[1])`` when the explained ``inputs`` are one of
     several arguments), with the model's own failures turned into a ModelInputError that says
     what was passed and how to fix it (our hooks' errors pass through unchanged)."""
@@ -62,7 +67,7 @@ def run_model(model: nn.Module, inputs: Any, call: Optional[tuple[tuple, dict]] 
         ) from error
 
 
-def _shape_text(inputs: Any) -> str:
+def _shape_text(inputs: object) -> str:
     return str(tuple(inputs.shape)) if isinstance(inputs, Tensor) else type(inputs).__name__
 
 
@@ -79,7 +84,8 @@ def glob_pattern(pattern: str) -> "re.Pattern[str]":
     """A layer-name glob as a regex: ``*`` and ``?`` stay inside one dotted component
     (``"layer*"`` is layer1…layer4, not their children), ``**`` crosses components,
     ``[...]`` is a character class."""
-    parts, index = [], 0
+    parts: list[str] = []
+    index = 0
     while index < len(pattern):
         if pattern.startswith("**", index):
             parts.append(".*")
@@ -187,10 +193,10 @@ def check_hookable(model: nn.Module) -> None:
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a model with neither)."""
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -214,7 +220,7 @@ def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> CallScope
     return CallScope(model, eval_mode=eval_mode)
 
 
-class ActivationCapture(CallScope):
+class ActivationCapture(CallScope["ActivationCapture"]):
     """Forward hooks that capture target layers' outputs so that gradients can be taken at them.
 
     Use as a context manager around one forward pass::
@@ -243,8 +249,8 @@ class ActivationCapture(CallScope):
         self.graph_from_first_layer = graph_from_first_layer
         self._captured: dict[str, Tensor] = {}
 
-    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple, object], Tensor]:
-        def hook(module: nn.Module, args: tuple, output: object) -> Tensor:
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], Tensor]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> Tensor:
             if name in self._captured:
                 raise LayerNotRunError(
                     f"layer {name!r} ran more than once in one forward pass (a module used in several "
@@ -305,31 +311,47 @@ def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
     return value
 
 
+RecordedArgs = tuple[object, ...]
+"""A call's positional inputs, as ``capture(..., inputs=True)`` records them."""
+RecordedKwargs = dict[str, object]
+"""A call's keyword inputs, as ``capture(..., inputs=True)`` records them."""
+Args = TypeVar("Args", bound=Optional[RecordedArgs], covariant=True, default=Optional[RecordedArgs])
+"""The type of a record's ``args``: ``RecordedArgs`` when ``capture`` was called with ``inputs=True``
+(so that ``captured[name].args[0]`` type-checks), else ``Optional[RecordedArgs]`` (None when not recorded)."""
+Kwargs = TypeVar("Kwargs", bound=Optional[RecordedKwargs], covariant=True, default=Optional[RecordedKwargs])
+"""The type of a record's ``kwargs``, as ``Args``."""
+
+
 @dataclass
 class Call:
     """One call of a module during a forward pass.
 
     args, kwargs: its positional and keyword inputs (with ``inputs=True``, else None).
-    output: what it returned (with ``outputs=True``, else None).
+    output: what it returned (with ``outputs=True``, else None): usually a tensor, or a tuple,
+        list or dict of them; its type is the module's.
     grad: the gradient of the loss with respect to ``output``, once a backward pass
         has run inside the ``capture`` block (with ``grads=True``; None before, or for
         an output that does not require grad). Same structure as ``output``.
     """
 
-    args: Optional[tuple] = None
-    kwargs: Optional[dict] = None
-    output: Any = None
-    grad: Any = None
+    args: Optional[RecordedArgs] = None
+    kwargs: Optional[RecordedKwargs] = None
+    output: object = None
+    grad: object = None
 
 
 @dataclass
-class LayerRecord:
-    """What ``capture`` recorded for one layer: one ``Call`` per time the module ran, in call order."""
+class LayerRecord(Generic[Args, Kwargs]):
+    """What ``capture`` recorded for one layer: one ``Call`` per time the module ran, in call order.
+
+    The type parameters are the types of ``args`` and ``kwargs``: ``LayerRecord[RecordedArgs,
+    RecordedKwargs]`` with ``capture(..., inputs=True)``; a plain ``LayerRecord`` (Optional ones) otherwise.
+    """
 
     name: str
     calls: list[Call] = field(default_factory=list)
 
-    def _single(self, attribute: str) -> Any:
+    def _single(self, attribute: str) -> object:
         if len(self.calls) != 1:
             ran = "did not run" if not self.calls else f"ran {len(self.calls)} times"
             raise LayerNotRunError(
@@ -339,37 +361,38 @@ class LayerRecord:
         return getattr(self.calls[0], attribute)
 
     @property
-    def output(self) -> Any:
+    def output(self) -> object:
         """The output of the layer's only call (an error if it ran several times: use ``outputs``)."""
         return self._single("output")
 
     @property
-    def grad(self) -> Any:
+    def grad(self) -> object:
         """The output gradient of the layer's only call (after a backward pass)."""
         return self._single("grad")
 
     @property
-    def args(self) -> Optional[tuple]:
+    def args(self) -> Args:
         """The positional inputs of the layer's only call."""
-        return self._single("args")
+        # a tuple when the block was opened with inputs=True, which capture's overloads make Args say
+        return cast(Args, self._single("args"))
 
     @property
-    def kwargs(self) -> Optional[dict]:
+    def kwargs(self) -> Kwargs:
         """The keyword inputs of the layer's only call."""
-        return self._single("kwargs")
+        return cast(Kwargs, self._single("kwargs"))  # see args
 
     @property
-    def outputs(self) -> list:
+    def outputs(self) -> list[object]:
         """Outputs of every call, in call order."""
         return [call.output for call in self.calls]
 
     @property
-    def grads(self) -> list:
+    def grads(self) -> list[object]:
         """Output gradients of every call, in call order."""
         return [call.grad for call in self.calls]
 
 
-class Captured(dict):
+class Captured(dict[str, LayerRecord[Args, Kwargs]], Generic[Args, Kwargs]):
     """``capture``'s result: layer name → LayerRecord, in the order the layers were selected."""
 
     def __repr__(self) -> str:
@@ -377,14 +400,18 @@ class Captured(dict):
         return f"Captured({{{rows}}})"
 
 
-class CaptureBlock(CallScope):
+LayerHook = Callable[[nn.Module, tuple[object, ...], dict[str, object], object], object]
+"""A forward hook registered with ``with_kwargs=True``: (module, args, kwargs, output) → new output or None."""
+
+
+class CaptureBlock(CallScope[Captured[Args, Kwargs]]):
     """The ``with`` block of ``capture``: hooks for this thread's forward passes, removed at its end."""
 
     def __init__(self, model: nn.Module, selected: list[tuple[str, nn.Module]], *, inputs: bool, outputs: bool,
                  grads: bool, detach: bool, to: Union[str, torch.device, None]):
         super().__init__(model)
         self.selected = selected
-        self.captured = Captured((name, LayerRecord(name)) for name, _ in selected)
+        self.captured: Captured[Args, Kwargs] = Captured((name, LayerRecord(name)) for name, _ in selected)
         self.record_inputs, self.record_outputs, self.record_grads = inputs, outputs, grads
         self.detach, self.to = detach, to
 
@@ -392,8 +419,8 @@ class CaptureBlock(CallScope):
         kept = tensor.detach().clone() if self.detach else tensor
         return kept.to(self.to) if self.to is not None else kept
 
-    def _hook_for(self, record: LayerRecord) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _hook_for(self, record: LayerRecord[Args, Kwargs]) -> LayerHook:
+        def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object) -> object:
             call = Call()
             record.calls.append(call)
             if self.record_inputs:
@@ -403,17 +430,61 @@ class CaptureBlock(CallScope):
             if not (self.record_grads or (self.record_outputs and not self.detach)):
                 return None
             if self.record_grads:
-                _record_output_grads(call, output, self)
+                self._record_output_grads(call, output)
             # hand a clone on, so that an in-place op after the layer changes neither
             # the recorded output nor the tensor whose gradient is recorded
             return map_tensors(output, lambda tensor: tensor.clone())
 
         return hook
 
-    def setup(self) -> Captured:
+    def setup(self) -> Captured[Args, Kwargs]:
         for name, module in self.selected:
             self.forward_hook(module, self._hook_for(self.captured[name]), with_kwargs=True)
         return self.captured
+
+    def _record_output_grads(self, call: Call, output: object) -> None:
+        """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output)."""
+        leaves: list[Tensor] = []
+        map_tensors(output, leaves.append)
+        gradients: list[Optional[Tensor]] = [None] * len(leaves)
+
+        def store(index: int) -> Callable[[Tensor], None]:
+            def tensor_hook(gradient: Tensor) -> None:
+                gradients[index] = self.keep(gradient)
+                iterator = iter(gradients)
+                call.grad = map_tensors(output, lambda _: next(iterator))
+
+            return tensor_hook
+
+        for index, tensor in enumerate(leaves):
+            if tensor.requires_grad:
+                self.add_undo(tensor.register_hook(store(index)).remove)
+
+
+@overload
+def capture(
+    model: nn.Module,
+    layers: LayerSpec | Sequence[LayerSpec],
+    *,
+    inputs: Literal[True],
+    outputs: bool = ...,
+    grads: bool = ...,
+    detach: bool = ...,
+    to: Union[str, torch.device, None] = ...,
+) -> CaptureBlock[RecordedArgs, RecordedKwargs]: ...
+
+
+@overload
+def capture(
+    model: nn.Module,
+    layers: LayerSpec | Sequence[LayerSpec],
+    *,
+    inputs: bool = ...,
+    outputs: bool = ...,
+    grads: bool = ...,
+    detach: bool = ...,
+    to: Union[str, torch.device, None] = ...,
+) -> CaptureBlock: ...
 
 
 def capture(
@@ -448,22 +519,3 @@ def capture(
     """
     return CaptureBlock(model, find_layers(model, layers), inputs=inputs, outputs=outputs, grads=grads,
                         detach=detach, to=to)
-
-
-def _record_output_grads(call: Call, output: Any, block: CaptureBlock) -> None:
-    """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output)."""
-    leaves: list[Tensor] = []
-    map_tensors(output, leaves.append)
-    gradients: list[Optional[Tensor]] = [None] * len(leaves)
-
-    def store(index: int):
-        def tensor_hook(gradient: Tensor) -> None:
-            gradients[index] = block.keep(gradient)
-            iterator = iter(gradients)
-            call.grad = map_tensors(output, lambda _: next(iterator))
-
-        return tensor_hook
-
-    for index, tensor in enumerate(leaves):
-        if tensor.requires_grad:
-            block.add_undo(tensor.register_hook(store(index)).remove)

@@ -21,11 +21,12 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
 from .capture import LayerNotRunError, ModelInputError
+from .explanation import Explanation
 from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
 from .methods.base import parameter_docs
@@ -95,9 +96,10 @@ def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str] = None
     common: dict[str, Any] = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **settings)
     if loaded.output is not None:
         common["output"] = loaded.output
+    make: Callable[..., Explainer] = cls  # constructors differ: CAM methods take the layer after the model
     if cls.needs_layer:  # layer None: the method picks one on its first call
-        return cls(loaded.model, layer if layer is not None else loaded.default_layer, **common)  # type: ignore
-    return cls(loaded.model, **common)  # type: ignore[call-arg]
+        return make(loaded.model, layer if layer is not None else loaded.default_layer, **common)
+    return make(loaded.model, **common)
 
 
 def parse_device(text: str) -> torch.device:
@@ -163,7 +165,8 @@ def output_names(paths: Sequence[str]) -> list[str]:
         else:
             below = "__".join(path.relative_to(common).with_suffix("").parts)
             names.append(re.sub(r"[^A-Za-z0-9._-]", "_", below) + "_" + path.suffix.lstrip("."))
-    original, seen = list(names), {}
+    original = list(names)
+    seen: dict[str, int] = {}
     for index, name in enumerate(original):
         if original.count(name) > 1:
             seen[name] = seen.get(name, 0) + 1
@@ -171,7 +174,7 @@ def output_names(paths: Sequence[str]) -> list[str]:
     return names
 
 
-def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]):
+def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]) -> Optional[int]:
     """--target: a class index or a class name."""
     if text is None:
         return None
@@ -184,7 +187,7 @@ def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]):
     raise ValueError(f"--target {text!r} is neither a class index nor a known class name.")
 
 
-def _describe(explanation, image_index: int, target_index: int) -> str:
+def _describe(explanation: Explanation, image_index: int, target_index: int) -> str:
     text = explanation.title(image_index, target_index)
     if explanation.probabilities is not None:
         text += f" (p={float(explanation.probabilities[image_index, target_index]):.3f})"

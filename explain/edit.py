@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from torch import Tensor, nn
 
@@ -10,7 +10,7 @@ from .capture import LayerOutputError, LayerSpec, find_layers
 from .scope import CallScope
 
 
-class EditBlock(CallScope):
+class EditBlock(CallScope[None]):
     """The ``with`` block of ``edit``: hooks for this thread's forward passes, removed at its end."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]],
@@ -28,8 +28,8 @@ class EditBlock(CallScope):
             )
         return edited
 
-    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple, Any], Any]:
-        def edit_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], Tensor]:
+        def edit_output(module: nn.Module, args: tuple[object, ...], output: object) -> Tensor:
             if not isinstance(output, Tensor):
                 raise LayerOutputError(
                     f"edit needs a layer whose output is a tensor; {name!r} returned {type(output).__name__}."
@@ -43,8 +43,8 @@ class EditBlock(CallScope):
 
         return edit_output
 
-    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple], tuple]:
-        def edit_input(module: nn.Module, args: tuple) -> tuple:
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...]], tuple[object, ...]]:
+        def edit_input(module: nn.Module, args: tuple[object, ...]) -> tuple[object, ...]:
             if not args or not isinstance(args[0], Tensor):
                 raise LayerOutputError(
                     f"where='input' edits the first positional input of {name!r}, which must be a tensor."

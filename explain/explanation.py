@@ -7,15 +7,23 @@ import html
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 from PIL import Image
 from torch import Tensor
+from typing_extensions import Unpack
 
 from . import render
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 VECTOR_FORMATS = {".pdf", ".svg", ".eps", ".ps"}
+
+Diagnostic = Union[Tensor, list[str]]
+"""One of ``Explanation.diagnostics``: a tensor (a figure per image and target, a count), or names
+(the attention blocks an attention method rolled out, the layers LRP traced)."""
 
 
 @dataclass
@@ -35,7 +43,8 @@ class Explanation:
     probabilities: (N, K) softmax probability of each explained class, None for callable targets.
     attributions: (N, K, C, H, W) signed per-channel attributions at the input, before the
         channels are reduced to one map (gradient and guided methods), else None.
-    diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients.
+    diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients
+        (tensors; a few are lists of names, e.g. the "attention_blocks" of attention methods).
     """
 
     map_grid: Tensor
@@ -49,7 +58,7 @@ class Explanation:
     low_res_maps: Optional[list[Tensor]] = None
     probabilities: Optional[Tensor] = None
     attributions: Optional[Tensor] = None
-    diagnostics: dict = field(default_factory=dict)
+    diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     class_names: Optional[Sequence[str]] = field(default=None, repr=False)
 
     @property
@@ -89,11 +98,13 @@ class Explanation:
         """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets."""
         return render.overlay(self.images, self.maps, alpha=alpha, cmap=cmap)
 
-    def figure(self, alpha: float = 0.5, cmap: str = "jet", **options):
+    def figure(
+        self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
+    ) -> Figure:
         """A matplotlib Figure: each image with its overlays under it, titled with class and score."""
         return render.explanation_figure(self, alpha=alpha, cmap=cmap, **options)
 
-    def show(self, alpha: float = 0.5, cmap: str = "jet", **options) -> None:
+    def show(self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.PanelOptions]) -> None:
         """Draw the figure with matplotlib's pyplot (in a notebook or a window)."""
         import matplotlib.pyplot as plt
 

@@ -6,17 +6,40 @@ so ``fig.savefig("grid.pdf")`` gives a vector figure with one image per panel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypedDict
 
+import numpy as np
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from . import render
+from .capture import LayerSpec
 from .explanation import Explanation
+from .inputs import Inputs
+from .targets import Target
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from .methods.base import Explainer
+
 NORMALIZATIONS = ("map", "row")
+
+
+class FigureOptions(TypedDict, total=False):
+    """The keyword options of ``figure``, as ``compare`` passes them on."""
+
+    rows: str
+    show_image: bool
+    cmap: str
+    alpha: float
+    mode: str
+    normalize: str
+    signed: Optional[bool]
+    clip_percentile: float
+    colorbar: bool
+    panel_size: float
+    fontsize: float
 
 
 def _panel_values(explanation: Explanation, image: int, signed: bool, clip_percentile: float,
@@ -87,7 +110,7 @@ def figure(
         row_scale = None
         if normalize == "row":
             row_scale = max(float(e.raw_map_grid[image, 0].abs().max()) for e in explanations) or 1.0
-        panels = []
+        panels: list[tuple[str, np.ndarray, Optional[str]]] = []
         if show_image:
             panels.append(("image", (images[image].numpy() * 255).round().astype("uint8"), None))
         for explanation, signed_map in zip(explanations, signs):
@@ -124,15 +147,15 @@ def figure(
 
 def compare(
     model: nn.Module,
-    images,
+    images: Inputs,
     methods: Sequence[str] = ("gradcam", "gradcam++", "scorecam", "saliency", "integratedgradients",
                               "guidedbackprop"),
     *,
-    layer=None,
-    target=None,
-    method_options: Optional[dict] = None,
-    **figure_options,
-) -> tuple["Figure", list[Explanation]]:
+    layer: Optional[LayerSpec | Sequence[LayerSpec]] = None,
+    target: Target = None,
+    method_options: Optional[Mapping[str, Any]] = None,
+    **figure_options: Unpack[FigureOptions],
+) -> tuple[Figure, list[Explanation]]:
     """Explain ``images`` with each registered method by name and lay them out with ``figure``.
 
     layer: the CAM methods' layer (None: chosen automatically). method_options: keyword
@@ -141,10 +164,11 @@ def compare(
     """
     from .methods import get_method
 
-    explanations = []
+    explanations: list[Explanation] = []
     for name in methods:
         cls = get_method(name)
+        make: Callable[..., Explainer] = cls  # constructors differ: CAM methods take the layer after the model
         options = dict(method_options or {})
-        explainer = cls(model, layer, **options) if cls.needs_layer else cls(model, **options)
+        explainer = make(model, layer, **options) if cls.needs_layer else make(model, **options)
         explanations.append(explainer.explain(images, target=target))
     return figure(explanations, **figure_options), explanations

@@ -22,8 +22,13 @@ from torch import Tensor
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-ImageInput = Union[str, os.PathLike, Image.Image, np.ndarray, Tensor]
+ImageInput = Union[str, "os.PathLike[str]", Image.Image, np.ndarray, Tensor]
+"""One input: a path, a PIL image, an (H, W, 3) ndarray, or a (C, H, W) or (N, C, H, W) tensor."""
 Inputs = Union[ImageInput, Sequence[ImageInput]]
+"""What ``explain()`` takes: one input or a list of them."""
+PreprocessSpec = Optional[Callable[..., Any]]
+"""What ``preprocess=`` takes: None (ImageNet mean/std normalisation), a callable RGB PIL image →
+(C, H, W) tensor (torchvision's ``weights.transforms()``), or a HuggingFace image processor."""
 
 
 class Normalize:
@@ -57,7 +62,7 @@ class Preprocess(Protocol):
     def __call__(self, image: Image.Image) -> Tensor: ...
 
 
-def _normalize_statistics(transform: Any) -> tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]:
+def _normalize_statistics(transform: object) -> tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]:
     """(mean, std) of a transform: its own attributes, or those of a Normalize step inside a Compose."""
     mean, std = getattr(transform, "mean", None), getattr(transform, "std", None)
     if mean is not None and std is not None:
@@ -108,14 +113,14 @@ class ImageProcessorPreprocess:
         return f"ImageProcessorPreprocess({type(self.processor).__name__})"
 
 
-def is_image_processor(value: Any) -> bool:
+def is_image_processor(value: object) -> bool:
     """Whether ``value`` is a HuggingFace image processor (or a processor holding one)."""
     module = type(value).__module__ or ""
     return module.startswith("transformers.") and hasattr(value, "image_mean") or (
         module.startswith("transformers.") and hasattr(getattr(value, "image_processor", None), "image_mean"))
 
 
-def as_preprocess(value: Optional[Any]) -> Preprocess:
+def as_preprocess(value: PreprocessSpec) -> Preprocess:
     """``preprocess=`` as given: None → ``Normalize()``; a HuggingFace image processor (or a
     ``CLIPProcessor``, whose image processor is used) → ``ImageProcessorPreprocess``; any other
     callable as it is."""
@@ -176,7 +181,7 @@ def resizing_preprocess(base: Preprocess, size: Optional[Sequence[int]], mean: O
     return TransformPreprocess(transforms.Compose(steps), mean, std)
 
 
-def load_image(path: Union[str, os.PathLike]) -> Image.Image:
+def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     """Open an image file as an RGB PIL image (palette, grayscale and CMYK files are converted)."""
     path = Path(path)
     if not path.is_file():
@@ -249,7 +254,7 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray]) -> Tensor:
     return tensor.contiguous()
 
 
-def display_from_model_input(batch: Tensor, preprocess: Optional[Callable] = None) -> Tensor:
+def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = None) -> Tensor:
     """Model input (N, C, H, W) → display images (N, H, W, 3) float in [0, 1] on the CPU.
 
     Undoes the preprocess's ``mean``/``std`` when it has them and the channel
@@ -277,7 +282,7 @@ class PreparedInputs:
     images: Tensor
 
 
-def _flatten(inputs: Inputs) -> list:
+def _flatten(inputs: Inputs) -> list[ImageInput]:
     if isinstance(inputs, (str, os.PathLike, Image.Image)):
         return [inputs]
     if isinstance(inputs, Tensor):
@@ -289,7 +294,7 @@ def _flatten(inputs: Inputs) -> list:
     if isinstance(inputs, np.ndarray):
         return list(inputs) if inputs.ndim == 4 else [inputs]
     if isinstance(inputs, (list, tuple)):
-        items = []
+        items: list[ImageInput] = []
         for item in inputs:
             if isinstance(item, (list, tuple)):
                 raise TypeError("inputs may be a list of images, not a list of lists.")
@@ -301,13 +306,14 @@ def _flatten(inputs: Inputs) -> list:
     )
 
 
-def _prepare_one(item: Any, preprocess: Callable) -> tuple[Tensor, Tensor]:
+def _prepare_one(item: ImageInput, preprocess: Preprocess) -> tuple[Tensor, Tensor]:
     """One input → (model input (C, H, W), display image (H, W, 3))."""
     if isinstance(item, Tensor):
         model_input = item.unsqueeze(0) if item.dim() == 2 else item
         return model_input, display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
+    pil_image: Optional[Image.Image]
     if isinstance(item, (str, os.PathLike)):
-        pil_image: Optional[Image.Image] = load_image(item)
+        pil_image = load_image(item)
         image = image_to_tensor(pil_image)
     elif isinstance(item, Image.Image):
         pil_image = _checked_rgb(item, source="the PIL image")
@@ -333,7 +339,7 @@ def _prepare_one(item: Any, preprocess: Callable) -> tuple[Tensor, Tensor]:
 
 
 def prepare_inputs(
-    inputs: Inputs, preprocess: Callable, device: torch.device, dtype: torch.dtype = torch.float32
+    inputs: Inputs, preprocess: Preprocess, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> PreparedInputs:
     """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
     if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,11 @@ from .scope import CallScope
 
 Run = Callable[[Tensor], Any]
 """Runs the model on a batch with its other inputs, as the explainer does (``Explainer.call_model``)."""
+OutputShape = Union[torch.Size, list["OutputShape"], dict[Any, "OutputShape"], str]
+"""A layer output's shape: a tensor's torch.Size, kept in the nesting of tuples (as lists), lists and
+dicts; the type name of anything else."""
+Record = Callable[[str, tuple[object, ...], object], None]
+"""Called with (module name, positional inputs, output) after each forward of a module."""
 
 
 @dataclass
@@ -25,7 +30,7 @@ class LayerInfo:
 
     name: str
     kind: str
-    output_shapes: list
+    output_shapes: list[OutputShape]
 
     def shape_text(self) -> str:
         if not self.output_shapes:
@@ -34,7 +39,7 @@ class LayerInfo:
         return text if len(self.output_shapes) == 1 else f"{text} ×{len(self.output_shapes)} calls"
 
 
-def _shape_text(value: Any) -> str:
+def _shape_text(value: OutputShape) -> str:
     if isinstance(value, torch.Size):
         return "(" + ", ".join(str(size) for size in value) + ")"
     if isinstance(value, list):
@@ -44,12 +49,12 @@ def _shape_text(value: Any) -> str:
     return str(value)
 
 
-class _OutputHooks(CallScope):
+class _OutputHooks(CallScope[None]):
     """While the block runs, ``record(name, args, output)`` is called after each forward of each
     module (in this thread). The only place this file registers hooks; the call scope removes
     them when the block ends, also on an interrupt."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], record: Callable[[str, tuple, Any], None]):
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], record: Record):
         super().__init__()
         self.modules, self.record = modules, record
 
@@ -69,8 +74,8 @@ def list_layers(
     batch_size: int = 1,
     *,
     example: Optional[Tensor] = None,
-    forward_args: Sequence = (),
-    forward_kwargs: Optional[dict] = None,
+    forward_args: Sequence[Any] = (),
+    forward_kwargs: Optional[dict[str, Any]] = None,
     input_position: int | str = 0,
 ) -> list[LayerInfo]:
     """Every named module of the model with the output shape(s) it produces when the model runs
@@ -95,7 +100,7 @@ def list_layers(
     named = [(name, module) for name, module in model.named_modules() if name]
     infos = {name: LayerInfo(name, type(module).__name__, []) for name, module in named}
 
-    def record(name: str, args: tuple, output: Any) -> None:
+    def record(name: str, args: tuple[object, ...], output: object) -> None:
         infos[name].output_shapes.append(_shape_of(output))
 
     try:
@@ -111,7 +116,7 @@ def list_layers(
     return list(infos.values())
 
 
-def _shape_of(value: Any) -> Any:
+def _shape_of(value: object) -> OutputShape:
     """A tensor's torch.Size, kept in the nesting of tuples, lists and dicts; other values' type names."""
     if isinstance(value, Tensor):
         return value.shape
@@ -213,7 +218,7 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     runs: dict[str, _ModuleRun] = {}
     count, input_size = batch.shape[0], tuple(batch.shape[-2:])
 
-    def record(name: str, args: tuple, output: Any) -> None:
+    def record(name: str, args: tuple[object, ...], output: object) -> None:
         if name in runs:
             runs[name].calls += 1
             return
@@ -222,7 +227,7 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
         runs[name] = _ModuleRun(
             name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
-            fingerprint=None if layout is None else _fingerprint(main),
+            fingerprint=None if main is None or layout is None else _fingerprint(main),
         )
 
     with _OutputHooks(named, record), preserved_model_state(model), torch.no_grad():
@@ -234,7 +239,8 @@ def _mark_image_dependence(model: nn.Module, batch: Tensor, run: Optional[Run], 
     """Run the model once more on a perturbed copy of ``batch`` and mark the outputs that stay the same."""
     if not batch.is_floating_point():
         return
-    compared = [(name, module_run.module) for name, module_run in runs.items() if module_run.fingerprint is not None]
+    expected = {name: module_run.fingerprint for name, module_run in runs.items() if module_run.fingerprint is not None}
+    compared = [(name, runs[name].module) for name in expected]
     if not compared:
         return
     generator = torch.Generator().manual_seed(0)
@@ -243,7 +249,7 @@ def _mark_image_dependence(model: nn.Module, batch: Tensor, run: Optional[Run], 
     perturbed = batch.detach() + noise * (spread if 0.0 < spread < float("inf") else 1.0)
     fingerprints: dict[str, Tensor] = {}
 
-    def record(name: str, args: tuple, output: Any) -> None:
+    def record(name: str, args: tuple[object, ...], output: object) -> None:
         main = _main_tensor(output)
         if name not in fingerprints and main is not None:
             fingerprints[name] = _fingerprint(main)
@@ -255,7 +261,7 @@ def _mark_image_dependence(model: nn.Module, batch: Tensor, run: Optional[Run], 
         return
     names = [name for name, _ in compared if name in fingerprints]
     if names:
-        before = torch.stack([runs[name].fingerprint for name in names])
+        before = torch.stack([expected[name] for name in names])
         after = torch.stack([fingerprints[name].to(before.device) for name in names])
         changed = (before - after).abs() > 1e-6 * torch.maximum(before.abs(), after.abs())
         for name, depends in zip(names, changed.tolist()):
@@ -295,7 +301,7 @@ def _block_of(name: str, modules: dict[str, nn.Module]) -> Optional[str]:
     return None
 
 
-def _passes_input_through(module: nn.Module, args: tuple, output: Any) -> bool:
+def _passes_input_through(module: nn.Module, args: tuple[object, ...], output: object) -> bool:
     """Whether the module returned its input as it was (Identity, eval-mode Dropout); an in-place
     activation returns its input too, but changed."""
     return bool(args) and output is args[0] and not getattr(module, "inplace", False)
@@ -306,7 +312,7 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(NORM_CLASS_NAMES)
 
 
-def _main_tensor(output: Any) -> Optional[Tensor]:
+def _main_tensor(output: object) -> Optional[Tensor]:
     """The output itself when it is a tensor, else the first item of a tuple, list or mapping
     (HuggingFace ModelOutput) when that is a tensor."""
     if isinstance(output, Tensor):
@@ -320,7 +326,7 @@ def _main_tensor(output: Any) -> Optional[Tensor]:
     return first if isinstance(first, Tensor) else None
 
 
-def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: tuple[int, int]) -> Optional[str]:
+def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int]) -> Optional[str]:
     """The layout kind (as a CAM would read the module's output ``tensor``) when the tensor has
     ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
     if (tensor.dim() not in (3, 4) or tensor.shape[0] != count or not tensor.is_floating_point()
@@ -331,6 +337,7 @@ def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: tuple
     except ValueError:
         return None
     if layout.kind == "tokens":
+        assert layout.grid is not None, "a token layout is made with its grid"
         height, width = layout.grid
     elif layout.kind == "channels_last":
         height, width = tensor.shape[1:3]

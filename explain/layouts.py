@@ -43,11 +43,13 @@ class Layout:
     def apply(self, tensor: Tensor) -> Tensor:
         """The layer's output (any layout) → (N, C, h, w), a view where possible."""
         if self.kind == "callable":
+            assert self.function is not None, "a callable layout is made with its function"
             return self.function(tensor)
         if self.kind == "channels_first":
             return tensor
         if self.kind == "channels_last":
             return tensor.permute(0, 3, 1, 2)
+        assert self.grid is not None, "a token layout is made with its grid"
         height, width = self.grid
         return tensor[:, self.prefix :, :].reshape(tensor.shape[0], height, width, -1).permute(0, 3, 1, 2)
 

@@ -129,6 +129,7 @@ def load_model(
 
 def _load_demo(name: str, weights: Optional[str]) -> LoadedModel:
     architecture: type[nn.Module] = DemoViT if name == "demo-vit" else DemoNet
+    model: nn.Module
     if weights is None:
         model = load_demo_vit() if name == "demo-vit" else load_demo_model()
     else:
@@ -186,7 +187,11 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
             ) from error
     categories = chosen.meta.get("categories") if chosen is not None else None
     names = list(categories) if categories is not None and len(categories) == count_outputs(model) else None
-    preprocess: Preprocess = TransformPreprocess(chosen.transforms()) if chosen is not None else Normalize()
+    preprocess: Preprocess
+    if chosen is not None:
+        preprocess = TransformPreprocess(chosen.transforms())
+    else:
+        preprocess = Normalize()
     crop = getattr(chosen.transforms(), "crop_size", None) if chosen is not None else None
     size = (3, int(crop[0]), int(crop[0])) if crop else None
     return LoadedModel(model, preprocess, names, name, input_size=size)
@@ -202,7 +207,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
         close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
         hint = f" Did you mean {', '.join('timm:' + c for c in close)}?" if close else ""
         raise ValueError(f"timm has no model named {name!r}.{hint}")
-    head = {} if num_classes is None else {"num_classes": num_classes}
+    head: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
     pretrained = weights in PRETRAINED_NAMES
     if weights is not None and not pretrained and not _is_weights_file(weights):
         raise ValueError(f"--weights {weights!r} for a timm model: give a state-dict file, or 'pretrained' "
@@ -223,7 +228,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
     config = timm.data.resolve_model_data_config(model)
     preprocess = TransformPreprocess(timm.data.create_transform(**config), config["mean"], config["std"])
     return LoadedModel(model, preprocess, _timm_class_names(model), f"timm:{name}",
-                       input_size=tuple(config["input_size"]))  # type: ignore[arg-type]
+                       input_size=tuple(config["input_size"]))
 
 
 def _timm_class_names(model: nn.Module) -> Optional[list[str]]:

@@ -7,7 +7,7 @@ dimensions) and RGB images, (H, W, 3) or (N, H, W, 3), uint8 or float in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, TypedDict, Union
 
 import matplotlib
 import numpy as np
@@ -21,6 +21,20 @@ if TYPE_CHECKING:
     from .explanation import Explanation
 
 ArrayLike = Union[np.ndarray, Tensor]
+
+
+class PanelOptions(TypedDict, total=False):
+    """The layout options of ``explanation_figure`` that ``Explanation.figure`` and ``show`` pass on."""
+
+    panel_size: float
+    show_original: bool
+    image_titles: Optional[Sequence[str]]
+
+
+class ExplanationFigureOptions(PanelOptions, total=False):
+    """``PanelOptions`` and the figure to draw into."""
+
+    figure: Optional[Figure]
 
 
 def _as_float_tensor(values: ArrayLike) -> Tensor:
@@ -117,7 +131,7 @@ def overlay(
         image_tensor = image_tensor.unsqueeze(1)
     image_tensor = image_tensor.expand(*values.shape, 3)
     if mode in ("blend", "alpha"):
-        opacity = alpha if mode == "blend" else alpha * values[..., None]
+        opacity: Union[float, Tensor] = alpha if mode == "blend" else alpha * values[..., None]
         result = (1.0 - opacity) * image_tensor + opacity * colorize(values, cmap)
     elif mode == "mask":
         flat = values.reshape(-1, height * width)

@@ -17,7 +17,7 @@ inner function must handle the outer one as a whole, from its arguments.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Collection, Optional, Sequence
 
 from torch.overrides import TorchFunctionMode
 
@@ -32,9 +32,9 @@ class Rule:
     the rules' mode off; to leave a call as it is, return ``func(*args, **kwargs)``.
     """
 
-    functions: ClassVar[frozenset] = frozenset()
+    functions: ClassVar[frozenset[Callable[..., Any]]] = frozenset()
 
-    def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise TypeError(f"{type(self).__name__} does not define compute().")
 
 
@@ -44,14 +44,20 @@ class CallRules(TorchFunctionMode):
     def __init__(self, rules: Sequence[Rule]):
         super().__init__()
         self.rules = list(rules)
-        self.table: dict[Callable, Rule] = {}
+        self.table: dict[Callable[..., Any], Rule] = {}
         for rule in self.rules:
             for function in rule.functions:
                 if function in self.table:
                     raise ValueError(f"two rules take over {function}; give each function one rule.")
                 self.table[function] = rule
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Optional[dict[str, Any]] = None,
+    ) -> Any:
         kwargs = kwargs or {}
         rule = self.table.get(func)
         if rule is None:
@@ -59,7 +65,7 @@ class CallRules(TorchFunctionMode):
         return rule.compute(func, args, kwargs)
 
 
-class call_rules(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
+class call_rules(CallScope[CallRules]):  # noqa: N801 - used like a function, as torch.no_grad is
     """``with call_rules(rule, ...) as mode:`` — within the block, in this thread, every call of a
     rule's functions is computed by the rule. The mode is removed when the block ends, also on an
     exception or an interrupt (see ``explain.scope``)."""

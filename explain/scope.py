@@ -26,12 +26,18 @@ import sys
 import threading
 from contextlib import AbstractContextManager
 from types import CodeType, FrameType, TracebackType
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, cast
 
 import torch
 from torch import nn
+from typing_extensions import TypeVar
 
 Function = TypeVar("Function", bound=Callable[..., Any])
+Value = TypeVar("Value")
+Entered = TypeVar("Entered", covariant=True, default=Any)
+"""What ``with scope as value`` gives, what ``setup()`` returns: the scope itself unless a subclass
+returns something else; a subclass states it as its type parameter (``CallScope["ActivationCapture"]``,
+``CallScope[Captured]``)."""
 
 _PROTECTED_CODE: set[CodeType] = set()
 """Code objects during which SIGINT is deferred (the scope's own state-changing steps)."""
@@ -61,7 +67,7 @@ class _InterruptDeferral:
 
     def __init__(self) -> None:
         self.depth = 0
-        self.previous: Any = None
+        self.previous: Optional[Callable[[int, Optional[FrameType]], object]] = None
         self.pending = False
 
     def handler(self, signum: int, frame: Optional[FrameType]) -> None:
@@ -69,6 +75,7 @@ class _InterruptDeferral:
             self.pending = True
             return
         self.pending = False
+        assert self.previous is not None, "the handler is installed only with a previous one to hand on to"
         self.previous(signum, frame)
 
     @_protected
@@ -114,7 +121,7 @@ def raise_deferred_interrupt() -> None:
         raise KeyboardInterrupt
 
 
-def current_scope() -> Optional["CallScope"]:
+def current_scope() -> Optional["CallScope[Any]"]:
     """The innermost scope opened by this thread, or None."""
     stack = getattr(_open_scopes, "stack", None)
     return stack[-1] if stack else None
@@ -124,24 +131,26 @@ def _overrides_train(module: nn.Module) -> bool:
     return type(module).train is not nn.Module.train
 
 
-class CallScope(AbstractContextManager):
+class CallScope(AbstractContextManager[Entered], Generic[Entered]):
     """``with CallScope(model) as scope:`` — the state one call changes, undone when it ends.
 
     model: the model whose modules get hooks and flags (None for thread state only).
     eval_mode: put the model in eval mode for the scope (see ``eval_mode``).
-    Subclasses that change more on entering do it in ``setup()``, which runs protected.
+    Subclasses that change more on entering do it in ``setup()``, which runs protected; its
+    return value is what ``with ... as`` gives, and the subclass's type parameter says what it is
+    (``class CaptureBlock(CallScope[Captured])``).
     """
 
     def __init__(self, model: Optional[nn.Module] = None, *, eval_mode: bool = False):
         self.model = model
         self.switch_to_eval = eval_mode
         self.thread = threading.get_ident()
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], object]] = []
         self._grad_enabled = True
         self._function_modes = 0
 
     @_protected
-    def __enter__(self) -> "CallScope":
+    def __enter__(self) -> Entered:
         _deferral.install()
         self._grad_enabled = torch.is_grad_enabled()
         self._function_modes = torch._C._len_torch_function_stack()
@@ -157,9 +166,10 @@ class CallScope(AbstractContextManager):
             self.__exit__(*sys.exc_info())
             raise
 
-    def setup(self) -> Any:
+    def setup(self) -> Entered:
         """What the scope changes on entering (hooks); returns the ``with ... as`` value."""
-        return self
+        # the scope itself; a subclass whose `with` gives something else overrides setup
+        return cast(Entered, self)
 
     @_protected
     def __exit__(
@@ -192,12 +202,12 @@ class CallScope(AbstractContextManager):
     # ------------------------------------------------------------------ what a call may change
 
     @_protected
-    def add_undo(self, undo: Callable[[], None]) -> None:
+    def add_undo(self, undo: Callable[[], object]) -> None:
         """Run ``undo()`` when the scope ends (last added, first run)."""
         self._undo.append(undo)
 
     @_protected
-    def enter(self, context: AbstractContextManager) -> Any:
+    def enter(self, context: AbstractContextManager[Value]) -> Value:
         """Enter a context manager for the rest of the scope (e.g. ``torch.inference_mode(False)``)."""
         value = context.__enter__()
         self._undo.append(lambda: context.__exit__(None, None, None))

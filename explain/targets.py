@@ -99,6 +99,7 @@ class SelectedTargets:
         if self.target_function is not None:
             scores = self.target_function(output)
             return scores.reshape(scores.shape[0], -1)
+        assert self.class_indices is not None, "targets without a target function are classes"
         return output.gather(1, self.class_indices[image_index].to(output.device))
 
 
@@ -180,13 +181,13 @@ class DetectionTarget:
         self.class_index = int(class_index)
         self.min_iou = min_iou
 
-    def __call__(self, output: Sequence[Mapping]) -> Tensor:
+    def __call__(self, output: Sequence[Mapping[str, Tensor]]) -> Tensor:
         from torchvision.ops import box_iou
 
         if not isinstance(output, (list, tuple)) or not all(isinstance(item, Mapping) for item in output):
             raise ValueError("DetectionTarget needs a list of dicts with 'boxes', 'labels' and 'scores' per image.")
         boxes = self.box.expand(len(output), 4) if self.box.dim() == 1 else self.box
-        scores = []
+        scores: list[Tensor] = []
         for image, detections in enumerate(output):
             candidates = detections["labels"] == self.class_index
             if candidates.any():
@@ -262,9 +263,9 @@ def select_targets(
         return SelectedTargets(scores, None, keep, target_function=target)
 
     if not isinstance(output, Tensor) or output.dim() != 2:
-        shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+        returned = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
         raise ValueError(
-            f"class targets need a model output of shape (N, num_classes); this model returns {shape}. "
+            f"class targets need a model output of shape (N, num_classes); this model returns {returned}. "
             "Pass a callable target, f(output) -> Tensor[N], that selects the score to explain."
         )
     count, num_classes = output.shape

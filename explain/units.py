@@ -14,25 +14,29 @@ works with any method.
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from .capture import LayerNotRunError, LayerOutputError, LayerSpec, find_layers
 from .scope import CallScope
+from .targets import Target
 
-Index = Union[int, Sequence[int]]
+Unit = Union[int, tuple[int, ...]]
+"""One unit: an int, or a tuple of ints (one index per dimension of the layer's output after the batch)."""
+Units = Union[Unit, list[int], list[tuple[int, ...]], list[list[int]], list[list[tuple[int, ...]]], Tensor]
+"""One unit for every image, a list of K units for every image, or N lists of K units (one list per image)."""
 
 
-def _index_tensor(units: Any, dims: Optional[int]) -> tuple[Tensor, bool, bool]:
+def _index_tensor(units: Units, dims: Optional[int]) -> tuple[Tensor, bool, bool]:
     """Units as a long tensor: (K, D) shared by every image or (N, K, D) per image; whether the
     K dimension is kept (a list was given) and whether the units are per image.
 
     A unit is an int or a tuple of ints (a tuple is one unit's index); a list holds K units
     (for every image) or N lists of K units (one list per image)."""
 
-    def as_unit(value: Any) -> list[int]:
+    def as_unit(value: object) -> list[int]:
         if isinstance(value, Integral) and not isinstance(value, bool):
             return [int(value)]
         if isinstance(value, tuple) and value and all(isinstance(v, Integral) for v in value):
@@ -41,10 +45,12 @@ def _index_tensor(units: Any, dims: Optional[int]) -> tuple[Tensor, bool, bool]:
 
     if isinstance(units, Tensor):
         units = units.tolist()
+    nested: Union[list[list[int]], list[list[list[int]]]]
     if not isinstance(units, list):
         nested, keep, per_image = [as_unit(units)], False, False
     elif units and all(isinstance(item, list) for item in units):
-        nested, keep, per_image = [[as_unit(unit) for unit in row] for row in units], True, True
+        rows = [item for item in units if isinstance(item, list)]  # every item: N lists of K units
+        nested, keep, per_image = [[as_unit(unit) for unit in row] for row in rows], True, True
         if len({len(row) for row in nested}) != 1 or not nested[0]:
             raise ValueError("per-image units need the same number K ≥ 1 of units for every image.")
     elif units:
@@ -73,7 +79,7 @@ class UnitTarget:
         """The units' values, (R, K), from the layer's output (R rows)."""
         raise NotImplementedError
 
-    def __call__(self, output: Any) -> Tensor:
+    def __call__(self, output: object) -> Tensor:
         raise TypeError(
             f"{self!r} is read from a layer during the forward pass, and this method was called without "
             "binding it to the model. Bind it for the call: `with unit.bind(model) as target: "
@@ -105,8 +111,7 @@ class Channel(UnitTarget):
     Value for image n: mean over positions of output[n, c] (or output[n, c, i, j]).
     """
 
-    def __init__(self, layer: LayerSpec, channel: Union[Index, Sequence], position: Optional[Sequence[int]] = None,
-                 dim: int = 1):
+    def __init__(self, layer: LayerSpec, channel: Units, position: Optional[Sequence[int]] = None, dim: int = 1):
         indices, keep, per_image = _index_tensor(channel, 1)
         super().__init__(layer, indices, keep, per_image)
         self.position = None if position is None else tuple(int(p) for p in position)
@@ -117,7 +122,8 @@ class Channel(UnitTarget):
         if self.position is None:
             per_channel = channels_second.flatten(2).mean(dim=2)  # (R, C)
         else:
-            per_channel = channels_second[(slice(None), slice(None), *self.position)]
+            at_position: tuple[Union[slice, int], ...] = (slice(None), slice(None), *self.position)
+            per_channel = channels_second[at_position]
         _check_range(self.indices, per_channel.shape[1:], "channel")
         if self.per_image:
             self._check_rows(per_channel.shape[0])
@@ -137,7 +143,7 @@ class Neuron(UnitTarget):
         tuples (K maps per image); or N lists of K tuples (units per image).
     """
 
-    def __init__(self, layer: LayerSpec, index: Union[Index, Sequence]):
+    def __init__(self, layer: LayerSpec, index: Units):
         indices, keep, per_image = _index_tensor(index, None)
         super().__init__(layer, indices, keep, per_image)
 
@@ -150,8 +156,10 @@ class Neuron(UnitTarget):
         if self.per_image:
             self._check_rows(layer_output.shape[0])
             rows = torch.arange(layer_output.shape[0], device=layer_output.device)[:, None].expand(indices.shape[:2])
-            return layer_output[(rows, *indices.unbind(-1))]
-        return layer_output[(slice(None), *indices.unbind(-1))]
+            per_image_units: tuple[Tensor, ...] = (rows, *indices.unbind(-1))
+            return layer_output[per_image_units]
+        shared_units: tuple[Union[slice, Tensor], ...] = (slice(None), *indices.unbind(-1))
+        return layer_output[shared_units]
 
     def __repr__(self) -> str:
         units = [tuple(unit) for unit in self.indices.reshape(-1, self.indices.shape[-1]).tolist()]
@@ -167,7 +175,7 @@ def _check_range(indices: Tensor, sizes: Sequence[int], what: str) -> None:
                              f"(N, {', '.join(str(s) for s in sizes)}).")
 
 
-class BoundUnits(CallScope):
+class BoundUnits(CallScope["BoundUnits"]):
     """``with unit.bind(model) as target:`` — records the unit's layer output in this thread's forward
     passes of ``model``; ``target(output)`` returns the units' values (R,) or (R, K) of the forward
     pass that produced ``output``. The hooks are removed when the block ends."""
@@ -183,6 +191,7 @@ class BoundUnits(CallScope):
         self.open = False
 
     def setup(self) -> "BoundUnits":
+        assert self.model is not None, "a unit is bound to a model"
         self.forward_pre_hook(self.model, self._new_forward)
         self.forward_hook(self.module, self._record)
         self.open = True
@@ -193,10 +202,10 @@ class BoundUnits(CallScope):
         self.open = False
         self.recorded = []
 
-    def _new_forward(self, module: nn.Module, args: tuple) -> None:
+    def _new_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self.recorded = []
 
-    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _record(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if not isinstance(output, Tensor):
             raise LayerOutputError(f"layer {self.layer_name!r} returned a {type(output).__name__}, not a tensor; a "
                                    "unit needs a layer whose output is a tensor.")
@@ -204,7 +213,7 @@ class BoundUnits(CallScope):
         # the output itself goes on unchanged (a CAM's capture at the same layer sees the true output)
         self.recorded.append(output.clone())
 
-    def __call__(self, output: Any) -> Tensor:
+    def __call__(self, output: object) -> Tensor:
         if not self.open:
             raise RuntimeError(f"{self.unit!r} was bound to a model for a call that has ended; bind it again.")
         if len(self.recorded) != 1:
@@ -222,7 +231,7 @@ class BoundUnits(CallScope):
         return f"{self.unit!r} bound to layer {self.layer_name!r}"
 
 
-def bind_units(target: Any, model: nn.Module, scope: CallScope) -> Any:
+def bind_units(target: Target, model: nn.Module, scope: CallScope[object]) -> Target:
     """``target`` itself, or for a Channel / Neuron the bound callable, recording for the rest of ``scope``."""
     if isinstance(target, UnitTarget):
         return scope.enter(target.bind(model))

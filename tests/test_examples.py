@@ -21,24 +21,8 @@ def test_quickstart(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count(":") >= 4
 
 
-DOCS = EXAMPLES.parent / "docs"
-
-
-@pytest.mark.parametrize("script, figure", [
-    ("compare_methods.py", "compare.png"),
-    ("sanity_check.py", "sanity.png"),
-    ("vit_and_segmentation.py", "vit_segmentation.png"),
-])
-def test_examples_regenerate_the_readme_figures(script, figure, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [script, str(tmp_path)])
-    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
-    regenerated = np.asarray(Image.open(tmp_path / figure).convert("RGB")).astype(float)
-    committed = np.asarray(Image.open(DOCS / figure).convert("RGB")).astype(float)
-    assert regenerated.shape == committed.shape
-    for channel in range(3):  # pixel statistics within a tolerance: fonts and BLAS may differ slightly
-        assert abs(regenerated[..., channel].mean() - committed[..., channel].mean()) < 2.0
-        assert abs(regenerated[..., channel].std() - committed[..., channel].std()) < 2.0
-    assert figure.split(".")[0].split("_")[0] in (DOCS / figure).name
+# The scripts that draw the README's figures run when the documentation site is built: tests/test_docs.py
+# compares what they draw with the committed figures.
 
 
 def test_the_notebook_runs():

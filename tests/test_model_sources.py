@@ -200,7 +200,10 @@ def test_whole_pickled_models_only_when_allowed_and_torchscript_refused(photo, t
 
 
 def test_weights_that_cannot_be_fetched_say_how_to_pass_a_local_file(monkeypatch, capsys, photo):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here either way: fail at once, not after retries
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(WeightsUnavailableError, match="--weights /path/to/model.safetensors"):
         load_model("timm:resnet18", "pretrained")
     with pytest.raises(WeightsUnavailableError, match="save_pretrained"):

@@ -13,19 +13,27 @@ import torchvision
 from PIL import Image
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index, tmp_path, monkeypatch):
+def python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a Markdown file."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+
+
+BLOCKS = python_blocks(README)
+
+
+def example_namespace(folder: Path) -> dict:
+    """The names the documentation's examples use: ``model`` (a resnet18), ``vit`` (a small
+    torchvision ViT), ``x`` (a batch of one), ``img`` (a path to a 64 × 64 image), ``dataloader``;
+    ``images/`` holds one image. Matplotlib draws off-screen."""
     matplotlib.use("Agg")
-    monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
-    image_path = tmp_path / "img.png"
+    image_path = folder / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(image_path)
-    (tmp_path / "images").mkdir()
-    Image.open(image_path).save(tmp_path / "images" / "first.png")
-    namespace = {
+    (folder / "images").mkdir(exist_ok=True)
+    Image.open(image_path).save(folder / "images" / "first.png")
+    return {
         "torch": torch,
         "model": torchvision.models.resnet18().eval(),
         "vit": torchvision.models.VisionTransformer(
@@ -35,4 +43,9 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
         "img": str(image_path),
         "dataloader": torch.utils.data.DataLoader(torch.randn(4, 3, 64, 64), batch_size=2),
     }
-    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), namespace)
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs(index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), example_namespace(tmp_path))

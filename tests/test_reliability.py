@@ -50,8 +50,11 @@ def build(name: str, model: nn.Module, layer: str, **extra):
         options["progress"] = False
     if issubclass(cls, (explain.SmoothGrad, explain.GradientShap)):
         options["samples"] = 3
-    if cls is explain.IntegratedGradients:
+    if cls in (explain.IntegratedGradients, explain.GuidedIG, explain.BlurIG, explain.LayerIntegratedGradients,
+               explain.LayerConductance):
         options["steps"] = 4
+    if cls is explain.XRAI:
+        options.update(steps=4, segmenter=explain.Felzenszwalb(scales=(100,), size=None))
     return cls(model, layer, **options) if cls.needs_layer else cls(model, **options)
 
 

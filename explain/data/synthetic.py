@@ -12,6 +12,7 @@ ground truth for localisation metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import cv2
 import numpy as np
@@ -53,7 +54,8 @@ def _polygon(center: np.ndarray, radius: float, angle: float, kind: str) -> np.n
     return np.round(points + center).astype(np.int32)
 
 
-def _draw(canvas: np.ndarray, kind: str, center: np.ndarray, radius: float, angle: float, colour) -> None:
+def _draw(canvas: np.ndarray, kind: str, center: np.ndarray, radius: float, angle: float,
+          colour: Union[np.ndarray, Sequence[int]]) -> None:
     colour = tuple(int(value) for value in colour)
     centre = (int(round(center[0])), int(round(center[1])))
     if kind == "disc":
@@ -79,7 +81,8 @@ def _object_colour(rng: np.random.Generator, background: np.ndarray) -> np.ndarr
             return colour
 
 
-def _place(rng: np.random.Generator, placed: list, radius: float, size: int):
+def _place(rng: np.random.Generator, placed: list[tuple[np.ndarray, float]], radius: float, size: int
+           ) -> Optional[np.ndarray]:
     """A centre where a circle of ``radius`` stays inside the image and clear of placed objects."""
     for _ in range(200):
         center = rng.uniform(radius + 1, size - radius - 2, size=2)
@@ -88,7 +91,7 @@ def _place(rng: np.random.Generator, placed: list, radius: float, size: int):
     return None
 
 
-def make_image(rng: np.random.Generator, label: int, size: int = IMAGE_SIZE):
+def make_image(rng: np.random.Generator, label: int, size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """One image of class ``label``: (image (S, S, 3) uint8, mask (S, S) bool)."""
     background = rng.integers(0, 100, size=3)
     image = np.empty((size, size, 3), np.float32)
@@ -96,7 +99,7 @@ def make_image(rng: np.random.Generator, label: int, size: int = IMAGE_SIZE):
     image += rng.normal(0.0, 10.0, size=(size, size, 3))
     image = np.clip(image, 0, 255).astype(np.uint8)
     mask = np.zeros((size, size), np.uint8)
-    placed: list = []
+    placed: list[tuple[np.ndarray, float]] = []
     while True:  # the key object first, so that it always fits
         radius = rng.uniform(7.0, 14.0)
         center = _place(rng, placed, radius, size)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..inputs import Normalize
 from .demo import WEIGHTS_PATH, DemoNet
@@ -22,7 +24,7 @@ TRAINING_SEED = 0
 EVALUATION_SEED = 12345
 
 
-def to_model_input(images) -> torch.Tensor:
+def to_model_input(images: np.ndarray) -> torch.Tensor:
     """(N, H, W, 3) uint8 ndarray → (N, 3, H, W) normalised float tensor (the default preprocess)."""
     normalize = Normalize()
     batch = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
@@ -31,7 +33,7 @@ def to_model_input(images) -> torch.Tensor:
     return (batch - mean) / std
 
 
-def accuracy(model: DemoNet, count: int = 1000, seed: int = EVALUATION_SEED) -> float:
+def accuracy(model: nn.Module, count: int = 1000, seed: int = EVALUATION_SEED) -> float:
     data = make_dataset(count, seed=seed)
     with torch.no_grad():
         predictions = model.eval()(to_model_input(data.images)).argmax(1)

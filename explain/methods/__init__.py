@@ -23,10 +23,22 @@ from .factorization import DeepFeatureFactorization, Factorization
 from .fullgrad import FullGrad
 from .gradients import GradientExplainer, InputXGradient, IntegratedGradients, Saliency
 from .guided import Deconvnet, GuidedBackprop, GuidedGradCAM, relu_backward_rule
+from .layer_attribution import LayerConductance, LayerIntegratedGradients, LayerPathExplainer
+from .lrp import LRP
+from .path_methods import BlurIG, GuidedIG
 from .perturbation import AblationCAM, ScoreCAM
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
+from .xrai import XRAI, Felzenszwalb
 
 __all__ = [
+    "XRAI",
+    "LayerPathExplainer",
+    "LayerIntegratedGradients",
+    "LayerConductance",
+    "LRP",
+    "GuidedIG",
+    "Felzenszwalb",
+    "BlurIG",
     "CAM",
     "REGISTRY",
     "AblationCAM",

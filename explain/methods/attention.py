@@ -19,15 +19,25 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..attention import BlockSpec, capture_attention
 from ..layouts import token_grid
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, register
+from .base import Attribution, Explainer, ExplainerOptions, register
 
 HEAD_FUSIONS = ("mean", "max", "min")
 Relevance = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
 ROWS = ("auto", "class", "mean")
+
+
+class AttentionOptions(ExplainerOptions, total=False):
+    """The keyword options every attention method takes (see ``AttentionExplainer``)."""
+
+    blocks: BlockSpec
+    start_block: int
+    row: str
+    reshape: Optional[Sequence[int]]
 
 
 class AttentionExplainer(Explainer):
@@ -55,7 +65,7 @@ class AttentionExplainer(Explainer):
         start_block: int = 0,
         row: str = "auto",
         reshape: Optional[Sequence[int]] = None,
-        **options,
+        **options: Unpack[ExplainerOptions],
     ):
         super().__init__(model, **options)
         if row not in ROWS:
@@ -119,7 +129,7 @@ class AttentionExplainer(Explainer):
             )
         return probabilities
 
-    def _layout(self, tokens: int, input_size) -> tuple[int, tuple[int, int]]:
+    def _layout(self, tokens: int, input_size: Sequence[int]) -> tuple[int, tuple[int, int]]:
         if self.reshape is not None:
             height, width = self.reshape
             if height * width > tokens:
@@ -148,7 +158,8 @@ class AttentionRollout(AttentionExplainer):
     name = "attentionrollout"
     summary = "Attention rollout: attention fused over heads, multiplied across blocks (class-agnostic)"
 
-    def __init__(self, model: nn.Module, *, head_fusion: str = "mean", discard_ratio: float = 0.0, **options):
+    def __init__(self, model: nn.Module, *, head_fusion: str = "mean", discard_ratio: float = 0.0,
+                 **options: Unpack[AttentionOptions]):
         super().__init__(model, **options)
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}; got {head_fusion!r}.")
@@ -192,10 +203,12 @@ class GradientAttentionRollout(AttentionExplainer):
         count, tokens = probabilities[0].shape[0], probabilities[0].shape[-1]
         targets = selected.scores.shape[1]
         identity = torch.eye(tokens, device=probabilities[0].device)
-        per_target, zero_gradient, disconnected = [], [], []
+        per_target: list[Tensor] = []
+        zero_gradient: list[Tensor] = []
+        disconnected: list[Tensor] = []
         for target_index in range(targets):
             score = selected.scores[:, target_index].sum()
-            gradients = [None] * len(probabilities)
+            gradients: Sequence[Optional[Tensor]] = [None] * len(probabilities)
             if score.requires_grad:
                 gradients = torch.autograd.grad(score, probabilities, retain_graph=target_index < targets - 1,
                                                 allow_unused=True)

@@ -10,15 +10,15 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypedDict, TypeVar
+from typing import Any, ClassVar, Generic, Optional, Sequence, TypedDict, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import check_hookable, map_tensors, model_device, model_dtype, run_model
-from ..explanation import Explanation
-from ..inputs import Inputs, as_preprocess, prepare_inputs
+from ..capture import ForwardArguments, check_hookable, map_tensors, model_device, model_dtype, run_model
+from ..explanation import Diagnostic, Explanation
+from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_output
 from ..units import bind_units
@@ -35,12 +35,12 @@ class ForwardCall:
     are per-image and follow the rows when a method runs copies of the images.
     """
 
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
     position: int | str = 0
     batch_size: int = 0
 
-    def arguments(self, inputs: Tensor) -> tuple[tuple, dict]:
+    def arguments(self, inputs: Tensor) -> ForwardArguments:
         """(args, kwargs) of one forward, with copies of the other tensors (the model may edit them in place)."""
         copy = map_tensors(self.args, Tensor.clone), map_tensors(self.kwargs, Tensor.clone)
         if isinstance(self.position, str):
@@ -52,7 +52,7 @@ class ForwardCall:
     def for_rows(self, rows: Tensor) -> "ForwardCall":
         """The same call for a batch whose row r is a copy of image ``rows[r]``."""
 
-        def select(value):
+        def select(value: object) -> object:
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size:
                 return value[rows.to(value.device)]
             return value
@@ -83,7 +83,7 @@ class Attribution:
     low_res_maps: Optional[list[Tensor]] = None
     layer: Optional[str | list[str]] = None
     attributions: Optional[Tensor] = None
-    diagnostics: dict = field(default_factory=dict)
+    diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     zero_gradient: Optional[Tensor] = None
     disconnected: Optional[Tensor] = None
     negative_everywhere: Optional[Tensor] = None
@@ -197,19 +197,25 @@ class PerThread(Generic[Value]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, explainer: Any, owner: Optional[type] = None) -> Any:
+    @overload
+    def __get__(self, explainer: None, owner: type) -> PerThread[Value]: ...
+
+    @overload
+    def __get__(self, explainer: Explainer, owner: Optional[type] = None) -> Optional[Value]: ...
+
+    def __get__(self, explainer: Optional[Explainer], owner: Optional[type] = None) -> PerThread[Value] | Value | None:
         if explainer is None:
             return self
         return getattr(explainer._thread_state, self.name, self.default)
 
-    def __set__(self, explainer: Any, value: Optional[Value]) -> None:
+    def __set__(self, explainer: Explainer, value: Optional[Value]) -> None:
         setattr(explainer._thread_state, self.name, value)
 
 
 class ExplainerOptions(TypedDict, total=False):
     """The keyword options every explainer takes (see ``Explainer``), for ``**options: Unpack[...]``."""
 
-    preprocess: Any
+    preprocess: PreprocessSpec
     normalize: Optional[str]
     class_names: Optional[Sequence[str]]
     output: OutputSelector
@@ -238,9 +244,10 @@ def parameter_docs(docstring: Optional[str]) -> dict[str, str]:
 
 def full_signature(cls: type) -> inspect.Signature:
     """The constructor's signature with every ``**options`` expanded into the keyword parameters of the
-    base-class constructors it is passed on to (their defaults included): what a caller may pass."""
+    base-class constructors it is passed on to (their defaults included): what a caller may pass. A class
+    lists in ``not_options`` the base options it sets itself (DeepLIFT-SHAP's single ``baseline``)."""
     parameters: list[inspect.Parameter] = []
-    seen: set[str] = set()
+    seen: set[str] = set(getattr(cls, "not_options", ()))
     for owner in cls.__mro__:
         init = owner.__dict__.get("__init__")
         if init is None or owner is object:
@@ -264,10 +271,12 @@ def document_options(cls: type) -> None:
     not document itself, as its base classes document them."""
     signature = full_signature(cls)
     if "__init__" in cls.__dict__:
-        cls.__init__.__signature__ = signature  # type: ignore[misc]
-        if cls.__init__.__doc__ is None:
-            cls.__init__.__doc__ = f"Every parameter is described in the class's docstring: help({cls.__name__})."
+        init = cls.__dict__["__init__"]
+        init.__signature__ = signature
+        if init.__doc__ is None:
+            init.__doc__ = f"Every parameter is described in the class's docstring: help({cls.__name__})."
     without_self = [p for name, p in signature.parameters.items() if name != "self"]
+    # typeshed's `type` does not declare __signature__, which inspect.signature reads
     cls.__signature__ = signature.replace(parameters=without_self)  # type: ignore[attr-defined]
     own_doc = cls.__dict__.get("__doc__") or ""
     inherited: dict[str, str] = {}
@@ -309,7 +318,7 @@ class Explainer(ABC):
         self,
         model: nn.Module,
         *,
-        preprocess: Optional[Callable] = None,
+        preprocess: PreprocessSpec = None,
         normalize: Optional[str] = "max",
         class_names: Optional[Sequence[str]] = None,
         output: OutputSelector = None,
@@ -330,12 +339,12 @@ class Explainer(ABC):
         super().__init_subclass__(**kwargs)
         document_options(cls)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_thread_state"]  # per-call state (copy.deepcopy, pickle) is not copied
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._thread_state = threading.local()
 
@@ -364,8 +373,8 @@ class Explainer(ABC):
         target: Target = None,
         *,
         topk: Optional[int] = None,
-        forward_args: Sequence = (),
-        forward_kwargs: Optional[dict] = None,
+        forward_args: Sequence[Any] = (),
+        forward_kwargs: Optional[dict[str, Any]] = None,
         input_position: int | str = 0,
     ) -> Explanation:
         """Explain N images for one or K targets each.
@@ -381,7 +390,8 @@ class Explainer(ABC):
             or a keyword name). Tensors of first dimension N are taken as per-image.
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
-        with CallScope(self.model) as scope:
+        scope = CallScope(self.model)
+        with scope:
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
                 scope.enter(torch.inference_mode(False))
             check_parameters_usable(self.model)
@@ -421,10 +431,19 @@ class Explainer(ABC):
         """The method itself: a prepared (N, C, H, W) batch → raw (N, K, h, w) maps."""
 
 
-REGISTRY: dict[str, type[Explainer]] = {}
+class MethodRegistry(dict[str, type[Explainer]]):
+    """Every registered method class by its name, as the command line's ``--method`` and
+    ``explain.get_method`` take it (``"gradcam"`` → ``GradCAM``). ``@register`` adds a class; the
+    reliability suites and the command-line test run over every entry."""
 
 
-def register(cls: type[Explainer]) -> type[Explainer]:
+REGISTRY: MethodRegistry = MethodRegistry()
+
+
+ExplainerClass = TypeVar("ExplainerClass", bound=type[Explainer])
+
+
+def register(cls: ExplainerClass) -> ExplainerClass:
     """Class decorator: make a method available by its ``name`` (command line, ``get_method``)."""
     if not cls.name or cls.name in REGISTRY:
         raise ValueError(f"method name {cls.name!r} is empty or taken.")

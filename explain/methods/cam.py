@@ -11,17 +11,18 @@ with ``smooth="eigen"`` projected on their first principal component.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..layers import default_layer
 from ..layouts import Layout, Reshape, infer_layout
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import BoundUnits, UnitTarget
-from .base import Attribution, Explainer, PerThread, normalize_maps, register, upsample_maps
+from .base import Attribution, Explainer, ExplainerOptions, PerThread, normalize_maps, register, upsample_maps
 
 COMBINATIONS = ("mean", "max", "sum", "product")
 SMOOTHINGS = (None, "augment", "eigen")
@@ -31,6 +32,19 @@ AUGMENTATIONS: tuple[tuple[bool, float], ...] = tuple(
 """smooth="augment": (horizontal flip, intensity factor) of each copy, the unchanged image first
 (pytorch-grad-cam's aug_smooth: flips × intensities 0.9, 1, 1.1 of the model input)."""
 
+TargetLayers = Optional[Union[LayerSpec, Sequence[LayerSpec]]]
+"""A CAM's layer(s): a name, glob, module or module type, a list of them, or None (chosen on the first call)."""
+
+
+class CAMOptions(ExplainerOptions, total=False):
+    """The keyword options every CAM method takes (see ``CAM``), for ``**options: Unpack[CAMOptions]``."""
+
+    relu: bool
+    combine: str
+    normalize_layers: bool
+    smooth: Optional[str]
+    reshape: Reshape
+
 
 def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) -> tuple[list[Tensor], Tensor]:
     """∂(Σ_n scores[n]) / ∂A for each captured activation A, and (N,) bool: whether image n's score
@@ -39,6 +53,7 @@ def gradients_at(scores: Tensor, activations: list[Tensor], retain_graph: bool) 
     Images of a batch do not interact in eval mode, so the sum over the batch
     gives every image its own gradient in one backward pass.
     """
+    gradients: Sequence[Optional[Tensor]]
     if scores.requires_grad:
         gradients = torch.autograd.grad(scores.sum(), activations, retain_graph=retain_graph, allow_unused=True)
     else:
@@ -102,6 +117,7 @@ def augmented_attribution(attribute: Callable[[Tensor, Target, Optional[int]], A
             value = getattr(attribution, key)
             if value is not None:
                 flags[key] = value & flags[key] if key in flags else value
+    assert first is not None and total is not None, "AUGMENTATIONS holds at least the unchanged image"
     count = len(AUGMENTATIONS)
     first.maps = total / count
     first.low_res_maps = None if low_res is None else [maps / count for maps in low_res]
@@ -155,14 +171,14 @@ class CAM(Explainer):
     def __init__(
         self,
         model: nn.Module,
-        layer: Optional[LayerSpec | Sequence[LayerSpec]] = None,
+        layer: TargetLayers = None,
         *,
         relu: bool = True,
         combine: str = "mean",
         normalize_layers: bool = True,
         smooth: Optional[str] = None,
         reshape: Reshape = None,
-        **options,
+        **options: Unpack[ExplainerOptions],
     ):
         super().__init__(model, **options)
         if combine not in COMBINATIONS:
@@ -248,7 +264,9 @@ class CAM(Explainer):
 
     def feature_maps(self, layer_index: int, tensor: Tensor) -> Tensor:
         """A layer's output (or its gradient), in the layer's own layout, as (N, C, h, w)."""
-        return self.layouts[layer_index].apply(tensor)
+        layouts = self.layouts
+        assert layouts is not None, "feature_maps is called during a call, once the layers' layouts are known"
+        return layouts[layer_index].apply(tensor)
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         """Per layer, (N, K, h, w) maps before ReLU, from ``layer_map`` of each target's gradients.
@@ -259,7 +277,8 @@ class CAM(Explainer):
                     for i, activation in enumerate(activations)]
             return [layer_map.unsqueeze(1).expand(-1, targets_per_image, -1, -1) for layer_map in maps]
         per_layer: list[list[Tensor]] = [[] for _ in activations]
-        zero_gradient, disconnected = [], []
+        zero_gradient: list[Tensor] = []
+        disconnected: list[Tensor] = []
         for target_index in range(targets_per_image):
             gradients, unreachable = self.layer_gradients(
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
@@ -274,13 +293,16 @@ class CAM(Explainer):
         self.zero_gradient = torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
-    def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size) -> Attribution:
+    def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size: Sequence[int]
+                        ) -> Attribution:
         """Per layer (N, K, h, w) maps → Attribution with (N, K, H, W) maps, layers combined."""
         if len(low_res) == 1:
             return Attribution(maps=low_res[0], selected=selected, low_res_maps=low_res, layer=self.layer_names[0])
         scaled = [normalize_maps(maps, "max") if self.normalize_layers else maps for maps in low_res]
         resized = torch.stack([upsample_maps(maps, input_size) for maps in scaled])
-        combined = {"mean": torch.mean, "max": torch.amax, "sum": torch.sum, "product": torch.prod}[self.combine]
+        reductions: dict[str, Callable[[Tensor, int], Tensor]] = {
+            "mean": torch.mean, "max": torch.amax, "sum": torch.sum, "product": torch.prod}
+        combined = reductions[self.combine]
         return Attribution(maps=combined(resized, 0), selected=selected, low_res_maps=low_res, layer=self.layer_names)
 
 
@@ -309,6 +331,13 @@ def channel_weighted(channel_weights: Tensor, activations: Tensor) -> Tensor:
     return channel_weights[:, :, None, None] * activations
 
 
+def required(gradients: Optional[Tensor]) -> Tensor:
+    """G in the formula of a method that uses it: ``layer_maps`` passes None only to the methods
+    that set ``uses_gradients = False``."""
+    assert gradients is not None, "a formula that uses the gradients needs uses_gradients = True"
+    return gradients
+
+
 @register
 class GradCAM(CAM):
     """Grad-CAM (Selvaraju et al. 2017): ReLU(Σ_k α_k A_k), α_k the spatial mean of ∂y/∂A_k."""
@@ -317,6 +346,7 @@ class GradCAM(CAM):
     summary = "Grad-CAM: feature maps weighted by their spatially averaged gradients"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         return channel_weighted(gradients.mean(dim=(2, 3)), activations)
 
 
@@ -329,6 +359,7 @@ class GradCAMPlusPlus(CAM):
     summary = "Grad-CAM++: pixel-wise weighted positive gradients (better for several instances)"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         squared, cubed = gradients.pow(2), gradients.pow(3)
         denominator = 2 * squared + activations.sum(dim=(2, 3), keepdim=True) * cubed
         safe = torch.where(denominator != 0, denominator, torch.ones_like(denominator))
@@ -344,6 +375,7 @@ class XGradCAM(CAM):
     summary = "XGrad-CAM: gradients weighted by normalised activations (axiom-based)"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         channel_sums = activations.sum(dim=(2, 3))
         safe = torch.where(channel_sums != 0, channel_sums, torch.ones_like(channel_sums))
         weights = torch.where(channel_sums != 0, (activations * gradients).sum(dim=(2, 3)) / safe, 0.0)
@@ -358,6 +390,7 @@ class HiResCAM(CAM):
     summary = "HiResCAM: element-wise gradient × activation, faithful to the score for CNNs"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         return gradients * activations
 
 
@@ -370,6 +403,7 @@ class GradCAMElementWise(CAM):
     summary = "Grad-CAM element-wise: sum over channels of ReLU(gradient × activation)"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         return torch.relu(gradients * activations)
 
 
@@ -381,6 +415,7 @@ class LayerCAM(CAM):
     summary = "Layer-CAM: element-wise positive gradient × activation (good at shallow layers)"
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         return torch.relu(gradients) * activations
 
 
@@ -428,7 +463,7 @@ class RandomCAM(CAM):
     summary = "Random-CAM: feature maps weighted by random numbers, a baseline every method should beat"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer=None, *, seed: int = 0, **options):
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, seed: int = 0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         self.seed = seed
 
@@ -453,7 +488,7 @@ class FEM(CAM):
     summary = "FEM: binary maps of each channel's k-sigma outliers weighted by the channel mean (no gradient)"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer=None, *, k: float = 2.0, **options):
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, k: float = 2.0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         self.k = k
 
@@ -491,6 +526,7 @@ class EigenGradCAM(CAM):
     summary = "Eigen-Grad-CAM: first principal component of gradient × activation (class-specific)"
 
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        gradients = required(gradients)
         return principal_component(gradients * activations).to(activations.dtype)
 
 
@@ -513,8 +549,8 @@ class KernelPCACAM(CAM):
     summary = "KPCA-CAM: first kernel principal component of the feature maps (class-agnostic, no gradient)"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer=None, *, kernel: str = "sigmoid", gamma: Optional[float] = None,
-                 degree: int = 3, coef0: float = 1.0, **options):
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, kernel: str = "sigmoid",
+                 gamma: Optional[float] = None, degree: int = 3, coef0: float = 1.0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}.")

@@ -16,20 +16,21 @@ call, not to a module. No module is replaced.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, register
 from .expected_gradients import check_references, references_for
-from .gradients import GradientExplainer, all_zero, baseline_like
+from .gradients import GradientExplainer, GradientOptions, all_zero, baseline_like
 
-ELEMENTWISE = {
+ELEMENTWISE: dict[Callable[..., Any], Callable[..., Tensor]] = {
     F.relu: F.relu, torch.relu: F.relu, Tensor.relu: F.relu,
     torch.relu_: F.relu, Tensor.relu_: F.relu,
     F.elu: F.elu, F.leaky_relu: F.leaky_relu, F.softplus: F.softplus, F.gelu: F.gelu, F.silu: F.silu,
@@ -37,13 +38,14 @@ ELEMENTWISE = {
     torch.tanh: torch.tanh, Tensor.tanh: torch.tanh, F.tanh: torch.tanh,
 }
 """Elementwise nonlinearities whose backward becomes the rescale rule, and the function computed."""
-IN_PLACE = {torch.relu_, Tensor.relu_}
-MAX_POOLS = {F.max_pool1d, F.max_pool2d, F.max_pool3d}
+IN_PLACE: set[Callable[..., Any]] = {torch.relu_, Tensor.relu_}
+MAX_POOLS: set[Callable[..., Any]] = {F.max_pool1d, F.max_pool2d, F.max_pool3d}
 
 
 def _halves(tensor: Tensor) -> tuple[Tensor, Tensor]:
     """The rows of the images and of their baselines, of a (2N, ...) tensor."""
-    return tensor.chunk(2)
+    images, baselines = tensor.chunk(2)
+    return images, baselines
 
 
 class RescaledNonlinearity(torch.autograd.Function):
@@ -57,7 +59,8 @@ class RescaledNonlinearity(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None]:
+        (grad_output,) = grad_outputs  # one output, one gradient
         z, z_ref = _halves(ctx.inputs)
         y, y_ref = _halves(ctx.outputs)
         delta_in, delta_out = torch.cat([z - z_ref] * 2), torch.cat([y - y_ref] * 2)
@@ -79,14 +82,15 @@ class MaxPoolRule(torch.autograd.Function):
     eps = 1e-10
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, pool: Callable[..., Any], options: dict) -> Tensor:
+    def forward(ctx: Any, inputs: Tensor, pool: Callable[..., Any], options: dict[str, Any]) -> Tensor:
         outputs, indices = pool(inputs, return_indices=True, **options)
         ctx.pool, ctx.options = pool, options
         ctx.save_for_backward(inputs.detach().clone(), outputs.detach().clone(), indices)
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None]:
+        (grad_output,) = grad_outputs  # one output, one gradient
         inputs, outputs, indices = ctx.saved_tensors
         z, z_ref = _halves(inputs)
         y, y_ref = _halves(outputs)
@@ -105,7 +109,8 @@ class MaxPoolRule(torch.autograd.Function):
         return torch.where(small, ordinary, rescaled), None, None
 
 
-def _pool_options(function: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict]:
+def _pool_options(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> Optional[dict[str, Any]]:
     """The keyword arguments of a max_pool call (None for one that asks for indices itself)."""
     names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
     options = dict(zip(names, args[1:]))
@@ -121,13 +126,13 @@ class RescaleRule(Rule):
     """During the forward on [x; x']: nonlinearities and max pooling with DeepLIFT's backward;
     ``calls`` counts the calls rerouted."""
 
-    functions = frozenset(ELEMENTWISE) | frozenset(MAX_POOLS)
+    functions: ClassVar[frozenset[Callable[..., Any]]] = frozenset(ELEMENTWISE) | frozenset(MAX_POOLS)
 
     def __init__(self, eps: float):
         self.eps = eps
         self.calls = 0
 
-    def compute(self, func, args: tuple, kwargs: dict) -> Any:
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in ELEMENTWISE and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
             self.calls += 1
             inputs, compute, in_place = _elementwise_call(func, args, kwargs)
@@ -141,7 +146,7 @@ class RescaleRule(Rule):
         return func(*args, **kwargs)
 
 
-def _elementwise_call(func: Callable[..., Any], args: tuple, kwargs: dict
+def _elementwise_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> tuple[Tensor, Callable[[Tensor], Tensor], bool]:
     """(input, the out-of-place computation of the call on a tensor, whether the call was in place)."""
     function = ELEMENTWISE[func]
@@ -157,7 +162,7 @@ def _elementwise_call(func: Callable[..., Any], args: tuple, kwargs: dict
     return inputs, lambda tensor: function(tensor, **parameters), in_place
 
 
-class rescale_rule(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
+class rescale_rule(CallScope[RescaleRule]):  # noqa: N801 - used like a function, as torch.no_grad is
     """``with rescale_rule(eps) as rule:`` — this thread's forward passes run on [x; x'] with DeepLIFT's
     rescale rule at every nonlinearity and max pooling; removed when the block ends."""
 
@@ -185,7 +190,7 @@ class DeepLift(GradientExplainer):
     summary = "DeepLIFT: differences from a baseline propagated with the rescale rule (sums to the score change)"
 
     def __init__(self, model: nn.Module, *, baseline: Union[str, Tensor] = "zeros", eps: float = 1e-10,
-                 **options: Any):
+                 **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         baseline_like(baseline, None)  # validates
         self.baseline, self.eps = baseline, eps
@@ -243,8 +248,11 @@ class DeepLiftShap(DeepLift):
     name = "deepliftshap"
     summary = "DeepLIFT-SHAP: DeepLIFT averaged over a distribution of baselines"
 
+    not_options: ClassVar[tuple[str, ...]] = ("baseline",)
+    """DeepLift's single baseline is replaced by ``baselines``."""
+
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, eps: float = 1e-10,
-                 batch_size: int = 32, **options: Any):
+                 batch_size: int = 32, **options: Unpack[GradientOptions]):
         check_references(baselines)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")

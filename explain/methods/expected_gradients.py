@@ -4,14 +4,15 @@ with the baseline drawn from a distribution and the integral estimated by sampli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, register
-from .gradients import GradientExplainer, all_zero, input_gradients
+from .gradients import GradientExplainer, GradientOptions, all_zero, input_gradients
 
 
 def check_references(baselines: Optional[Tensor]) -> None:
@@ -67,7 +68,7 @@ class GradientShap(GradientExplainer):
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
                  noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True, batch_size: int = 32,
-                 **options: Any):
+                 **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         check_references(baselines)
         if samples < 1 or batch_size < 1 or noise_std < 0:
@@ -110,10 +111,10 @@ class GradientShap(GradientExplainer):
             alphas = samples.alphas[rows].to(batch.dtype).view(-1, 1, 1, 1)
             points = alphas * noisy + (1 - alphas) * references
 
-            def scores_of(output, images=images):
+            def scores_of(output: object, images: Tensor = images) -> Tensor:
                 return selected.scores_for(output, images)
 
-            def forward(inputs, images=images):
+            def forward(inputs: Tensor, images: Tensor = images) -> object:
                 return self.forward(inputs, images)
 
             gradients, _, unreachable = input_gradients(forward, points, scores_of)

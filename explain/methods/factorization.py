@@ -18,14 +18,23 @@ target and explains a batch, not an image, so it returns a ``Factorization``, no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..capture import LayerSpec, capture, check_hookable, find_layers, model_device, model_dtype, run_model
-from ..inputs import Inputs, as_preprocess, prepare_inputs
+from ..capture import (
+    LayerOutputError,
+    LayerSpec,
+    capture,
+    check_hookable,
+    find_layers,
+    model_device,
+    model_dtype,
+    run_model,
+)
+from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..layouts import Reshape, infer_layout
 from ..render import image_as_float, label_text
 from ..scope import CallScope
@@ -115,7 +124,7 @@ class Factorization:
     def labels(self, count: int = 2, least: float = 0.01) -> list[str]:
         """One legend line per concept: 'concept j: class p, class p' (up to ``count`` classes of
         probability ≥ ``least``)."""
-        lines = []
+        lines: list[str] = []
         for j, top in enumerate(self.top_classes(count)):
             shown = [f"{label_text(index, self.class_names)} {p:.2f}" for index, p in top if p >= least]
             lines.append(f"concept {j + 1}" + (": " + ", ".join(shown) if shown else ""))
@@ -179,11 +188,11 @@ class DeepFeatureFactorization:
         layer: LayerSpec,
         *,
         concepts: int = 4,
-        classifier: Union[str, nn.Module, Callable[[Tensor], Tensor], None] = "auto",
+        classifier: Union[Literal["auto"], nn.Module, Callable[[Tensor], Tensor], None] = "auto",
         iterations: int = 1000,
         tolerance: float = 1e-7,
         seed: int = 0,
-        preprocess: Optional[Callable] = None,
+        preprocess: PreprocessSpec = None,
         reshape: Reshape = None,
         class_names: Optional[Sequence[str]] = None,
     ):
@@ -201,11 +210,11 @@ class DeepFeatureFactorization:
         self.preprocess = as_preprocess(preprocess)
 
     def _classifier_for(self, channels: int) -> Optional[Callable[[Tensor], Tensor]]:
-        if self.classifier != "auto":
-            return self.classifier
-        heads = [module for module in self.model.modules()
-                 if isinstance(module, nn.Linear) and module.in_features == channels]
-        return heads[-1] if heads else None
+        if self.classifier == "auto":
+            heads = [module for module in self.model.modules()
+                     if isinstance(module, nn.Linear) and module.in_features == channels]
+            return heads[-1] if heads else None
+        return self.classifier
 
     def factorize(self, inputs: Inputs) -> Factorization:
         """Factorise the layer's activations over ``inputs`` (anything ``explain`` takes: paths, PIL
@@ -215,6 +224,9 @@ class DeepFeatureFactorization:
             with capture(self.model, self.module) as captured:
                 run_model(self.model, prepared.batch)
             output = captured[self.layer_name].output
+            if not isinstance(output, Tensor):
+                raise LayerOutputError(f"layer {self.layer_name!r} returned a {type(output).__name__}, not a tensor; "
+                                       "deep feature factorisation needs a layer whose output is a tensor.")
             layout = infer_layout(output, prepared.batch.shape[-2:], self.reshape, self.layer_name, self.module)
             activations = layout.apply(output).double()  # (N, C, h, w)
             if activations.min() < 0:

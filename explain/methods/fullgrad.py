@@ -14,18 +14,19 @@ recorded output, so ``ReLU(inplace=True)`` and ``F.relu`` both work.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import FrozenBatchNorm2d
+from typing_extensions import Unpack
 
-from ..capture import capture
+from ..capture import LayerRecord, capture
 from ..targets import Target, select_targets
 from ..units import UnitTarget
-from .base import Attribution, Explainer, register
+from .base import Attribution, Explainer, ExplainerOptions, register
 from .cam import augmented_attribution
 
 
@@ -42,10 +43,12 @@ def effective_bias(module: nn.Module) -> Optional[Tensor]:
         isinstance(module, nn.BatchNorm2d) and type(module).forward is nn.BatchNorm2d.forward
         and module.running_mean is not None
     ):
-        scale = torch.rsqrt(module.running_var + module.eps)
+        mean, variance = module.running_mean, module.running_var
+        assert mean is not None and variance is not None, "a BatchNorm that tracks running statistics (checked above)"
+        scale = torch.rsqrt(variance + module.eps)
         if module.weight is not None:
             scale = scale * module.weight
-        shift = -module.running_mean * scale
+        shift = -mean * scale
         return (shift if module.bias is None else shift + module.bias).detach()
     return None
 
@@ -77,7 +80,7 @@ class FullGrad(Explainer):
     name = "fullgrad"
     summary = "FullGrad: |input × gradient| plus every conv/BatchNorm bias × its output gradient"
 
-    def __init__(self, model: nn.Module, *, smooth: Optional[str] = None, **options):
+    def __init__(self, model: nn.Module, *, smooth: Optional[str] = None, **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if smooth not in (None, "augment"):
             raise ValueError(f"FullGrad's smooth must be None or 'augment'; got {smooth!r}.")
@@ -88,10 +91,11 @@ class FullGrad(Explainer):
         layers = [(module, effective_bias(module)) for module in self.model.modules()]
         return [(module, bias) for module, bias in layers if bias is not None]
 
-    def recorded_outputs(self, layers: list[tuple[nn.Module, Tensor]], captured) -> list[tuple[Tensor, Tensor, bool]]:
+    def recorded_outputs(self, layers: list[tuple[nn.Module, Tensor]], captured: Mapping[str, LayerRecord]
+                         ) -> list[tuple[Tensor, Tensor, bool]]:
         """(output z, bias b, whether b is per channel of a (N, C, h, w) map) for each call of each layer."""
         name_of = {id(module): name for name, module in self.model.named_modules()}
-        recorded = []
+        recorded: list[tuple[Tensor, Tensor, bool]] = []
         for module, bias in layers:
             for call in captured[name_of[id(module)]].calls:  # a module that runs twice contributes twice
                 if isinstance(call.output, Tensor) and call.output.requires_grad:
@@ -108,17 +112,21 @@ class FullGrad(Explainer):
 
     def _attribute_once(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         layers = self.bias_layers()
-        recording = capture(self.model, [module for module, _ in layers], detach=False) if layers else nullcontext({})
+        recording: AbstractContextManager[Mapping[str, LayerRecord]] = (
+            capture(self.model, [module for module, _ in layers], detach=False) if layers else nullcontext({}))
         with torch.enable_grad(), recording as captured:
             inputs = batch.detach().requires_grad_(True)
             selected = select_targets(self.call_model(inputs), target, topk, batch_size=batch.shape[0])
             recorded = self.recorded_outputs(layers, captured)
             outputs = [output for output, _, _ in recorded]
-            maps, completeness, zero, disconnected = [], [], [], []
+            maps: list[Tensor] = []
+            completeness: list[Tensor] = []
+            zero: list[Tensor] = []
+            disconnected: list[Tensor] = []
             targets_per_image = selected.scores.shape[1]
             for index in range(targets_per_image):
                 score = selected.scores[:, index]
-                gradients: tuple = (None,) * (1 + len(outputs))
+                gradients: Sequence[Optional[Tensor]] = (None,) * (1 + len(outputs))
                 if score.requires_grad:
                     gradients = torch.autograd.grad(score.sum(), [inputs, *outputs], allow_unused=True,
                                                     retain_graph=index < targets_per_image - 1)
@@ -141,10 +149,13 @@ class FullGrad(Explainer):
         )
 
 
-def bias_saliency(recorded: list[tuple[Tensor, Tensor, bool]], gradients: tuple, size) -> tuple[Tensor, Tensor]:
+def bias_saliency(recorded: list[tuple[Tensor, Tensor, bool]], gradients: Sequence[Optional[Tensor]],
+                  size: Sequence[int]) -> tuple[Union[Tensor, int], Union[Tensor, int]]:
     """Σ over spatial layers and their channels of ψ(|b_c ∂y/∂z_c|) upsampled, (N, H, W); and Σ b · ∂y/∂z
-    over every layer, (N,) (for the completeness check). recorded: (z, b, b per channel) per layer call."""
-    saliency, total = 0, 0
+    over every layer, (N,) (for the completeness check); 0 for no layer. recorded: (z, b, b per channel)
+    per layer call."""
+    saliency: Union[Tensor, int] = 0
+    total: Union[Tensor, int] = 0
     for (_, bias, spatial), gradient in zip(recorded, gradients):
         if gradient is None:
             continue

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
+from ..explanation import Diagnostic
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, PerThread, register
+from .base import Attribution, Explainer, ExplainerOptions, PerThread, register
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
 RULES = ("midpoint", "left", "right", "trapezoid", "gausslegendre")
@@ -49,10 +51,11 @@ def input_gradients(
     with torch.enable_grad():
         inputs = inputs.detach().requires_grad_(True)
         scores = scores_of(forward(inputs))
-        gradients, disconnected = [], []
+        gradients: list[Tensor] = []
+        disconnected: list[Tensor] = []
         for target_index in range(scores.shape[1]):
             score = scores[:, target_index].sum()
-            gradient = None
+            gradient: Optional[Tensor] = None
             if score.requires_grad:
                 (gradient,) = torch.autograd.grad(
                     score, inputs, retain_graph=target_index < scores.shape[1] - 1, allow_unused=True
@@ -67,6 +70,13 @@ def all_zero(attributions: Tensor) -> Tensor:
     return attributions.flatten(2).eq(0).all(dim=2)
 
 
+class GradientOptions(ExplainerOptions, total=False):
+    """The keyword options every method that attributes to input pixels takes (see ``GradientExplainer``),
+    for ``**options: Unpack[GradientOptions]``."""
+
+    reduce: str
+
+
 class GradientExplainer(Explainer):
     """Base of the methods that attribute to input pixels.
 
@@ -77,7 +87,7 @@ class GradientExplainer(Explainer):
     disconnected: PerThread[Tensor] = PerThread()
     """During a call: (N, K) bool, where the score does not depend on the input at all."""
 
-    def __init__(self, model: nn.Module, *, reduce: str = "maxabs", **options):
+    def __init__(self, model: nn.Module, *, reduce: str = "maxabs", **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}; got {reduce!r}.")
@@ -93,7 +103,7 @@ class GradientExplainer(Explainer):
         depend on the input is kept for the warning about empty maps (``self.disconnected``)."""
         selection: dict[str, SelectedTargets] = {}
 
-        def scores_of(output):
+        def scores_of(output: object) -> Tensor:
             selection["targets"] = select_targets(output, target, topk, batch_size=batch.shape[0])
             return selection["targets"].scores
 
@@ -103,7 +113,7 @@ class GradientExplainer(Explainer):
         return gradients, selected
 
     def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Tensor,
-                         **diagnostics: Tensor) -> Attribution:
+                         **diagnostics: Diagnostic) -> Attribution:
         """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
         zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere."""
         disconnected, self.disconnected = self.disconnected, None
@@ -235,7 +245,7 @@ class IntegratedGradients(GradientExplainer):
         max_steps: int = 1024,
         multiply_by_inputs: bool = True,
         batch_size: int = 32,
-        **options,
+        **options: Unpack[GradientOptions],
     ):
         super().__init__(model, **options)
         integration_nodes(steps, rule)  # validates
@@ -282,9 +292,9 @@ class IntegratedGradients(GradientExplainer):
         """∫₀¹ ∂y/∂x(x' + α(x − x')) dα by the rule with ``steps`` points: ((N, K, C, H, W) float64,
         (N, K) bool where the score does not depend on the input at any point)."""
         count = batch.shape[0]
-        alphas, weights = integration_nodes(steps, self.rule)
-        alphas = torch.as_tensor(alphas, dtype=batch.dtype, device=batch.device)
-        weights = torch.as_tensor(weights, dtype=torch.float64, device=batch.device)
+        nodes, node_weights = integration_nodes(steps, self.rule)
+        alphas = torch.as_tensor(nodes, dtype=batch.dtype, device=batch.device)
+        weights = torch.as_tensor(node_weights, dtype=torch.float64, device=batch.device)
         image_of_row = torch.arange(count, device=batch.device).repeat_interleave(steps)
         step_of_row = torch.arange(steps, device=batch.device).repeat(count)
         integral = torch.zeros(count, selected.scores.shape[1], *batch.shape[1:], dtype=torch.float64,
@@ -296,10 +306,10 @@ class IntegratedGradients(GradientExplainer):
             rows = step_of_row[start : start + self.batch_size]
             points = baseline[images] + alphas[rows].view(-1, 1, 1, 1) * difference[images]
 
-            def scores_of(output, images=images):
+            def scores_of(output: object, images: Tensor = images) -> Tensor:
                 return selected.scores_for(output, images)
 
-            def forward(inputs, images=images):
+            def forward(inputs: Tensor, images: Tensor = images) -> object:
                 return self.forward(inputs, images)
 
             gradients, _, unreachable = input_gradients(forward, points, scores_of)

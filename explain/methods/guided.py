@@ -12,11 +12,12 @@ that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not ca
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..capture import LayerSpec
 from ..rules import CallRules, Rule
@@ -24,7 +25,7 @@ from ..scope import CallScope
 from ..targets import Target
 from .base import Attribution, PerThread, register, upsample_maps
 from .cam import CAM, GradCAM
-from .gradients import GradientExplainer, all_zero, reduce_channels
+from .gradients import GradientExplainer, GradientOptions, all_zero, reduce_channels
 
 RULES = ("guided", "deconvnet")
 
@@ -34,13 +35,14 @@ class RectifierWithRule(torch.autograd.Function):
     "deconvnet" passes grad⁺ everywhere (the forward input's sign is ignored)."""
 
     @staticmethod
-    def forward(ctx, inputs: Tensor, rule: str) -> Tensor:
+    def forward(ctx: Any, inputs: Tensor, rule: str) -> Tensor:
         ctx.rule = rule
         ctx.save_for_backward(inputs > 0)  # a private mask: later in-place ops cannot touch it
         return inputs.clamp(min=0)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor, None]:
+        (grad_output,) = grad_outputs  # one output, one gradient
         (positive_input,) = ctx.saved_tensors
         positive_grad = grad_output.clamp(min=0)
         if ctx.rule == "guided":
@@ -52,8 +54,9 @@ class RectifierRule(Rule):
     """Every ReLU (``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place forms, which
     ``nn.ReLU`` modules call) back-propagates by ``rule``; ``calls`` counts the ReLUs rerouted."""
 
-    functions = frozenset({F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_})
-    IN_PLACE = frozenset({torch.relu_, Tensor.relu_})
+    functions: ClassVar[frozenset[Callable[..., Any]]] = frozenset(
+        {F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_})
+    IN_PLACE: ClassVar[frozenset[Callable[..., Any]]] = frozenset({torch.relu_, Tensor.relu_})
 
     def __init__(self, rule: str):
         if rule not in RULES:
@@ -61,7 +64,7 @@ class RectifierRule(Rule):
         self.rule = rule
         self.calls = 0
 
-    def compute(self, func, args: tuple, kwargs: dict) -> Tensor:
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         inputs = args[0]
         in_place = func in self.IN_PLACE or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
         self.calls += 1
@@ -69,7 +72,7 @@ class RectifierRule(Rule):
         return inputs.copy_(rectified) if in_place else rectified
 
 
-class relu_backward_rule(CallScope):  # noqa: N801 - used like a function, as torch.no_grad is
+class relu_backward_rule(CallScope[RectifierRule]):  # noqa: N801 - used like a function, as torch.no_grad is
     """``with relu_backward_rule("guided") as rule:`` — within the block, every ReLU of this thread's
     forward passes back-propagates by the rule ("guided" or "deconvnet"). ``rule.calls`` counts
     the ReLUs it rerouted. The rule is removed when the block ends, also on an interrupt."""
@@ -93,7 +96,7 @@ class _RectifiedGradient(GradientExplainer):
         runs another explainer sees the model's plain ReLUs."""
         with relu_backward_rule(self.rule) as rule:
             output = super().forward(inputs, rows)
-        self._relu_calls += rule.calls
+        self._relu_calls = (self._relu_calls or 0) + rule.calls
         return output
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
@@ -148,8 +151,8 @@ class GuidedGradCAM(GradientExplainer):
         model: nn.Module,
         layer: Union[LayerSpec, Sequence[LayerSpec], None] = None,
         *,
-        cam: Union[type, CAM] = GradCAM,
-        **options,
+        cam: Union[type[CAM], CAM] = GradCAM,
+        **options: Unpack[GradientOptions],
     ):
         super().__init__(model, **options)
         if isinstance(cam, CAM):
@@ -173,6 +176,7 @@ class GuidedGradCAM(GradientExplainer):
             self.cam.forward_call = self.guided.forward_call = None
         # products in float32: a float16 model's guided gradients times a map in [0, 1] would underflow
         cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).float()  # (N, K, H, W)
+        assert guided.attributions is not None, "guided backprop returns its attributions at the input"
         attributions = guided.attributions.float() * cam_maps[:, :, None]
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),

@@ -13,15 +13,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+from typing_extensions import Unpack
 
 from ..capture import ModelInputError
 from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
-from .cam import CAM, weighted_sum
+from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
 
 PROGRESS_THRESHOLD = 8
 """With ``progress=None`` a bar is shown when a call needs more forward passes than this."""
+
+
+class PerturbationOptions(CAMOptions, total=False):
+    """The keyword options of the perturbation CAMs (see ``PerturbationCAM``)."""
+
+    batch_size: int
+    progress: Optional[bool]
 
 
 class PerturbationCAM(CAM):
@@ -35,7 +43,13 @@ class PerturbationCAM(CAM):
     uses_gradients = False
 
     def __init__(
-        self, model: nn.Module, layer=None, *, batch_size: int = 32, progress: Optional[bool] = None, **options
+        self,
+        model: nn.Module,
+        layer: TargetLayers = None,
+        *,
+        batch_size: int = 32,
+        progress: Optional[bool] = None,
+        **options: Unpack[CAMOptions],
     ):
         super().__init__(model, layer, **options)
         if batch_size < 1:
@@ -86,7 +100,9 @@ class ScoreCAM(PerturbationCAM):
         # min-max normalisation commutes with the (linear) upsampling, so equal normalised
         # low-resolution maps give equal masks: score each distinct one once
         normalized = torch.where(span > 0, (low_res - low) / torch.where(span > 0, span, 1.0), 0.0)
-        image_index, mask_index, inverse = [], [], []
+        image_index: list[int] = []
+        mask_index: list[int] = []
+        inverse: list[Tensor] = []
         for image in range(count):
             distinct, where = torch.unique(normalized[image], dim=0, return_inverse=True)
             first = torch.full((len(distinct),), channels, dtype=torch.long, device=where.device)
@@ -96,7 +112,7 @@ class ScoreCAM(PerturbationCAM):
             mask_index.extend(first.tolist())
         image_index_tensor = torch.tensor(image_index, device=batch.device)
         mask_index_tensor = torch.tensor(mask_index, device=batch.device)
-        scores = []
+        scores: list[Tensor] = []
         for rows in self._chunks(len(image_index), "Score-CAM"):
             images, masks = image_index_tensor[rows], mask_index_tensor[rows]
             upsampled = F.interpolate(activation[images, masks][:, None].float(), size=batch.shape[-2:],
@@ -130,33 +146,37 @@ class AblationCAM(PerturbationCAM):
     REPLAY_BUDGET = 2**26
     """Elements of ablated copies of the layer's output per forward pass (256 MB in float32)."""
 
-    def __init__(self, model: nn.Module, layer=None, *, replay_batch_size: Optional[int] = None, **options):
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, replay_batch_size: Optional[int] = None,
+                 **options: Unpack[PerturbationOptions]):
         """replay_batch_size: ablated copies of the layer's output per forward pass; default: as
         many as fit in REPLAY_BUDGET elements. ``batch_size`` applies to the fallback's input copies."""
         super().__init__(model, layer, **options)
         self.replay_batch_size = replay_batch_size
 
     def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
-        module = self.layers[layer_index][1]
+        layers, layouts = self.layers, self.layouts
+        assert layers is not None and layouts is not None, "during a call, the layers and their layouts are known"
+        module = layers[layer_index][1]
         count, channels = activation.shape[:2]
         reference = selected.scores.detach().float()  # (N, K)
         try:
             ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference,
-                                                          self.layouts[layer_index].channel_dim)
+                                                          layouts[layer_index].channel_dim)
         except _ReplayNotPossible as reason:
             warnings.warn(
                 f"Ablation-CAM cannot replay only the part of the model after layer "
-                f"{self.layers[layer_index][0]!r} ({reason}); running full forward passes instead (slower).",
+                f"{layers[layer_index][0]!r} ({reason}); running full forward passes instead (slower).",
                 RuntimeWarning,
                 stacklevel=6,
             )
             ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected,
-                                                         self.layouts[layer_index].channel_dim)
+                                                         layouts[layer_index].channel_dim)
         safe_reference = torch.where(reference.abs() > 1e-12, reference, torch.full_like(reference, 1e-12))
         weights = (reference[:, :, None] - ablated) / safe_reference[:, :, None]  # (N, K, C)
         return weights.to(activation.dtype)
 
-    def _ablated_scores_replaying_tail(self, batch, module, activation, selected, reference, channel_dim) -> Tensor:
+    def _ablated_scores_replaying_tail(self, batch: Tensor, module: nn.Module, activation: Tensor,
+                                       selected: SelectedTargets, reference: Tensor, channel_dim: int) -> Tensor:
         """(N, K, C) ablated scores; each pass expands the layer's output into ablated copies."""
         count, channels = activation.shape[:2]
         # row r of a pass: image r // per_image, channel (start + r % per_image); channel -1: no ablation
@@ -170,7 +190,7 @@ class AblationCAM(PerturbationCAM):
                 channel_ids = torch.cat([torch.tensor([-1], device=batch.device), channel_ids])
             copies = len(channel_ids)
 
-            def expand(output: Tensor, channel_ids=channel_ids, copies=copies) -> Tensor:
+            def expand(output: Tensor, channel_ids: Tensor = channel_ids, copies: int = copies) -> Tensor:
                 expanded = output.repeat_interleave(copies, dim=0)  # (N * copies, ...) in the layer's layout
                 ids = channel_ids.repeat(count)
                 ablate = ids >= 0
@@ -194,14 +214,15 @@ class AblationCAM(PerturbationCAM):
             ablated[:, :, chunk] = scores.transpose(1, 2)
         return ablated
 
-    def _ablated_scores_full_forwards(self, batch, module, count, channels, selected, channel_dim) -> Tensor:
+    def _ablated_scores_full_forwards(self, batch: Tensor, module: nn.Module, count: int, channels: int,
+                                      selected: SelectedTargets, channel_dim: int) -> Tensor:
         """(N, K, C) ablated scores from full forward passes of input copies, one channel zeroed in each."""
         pairs = torch.cartesian_prod(torch.arange(count), torch.arange(channels)).to(batch.device)  # (N*C, 2)
-        scores = []
+        scores: list[Tensor] = []
         for rows in self._chunks(len(pairs), "Ablation-CAM"):
             images, ablated_channels = pairs[rows, 0], pairs[rows, 1]
 
-            def zero_channel(output: Tensor, ablated_channels=ablated_channels) -> Tensor:
+            def zero_channel(output: Tensor, ablated_channels: Tensor = ablated_channels) -> Tensor:
                 output = output.clone()
                 output.movedim(channel_dim, 1)[torch.arange(len(ablated_channels), device=output.device),
                                                ablated_channels] = 0

@@ -7,10 +7,11 @@ from typing import ClassVar, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, register
-from .gradients import Saliency, reduce_channels
+from .base import Attribution, Explainer, ExplainerOptions, register
+from .gradients import GradientExplainer, GradientOptions, Saliency, reduce_channels
 
 STATISTICS = ("mean", "mean_square", "variance")
 AVERAGES = ("attributions", "maps")
@@ -25,10 +26,10 @@ class SmoothGrad(Explainer):
     noise: standard deviation of the Gaussian noise as a fraction of each image's value
         range (max − min of the model input); noise_std: an absolute standard deviation in
         model-input units instead (Captum's ``stdevs``); samples: copies per image.
-    average: "attributions" (default for gradient methods, as in the papers): the per-channel
-        attributions (N, K, C, H, W) are averaged, then reduced to a map by the wrapped
-        method's ``reduce`` (max |·| over colour channels by default); "maps": each copy's
-        map is computed first and the maps are averaged (the only choice for CAM methods).
+    average: "attributions" (default for methods that attribute to input pixels, as in the papers):
+        the per-channel attributions (N, K, C, H, W) are averaged, then reduced to a map by the
+        wrapped method's ``reduce`` (max |·| over colour channels by default); "maps": each copy's
+        map is computed first and the maps are averaged (the default for CAMs and layer methods).
     seed: the noise is drawn from a generator seeded with it: same seed, same map.
     batch_size: noisy copies per pass of the wrapped method.
     The targets are chosen on the clean image and kept for every noisy copy.
@@ -49,7 +50,7 @@ class SmoothGrad(Explainer):
         average: Optional[str] = None,
         seed: int = 0,
         batch_size: int = 32,
-        **options,
+        **options: Unpack[GradientOptions],
     ):
         if isinstance(explainer, nn.Module):
             explainer = Saliency(explainer, **options)
@@ -60,7 +61,8 @@ class SmoothGrad(Explainer):
         options.setdefault("class_names", explainer.class_names)
         options.setdefault("output", explainer.output)
         options.pop("reduce", None)
-        super().__init__(explainer.model, **options)
+        shared: ExplainerOptions = options  # without "reduce", the wrapped method's own option
+        super().__init__(explainer.model, **shared)
         if samples < 1 or noise < 0 or batch_size < 1 or (noise_std is not None and noise_std < 0):
             raise ValueError("samples and batch_size must be at least 1 and noise / noise_std non-negative.")
         if average not in (None, *AVERAGES):
@@ -94,7 +96,12 @@ class SmoothGrad(Explainer):
             noise = torch.cat([torch.randn(batch.shape, generator=generator) for _ in group]).to(batch.device)
             noisy = batch.repeat(len(group), 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(len(group), 1, 1, 1)
             image_of_row = torch.arange(count, device=batch.device).repeat(len(group))
-            fixed = clean.target_function or clean.class_indices[image_of_row]
+            fixed: Target
+            if clean.target_function:
+                fixed = clean.target_function
+            else:
+                assert clean.class_indices is not None, "class targets carry their class indices"
+                fixed = clean.class_indices[image_of_row]
             call = self.forward_call
             self.explainer.forward_call = None if call is None else call.for_rows(image_of_row)
             try:
@@ -115,13 +122,16 @@ class SmoothGrad(Explainer):
                 sums[key + "²"] = sums.get(key + "²", 0) + grouped.pow(2).sum(0)
         statistics = {key: self._statistic(sums[key], sums[key + "²"]).float() for key in ("maps", "attributions")
                       if key in sums}
-        average = self.average or ("attributions" if "attributions" in statistics else "maps")
+        # the papers average input gradients, then reduce them; a layer's or a CAM's maps are averaged as maps
+        by_attributions = isinstance(self.explainer, GradientExplainer) and "attributions" in statistics
+        average = self.average or ("attributions" if by_attributions else "maps")
         if average == "attributions":
             if "attributions" not in statistics:
                 raise ValueError(f"{self.explainer.method_name} gives no per-channel attributions; use average='maps'.")
             maps = reduce_channels(statistics["attributions"], getattr(self.explainer, "reduce", "maxabs"))
         else:
             maps = statistics["maps"]
+        assert inner is not None, "samples ≥ 1: the wrapped method ran at least once"
         return Attribution(
             maps=maps,
             selected=clean,

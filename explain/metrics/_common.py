@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -10,13 +10,14 @@ from torch import Tensor, nn
 
 from ..capture import model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
-from ..inputs import Inputs, as_preprocess, prepare_inputs
+from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..targets import Target, select_targets
 
 MapsLike = Union[Explanation, Tensor]
+"""Maps to evaluate: an Explanation (one target per image) or a (N, H, W) / (H, W) tensor."""
 
 
-def as_maps(maps: MapsLike, size: Optional[tuple[int, int]] = None) -> Tensor:
+def as_maps(maps: MapsLike, size: Optional[Sequence[int]] = None) -> Tensor:
     """An Explanation (one target per image) or a (N, H, W) / (H, W) tensor → (N, H, W) float,
     resized bilinearly to ``size`` when given."""
     if isinstance(maps, Explanation):
@@ -35,7 +36,7 @@ def as_maps(maps: MapsLike, size: Optional[tuple[int, int]] = None) -> Tensor:
     return maps
 
 
-def boxes_to_masks(boxes: Tensor, size: tuple[int, int]) -> Tensor:
+def boxes_to_masks(boxes: Tensor, size: Sequence[int]) -> Tensor:
     """(N, 4) boxes (x0, y0, x1, y1), inclusive pixel coordinates → (N, H, W) bool masks."""
     boxes = torch.as_tensor(boxes).long()
     rows = torch.arange(size[0], device=boxes.device).view(1, -1, 1)
@@ -44,7 +45,7 @@ def boxes_to_masks(boxes: Tensor, size: tuple[int, int]) -> Tensor:
     return (columns >= x0) & (columns <= x1) & (rows >= y0) & (rows <= y1)
 
 
-def as_masks(masks_or_boxes: Tensor, size: tuple[int, int]) -> Tensor:
+def as_masks(masks_or_boxes: Tensor, size: Sequence[int]) -> Tensor:
     """(N, H, W) masks (any dtype, non-zero = inside) or (N, 4) boxes → (N, H, W) bool masks."""
     region = torch.as_tensor(masks_or_boxes)
     if region.dim() == 2 and region.shape[1] == 4 and tuple(region.shape) != tuple(size):
@@ -57,7 +58,7 @@ def as_masks(masks_or_boxes: Tensor, size: tuple[int, int]) -> Tensor:
     return region != 0
 
 
-def model_inputs(model: nn.Module, inputs: Inputs, preprocess: Optional[Callable]) -> Tensor:
+def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -> Tensor:
     """Anything ``explain()`` accepts → the (N, C, H, W) model batch on the model's device."""
     return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model)).batch
 
@@ -79,7 +80,7 @@ def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, b
     """(R,) score of ``classes[r]`` on row r of ``batch``: softmax "probability" or "logit"."""
     if score not in ("probability", "logit"):
         raise ValueError(f"score must be 'probability' or 'logit'; got {score!r}.")
-    results = []
+    results: list[Tensor] = []
     with torch.no_grad(), preserved_model_state(model):
         for start in range(0, batch.shape[0], batch_size):
             output = model(batch[start : start + batch_size]).float()

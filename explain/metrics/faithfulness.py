@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 
-from ..inputs import Inputs
+from ..inputs import Inputs, PreprocessSpec
 from ..targets import Target
 from ._common import MapsLike, as_maps, class_scores, fixed_classes, model_inputs, ranking
 
 Substrate = Union[str, Callable[[Tensor], Tensor]]
+"""What removed pixels become: "zeros", "blur", "noise" or a callable batch → tensor (see ``substrate_for``)."""
 
 
 @dataclass
@@ -57,7 +58,8 @@ def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     raise ValueError(f"substrate must be 'zeros', 'blur', 'noise' or a callable; got {substrate!r}.")
 
 
-def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess):
+def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess: PreprocessSpec
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """(model batch (N, C, H, W), maps resized to it (N, H, W), classes to score (N,))."""
     batch = model_inputs(model, inputs, preprocess)
     heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
@@ -70,7 +72,8 @@ def _area(fractions: Tensor, curves: Tensor) -> Tensor:
 
 
 def _perturbation_curve(
-    model, batch, heat, classes, steps, start_from_substrate, substrate, score, batch_size
+    model: nn.Module, batch: Tensor, heat: Tensor, classes: Tensor, steps: int, start_from_substrate: bool,
+    substrate: Substrate, score: str, batch_size: int,
 ) -> Curve:
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}.")
@@ -79,7 +82,7 @@ def _perturbation_curve(
     fill = substrate_for(batch, substrate)
     ranks = ranking(heat).to(batch.device)  # (N, H, W), 0 = most relevant
     counts = torch.round(torch.arange(steps + 1, device=batch.device) * pixels / steps)
-    curves = []
+    curves: list[Tensor] = []
     for image in range(count):  # one image's steps at a time bounds memory
         changed = (ranks[image][None] < counts.view(-1, 1, 1))[:, None]  # (S, 1, H, W): most relevant first
         if start_from_substrate:  # insertion: the relevant pixels are put back into the substrate
@@ -88,8 +91,8 @@ def _perturbation_curve(
             images = torch.where(changed, fill[image][None], batch[image][None])
         curves.append(class_scores(model, images, classes[image].repeat(steps + 1), score, batch_size).cpu())
     fractions = (counts / pixels).cpu()
-    curves = torch.stack(curves)
-    return Curve(fractions=fractions, curves=curves, area=_area(fractions, curves))
+    curves_tensor = torch.stack(curves)
+    return Curve(fractions=fractions, curves=curves_tensor, area=_area(fractions, curves_tensor))
 
 
 def deletion(
@@ -102,7 +105,7 @@ def deletion(
     substrate: Substrate = "zeros",
     score: str = "probability",
     batch_size: int = 64,
-    preprocess: Optional[Callable] = None,
+    preprocess: PreprocessSpec = None,
 ) -> Curve:
     """Deletion (Petsiuk et al. 2018): the score as the most relevant pixels are replaced by the
     substrate, in ``steps`` equal steps. Area in [0, 1] for probabilities; lower is better."""
@@ -120,7 +123,7 @@ def insertion(
     substrate: Substrate = "blur",
     score: str = "probability",
     batch_size: int = 64,
-    preprocess: Optional[Callable] = None,
+    preprocess: PreprocessSpec = None,
 ) -> Curve:
     """Insertion (Petsiuk et al. 2018): the score as the most relevant pixels are put back into
     the substrate (a blurred image by default). Area in [0, 1] for probabilities; higher is better."""
@@ -201,7 +204,7 @@ def road(
     noise: float = 0.01,
     score: str = "probability",
     batch_size: int = 64,
-    preprocess: Optional[Callable] = None,
+    preprocess: PreprocessSpec = None,
 ) -> Curve:
     """ROAD, RemOve And Debias (Rong et al. 2022): the score after removing a share of the pixels,
     "morf" most relevant first (lower area is better) or "lerf" least relevant first (higher is
@@ -212,7 +215,7 @@ def road(
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
     pixels = heat.shape[-1] * heat.shape[-2]
-    curves = []
+    curves: list[Tensor] = []
     for share in percentages:
         imputed = noisy_linear_imputation(batch, ranks < round(share * pixels), noise=noise)
         curves.append(class_scores(model, imputed, classes, score, batch_size).cpu())
@@ -240,7 +243,7 @@ def confidence_change(
     target: Target = None,
     *,
     batch_size: int = 64,
-    preprocess: Optional[Callable] = None,
+    preprocess: PreprocessSpec = None,
 ) -> ConfidenceChange:
     """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
     what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""

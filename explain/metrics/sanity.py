@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -94,14 +94,24 @@ def _execution_order(model: nn.Module, names: Sequence[str], batch: Tensor) -> l
     return list(dict.fromkeys(order))
 
 
+@runtime_checkable
+class _ResetsParameters(Protocol):
+    def reset_parameters(self) -> None: ...
+
+
+@runtime_checkable
+class _ResetsRunningStats(Protocol):
+    def reset_running_stats(self) -> None: ...
+
+
 def reinitialize(module: nn.Module, generator_seed: int) -> None:
     """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(generator_seed)
         for submodule in module.modules():
-            if hasattr(submodule, "reset_parameters"):
+            if isinstance(submodule, _ResetsParameters):  # hasattr(submodule, "reset_parameters")
                 submodule.reset_parameters()
-            elif hasattr(submodule, "reset_running_stats"):
+            elif isinstance(submodule, _ResetsRunningStats):
                 submodule.reset_running_stats()
 
 
@@ -118,7 +128,7 @@ def cascading_randomization(
     *,
     stages: Optional[Sequence[str]] = None,
     seed: int = 0,
-    explain_options: Optional[dict] = None,
+    explain_options: Optional[Mapping[str, Any]] = None,
 ) -> list[RandomizationStage]:
     """Cascading randomisation, top layer first, on a deep copy of the explainer and its model.
 
@@ -138,7 +148,7 @@ def cascading_randomization(
     randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
     modules = dict(randomized.model.named_modules())
     reference = _magnitude(trained.map_grid[:, 0])
-    results = []
+    results: list[RandomizationStage] = []
     for index, name in enumerate(reversed(order)):
         reinitialize(modules[name], seed + index)
         maps = randomized.explain(batch, classes, **options).map_grid[:, 0]

@@ -15,6 +15,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from . import render
+from .inputs import DisplayImages
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +36,7 @@ class Explanation:
     raw_map_grid: (N, K, H, W), the same maps before normalisation.
     scores: (N, K) the model's output for each explained target (e.g. the class logit).
     class_indices: (N, K) long class indices, or None for callable targets.
-    images: (N, H, W, 3) float RGB display images in [0, 1] (CPU).
+    display: the display images, made when first used (``images``).
     method: the method's name; layer: the layer(s) explained, or None.
     keep_target_dim: whether ``maps`` keeps the K dimension.
     low_res_maps: per layer, (N, K, h, w) maps at the layer's resolution before
@@ -51,7 +52,7 @@ class Explanation:
     raw_map_grid: Tensor
     scores: Tensor
     class_indices: Optional[Tensor]
-    images: Tensor
+    display: DisplayImages
     method: str
     layer: Union[str, list[str], None] = None
     keep_target_dim: bool = False
@@ -60,6 +61,11 @@ class Explanation:
     attributions: Optional[Tensor] = None
     diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     class_names: Optional[Sequence[str]] = field(default=None, repr=False)
+
+    @property
+    def images(self) -> Tensor:
+        """(N, H, W, 3) float RGB display images in [0, 1], on the CPU: what the model saw."""
+        return self.display.get()
 
     @property
     def maps(self) -> Tensor:

@@ -274,12 +274,38 @@ def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = N
     return images.clamp(0.0, 1.0).permute(0, 2, 3, 1).contiguous()
 
 
+class DisplayImages:
+    """(N, H, W, 3) float RGB display images in [0, 1] on the CPU, given, or made from model input on first
+    use: for a model-ready batch on a GPU, the copy to the CPU and the conversion cost more than
+    Grad-CAM itself, and a call whose maps are never drawn needs no images."""
+
+    def __init__(self, images: Optional[Tensor] = None, *, model_input: Optional[Tensor] = None,
+                 preprocess: Optional[Preprocess] = None):
+        if (images is None) == (model_input is None):
+            raise ValueError("give the display images or the model input to make them from, not both.")
+        self._images = images
+        self._model_input = None if model_input is None else model_input.detach().clone()  # safe from later edits
+        self._preprocess = preprocess
+
+    def get(self) -> Tensor:
+        if self._images is None:
+            assert self._model_input is not None, "made from model input when not given"
+            self._images = display_from_model_input(self._model_input, self._preprocess)
+            self._model_input = None
+        return self._images
+
+
 @dataclass
 class PreparedInputs:
-    """batch: (N, C, H, W) model input on the model's device; images: (N, H, W, 3) float [0, 1], CPU."""
+    """batch: (N, C, H, W) model input on the model's device; display: its display images."""
 
     batch: Tensor
-    images: Tensor
+    display: DisplayImages
+
+    @property
+    def images(self) -> Tensor:
+        """(N, H, W, 3) float display images in [0, 1], on the CPU."""
+        return self.display.get()
 
 
 def _flatten(inputs: Inputs) -> list[ImageInput]:
@@ -343,8 +369,8 @@ def prepare_inputs(
 ) -> PreparedInputs:
     """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
     if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0:
-        # a model-ready batch: no split into images and re-stacking, one display conversion
-        return _checked(inputs.to(device), dtype, display_from_model_input(inputs, preprocess))
+        # a model-ready batch: no split into images and re-stacking; display images when first drawn
+        return _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
     items = _flatten(inputs)
     if not items:
         raise ValueError("there is nothing to explain: the input batch is empty.")
@@ -357,10 +383,10 @@ def prepare_inputs(
             "the images one at a time."
         )
     batch = torch.stack([model_input for model_input, _ in prepared]).to(device)
-    return _checked(batch, dtype, torch.stack([display for _, display in prepared]).float())
+    return _checked(batch, dtype, DisplayImages(torch.stack([display for _, display in prepared]).float()))
 
 
-def _checked(batch: Tensor, dtype: torch.dtype, images: Tensor) -> PreparedInputs:
+def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> PreparedInputs:
     """Cast a floating batch to the model's dtype and refuse NaN or inf."""
     if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
         batch = batch.clone()
@@ -368,4 +394,4 @@ def _checked(batch: Tensor, dtype: torch.dtype, images: Tensor) -> PreparedInput
         batch = batch.to(dtype)
     if not torch.isfinite(batch).all():
         raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
-    return PreparedInputs(batch=batch, images=images)
+    return PreparedInputs(batch=batch, display=display)

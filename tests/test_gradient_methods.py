@@ -397,6 +397,33 @@ def test_smoothgrad_averages_the_gradients_then_reduces_the_channels_as_the_pape
     torch.testing.assert_close(relative.raw_maps, torch.stack(by_hand), rtol=1e-4, atol=1e-6)
 
 
+def test_smoothgrad_equals_captums_noise_tunnel_given_the_same_noise(monkeypatch):
+    """Captum's NoiseTunnel (smoothgrad, Saliency without abs) averages the gradients of the noisy copies;
+    the default SmoothGrad map is max over channels of |that mean|. Captum draws its noise with torch.normal
+    (rows image by image, samples within); it is given SmoothGrad's draws here."""
+    captum_attr = pytest.importorskip("captum.attr")
+    from captum.attr._core.noise_tunnel import NoiseTunnel
+
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(3, 3, 16, 16)
+    classes, samples, sigma, seed = [1, 2, 0], 5, 0.3, 3
+    ours = explain.SmoothGrad(model, samples=samples, noise_std=sigma, seed=seed, normalize=None).explain(
+        x, target=classes)
+    copies = torch.stack(noisy_copies_by_hand(x, samples, sigma, seed), dim=1)  # (N, samples, C, H, W)
+
+    def the_same_noise(inputs, stdev, partition):
+        assert partition == samples and stdev == sigma
+        return copies.reshape(-1, *x.shape[1:]).clone()
+
+    monkeypatch.setattr(NoiseTunnel, "_add_noise_to_input", staticmethod(the_same_noise))
+    tunnel = captum_attr.NoiseTunnel(captum_attr.Saliency(model))
+    mean_gradient = tunnel.attribute(x, nt_type="smoothgrad", nt_samples=samples, stdevs=sigma,
+                                     target=torch.tensor(classes), abs=False)
+    torch.testing.assert_close(ours.attributions[:, 0], mean_gradient, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(ours.raw_maps, mean_gradient.abs().amax(1), rtol=1e-4, atol=1e-7)
+
+
 def test_reductions_by_hand():
     attributions = torch.tensor([[[[[1.0]], [[-3.0]], [[2.0]]]]])  # (1, 1, 3, 1, 1)
     assert reduce_channels(attributions, "maxabs").item() == 3.0

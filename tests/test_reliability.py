@@ -4,6 +4,7 @@ and answers bad input with a clear error. Property-based tests over random small
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import tracemalloc
 import warnings
@@ -115,33 +116,41 @@ def live_tensors() -> int:
         return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+# Calls per method in the memory test: 400 by default (all methods in about two minutes on two cores);
+# EXPLAIN_RELIABILITY_CALLS=1000 gives the full run the release check uses.
+RELIABILITY_CALLS = int(os.environ.get("EXPLAIN_RELIABILITY_CALLS", "400"))
+
+
 @pytest.mark.parametrize("name", ALL_METHODS)
-def test_a_thousand_calls_keep_memory_flat(name):
+def test_many_calls_keep_memory_flat(name):
     torch.manual_seed(0)
     model = small_model(name).eval()
     explainer = build(name, model, "features.6")
     x = torch.randn(2, 3, 16, 16)
     process = psutil.Process()
+    traced = RELIABILITY_CALLS // 5
+    untraced = RELIABILITY_CALLS - 2 * traced
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for _ in range(50):  # warm-up: allocator caches, lazy imports
+        for _ in range(30):  # warm-up: allocator caches, lazy imports
             explainer.explain(x)
         tensors_before, rss_before = live_tensors(), process.memory_info().rss
-        for _ in range(600):
+        for _ in range(untraced):
             explainer.explain(x)
         tracemalloc.start()
-        for _ in range(200):  # blocks that torch and CPython recycle (function modes' dispatch) are
+        for _ in range(traced):  # blocks that torch and CPython recycle (function modes' dispatch) are
             explainer.explain(x)  # traced as new once they are reallocated: let that settle first
         gc.collect()
         start = tracemalloc.get_traced_memory()[0]
-        for _ in range(200):
+        for _ in range(traced):
             explainer.explain(x)
         gc.collect()
         python_growth = tracemalloc.get_traced_memory()[0] - start
         tracemalloc.stop()
     assert live_tensors() <= tensors_before, "tensors are kept between calls"
-    assert python_growth < 100_000, f"Python memory grew by {python_growth} bytes over 200 calls"
-    assert process.memory_info().rss - rss_before < 8 * 2**20, "RSS grew by more than 8 MiB over 1,000 calls"
+    assert python_growth < 500 * traced, f"Python memory grew by {python_growth} bytes over {traced} calls"
+    assert process.memory_info().rss - rss_before < 8 * 2**20, \
+        f"RSS grew by more than 8 MiB over {RELIABILITY_CALLS} calls"
 
 
 # ------------------------------------------------------------------ nesting and threads

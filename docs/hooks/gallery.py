@@ -25,7 +25,9 @@ _outputs = tempfile.TemporaryDirectory(prefix="explain-gallery-")
 def run_example(script: Path, out: Path) -> list[Path]:
     """Run one example script writing into ``out``; the PNG files it wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    environment = {**os.environ, "MPLBACKEND": "Agg"}
+    # the checkout's package first, whichever copy the environment has installed
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": python_path}
     finished = subprocess.run([sys.executable, str(script), str(out)], cwd=ROOT, env=environment,
                               capture_output=True, text=True)
     if finished.returncode != 0:

@@ -412,7 +412,7 @@ class Explainer(ABC):
                 raw_map_grid=raw,
                 scores=selected.scores.detach().float(),
                 class_indices=selected.class_indices,
-                images=prepared.images,
+                display=prepared.display,
                 method=self.method_name,
                 layer=attribution.layer,
                 keep_target_dim=selected.keep_target_dim,

@@ -56,7 +56,7 @@ class GradientShap(GradientExplainer):
         as expected gradients proper takes them; None (default): the zero input alone, which
         makes this a sampled Integrated Gradients from zero.
     samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
-        in model-input units (Captum's stdevs); seed: same seed, same draws.
+        in model-input units (Captum's stdevs); seed: same seed and device, same draws.
     multiply_by_inputs: False gives the mean gradient itself.
     batch_size: samples per forward/backward pass.
     ``diagnostics["completeness_error"]`` (N, K): Σ attributions − mean over the drawn
@@ -77,16 +77,19 @@ class GradientShap(GradientExplainer):
         self.multiply_by_inputs, self.batch_size = multiply_by_inputs, batch_size
 
     def draw(self, batch: Tensor) -> PathSamples:
-        """The call's random draws, from a generator seeded with ``seed`` (on the CPU, so that the
-        same seed gives the same draws on every device)."""
+        """The call's random draws, from a generator seeded with ``seed`` on the batch's device (drawing a
+        GPU batch's noise on the CPU would cost more than its gradients): same seed and device, same draws."""
         rows = batch.shape[0] * self.samples
-        generator = torch.Generator().manual_seed(self.seed)
+        device = batch.device
+        generator = torch.Generator(device=device).manual_seed(self.seed)
         baseline_index = torch.randint(1 if self.baselines is None else len(self.baselines), (rows,),
-                                       generator=generator)
-        alphas = torch.rand(rows, generator=generator, dtype=torch.float64)
-        noise = torch.randn((rows, *batch.shape[1:]), generator=generator) * self.noise_std
-        return PathSamples(baseline_index.to(batch.device), alphas.to(batch.device),
-                           noise.to(batch.device, batch.dtype))
+                                       generator=generator, device=device)
+        alphas = torch.rand(rows, generator=generator, dtype=torch.float64, device=device)
+        if self.noise_std == 0:
+            noise = torch.zeros((rows, *batch.shape[1:]), device=device, dtype=batch.dtype)
+        else:
+            noise = torch.randn((rows, *batch.shape[1:]), generator=generator, device=device) * self.noise_std
+        return PathSamples(baseline_index, alphas, noise.to(batch.dtype))
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]

@@ -30,7 +30,8 @@ class SmoothGrad(Explainer):
         the per-channel attributions (N, K, C, H, W) are averaged, then reduced to a map by the
         wrapped method's ``reduce`` (max |·| over colour channels by default); "maps": each copy's
         map is computed first and the maps are averaged (the default for CAMs and layer methods).
-    seed: the noise is drawn from a generator seeded with it: same seed, same map.
+    seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
+        device, same map.
     batch_size: noisy copies per pass of the wrapped method.
     The targets are chosen on the clean image and kept for every noisy copy.
     """
@@ -86,14 +87,14 @@ class SmoothGrad(Explainer):
         with torch.no_grad():
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
-        generator = torch.Generator().manual_seed(self.seed)
+        generator = torch.Generator(device=batch.device).manual_seed(self.seed)  # drawn where the batch is
         samples_per_pass = max(1, self.batch_size // count)
         sums: dict[str, Tensor] = {}
         inner: Optional[Attribution] = None
         flags: dict[str, Tensor] = {}  # where every noisy copy's gradient was zero / disconnected
         for first in range(0, self.samples, samples_per_pass):
             group = range(first, min(first + samples_per_pass, self.samples))
-            noise = torch.cat([torch.randn(batch.shape, generator=generator) for _ in group]).to(batch.device)
+            noise = torch.cat([torch.randn(batch.shape, generator=generator, device=batch.device) for _ in group])
             noisy = batch.repeat(len(group), 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(len(group), 1, 1, 1)
             image_of_row = torch.arange(count, device=batch.device).repeat(len(group))
             fixed: Target

@@ -1,0 +1,94 @@
+"""On a CUDA GPU (skipped without one): every kind of method gives the CPU's maps, keeps its tensors on the
+model's device, holds no GPU memory once a call returns, and works under float16 autocast and on a
+float16 model. TF32 is switched off here so that CUDA and CPU compute the same float32 products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+import explain
+from explain.data import load_demo_vit, make_dataset
+from explain.data.train import to_model_input
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+METHODS = {
+    "gradcam": {}, "hirescam": {}, "gradcam++": {}, "scorecam": {"progress": False}, "ablationcam": {"progress": False},
+    "saliency": {}, "integratedgradients": {"steps": 8}, "guidedbackprop": {}, "guidedgradcam": {},
+    "deeplift": {}, "gradientshap": {"samples": 4}, "lrp": {"composite": "epsilon_plus"},
+    "layerintegratedgradients": {"steps": 8}, "layerconductance": {"steps": 8}, "fullgrad": {},
+    "smoothgrad": {"samples": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def exact_float32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def build(name: str, model: torch.nn.Module, layer: str = "layer4") -> explain.Explainer:
+    cls = explain.get_method(name)
+    return cls(model, layer, **METHODS[name]) if cls.needs_layer else cls(model, **METHODS[name])
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_cuda_maps_equal_the_cpu_maps_and_stay_on_the_gpu(name, exact_float32):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(3, 3, 64, 64)
+    targets = [1, 4, 7]
+    on_cpu = build(name, model).explain(x, target=targets)
+    model.cuda()
+    on_gpu = build(name, model).explain(x.cuda(), target=targets)
+    assert on_gpu.maps.device.type == "cuda" and on_gpu.scores.device.type == "cuda"
+    if on_gpu.attributions is not None:
+        assert on_gpu.attributions.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.maps.cpu(), on_cpu.maps, rtol=1e-3, atol=2e-3)
+
+
+def test_no_gpu_memory_is_held_once_calls_return(exact_float32):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval().cuda()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    explainers = [build(name, model) for name in ("gradcam", "integratedgradients", "lrp", "guidedbackprop")]
+    for explainer in explainers:  # warm-up: cuDNN workspaces, lazy modules
+        explainer.explain(x).maps.sum().item()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(10):
+        for explainer in explainers:
+            explainer.explain(x).maps.sum().item()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*zero everywhere:RuntimeWarning")  # a class with only negative evidence
+def test_float16_autocast_and_a_float16_model_give_float32_maps_close_to_float32():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval().cuda()
+    x = torch.randn(2, 3, 96, 96, device="cuda")
+    reference = explain.GradCAM(model, "layer4").explain(x, target=[1, 2]).maps
+    with torch.autocast("cuda", dtype=torch.float16):
+        mixed = explain.GradCAM(model, "layer4").explain(x, target=[1, 2]).maps
+    assert mixed.dtype == torch.float32
+    assert (mixed - reference).abs().max() < 0.05
+    full = explain.GuidedGradCAM(model, "layer4").explain(x, target=[1, 2]).maps
+    guided = explain.GuidedGradCAM(model.half(), "layer4").explain(x.half(), target=[1, 2])
+    assert guided.maps.dtype == torch.float32 and torch.isfinite(guided.maps).all()
+    assert (guided.maps - full).abs().max() < 0.05  # products and normalisation in float32: no underflow to 0
+    assert torch.equal(guided.maps.flatten(1).amax(1) > 0, full.flatten(1).amax(1) > 0)
+
+
+def test_the_demo_transformers_attention_methods_on_the_gpu_equal_the_cpu(exact_float32):
+    model = load_demo_vit()
+    batch = to_model_input(make_dataset(4, seed=3).images)
+    for name in ("attentionrollout", "gradientrollout"):
+        on_cpu = explain.get_method(name)(model).explain(batch, topk=2)
+        on_gpu = explain.get_method(name)(model.cuda()).explain(batch.cuda(), topk=2)
+        model.cpu()
+        torch.testing.assert_close(on_gpu.maps.cpu(), on_cpu.maps, rtol=1e-3, atol=1e-3)

@@ -7,7 +7,8 @@ time of repeated calls and the peak memory growth of one call (RSS on the CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA), each divided by a no-grad forward's, measured in the
 same process. The same work on both sides: the same number of steps, samples and baselines, the
 same targets; PAIR's ``saliency`` takes one image at a time, so its rows loop over the batch.
-Writes the "Attribution methods next to their peers" section of benchmarks/RESULTS.md.
+Writes the "Attribution methods next to their peers" section of benchmarks/RESULTS.md; rows measured
+again (``--methods``, ``--batches``) replace those of earlier runs, kept in attribution_speed.json.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure_in_fresh_process  # noqa: E402
 
 STEPS, SAMPLES, REFERENCES, NOISE = 32, 16, 4, 0.1
 LAYER = "layer3"
@@ -127,6 +128,20 @@ def pair(method: str, model, batch, classes) -> Callable[[], Any]:
 
     images = batch.permute(0, 2, 3, 1).cpu().numpy()
     if method == "guidedig":
+        # PAIR's Guided IG calls np.quantile(..., interpolation=), a keyword NumPy 2.4 removed
+        import types
+
+        from saliency.core import guided_ig
+
+        class NumpyWithInterpolation(types.ModuleType):
+            def __getattr__(self, name):
+                return getattr(np, name)
+
+            @staticmethod
+            def quantile(values, q, interpolation="linear", **options):
+                return np.quantile(values, q, method=interpolation, **options)
+
+        guided_ig.np = NumpyWithInterpolation("numpy")
         explainer = saliency.GuidedIG()
         return lambda: [explainer.GetMask(image, call_model, {"class": c}, x_steps=STEPS,
                                           x_baseline=np.zeros_like(image), max_dist=1.0, fraction=0.25)
@@ -225,18 +240,32 @@ def main() -> None:
             for implementation in ("ours", *PAIRS[method]):
                 command = [sys.executable, __file__, "--device", arguments.device, "--one", arguments.model,
                            str(batch), method, implementation, "3"]
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(f"{method} {implementation} b{batch}: failed\n{done.stderr[-1500:]}", flush=True)
-                    continue
-                figures = json.loads(done.stdout.strip().splitlines()[-1])
-                rows.append({"batch": batch, "method": method, "implementation": implementation, **figures})
-                print(f"{method} {implementation} b{batch}: {figures}", flush=True)
+                figures = measure_in_fresh_process(command, f"{method} {implementation} b{batch}")
+                if figures is not None:
+                    rows.append({"batch": batch, "method": method, "implementation": implementation, **figures})
     write(rows, arguments.model, arguments.device)
+
+
+def merged_with_earlier(rows: list[dict], model: str, device: str) -> list[dict]:
+    """The rows of this run plus those of earlier runs on the same model and device that this run did
+    not measure again (kept in benchmarks/attribution_speed.json), in method order."""
+    store = Path(__file__).with_name("attribution_speed.json")
+    earlier: dict = json.loads(store.read_text()) if store.exists() else {}
+    key = f"{model} {device}"
+    by_row = {(r["method"], r["implementation"], r["batch"]): r for r in earlier.get(key, [])}
+    by_row.update({(r["method"], r["implementation"], r["batch"]): r for r in rows})
+    order = {method: index for index, method in enumerate(PAIRS)}
+    merged = sorted(by_row.values(), key=lambda r: (r["batch"], order.get(r["method"], len(order)),
+                                                    r["implementation"] != "ours"))
+    earlier[key] = merged
+    store.write_text(json.dumps(earlier, indent=1) + "\n")
+    return merged
 
 
 def write(rows: list[dict], model: str, device: str) -> None:
     from common import write_section
+
+    rows = merged_with_earlier(rows, model, device)
 
     lines = [
         f"{model} (random weights), 224×224 inputs, {device.upper()}, {os.environ.get('BENCH_THREADS', '2')} threads; "

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -26,6 +28,18 @@ def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1
         function()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def measure_in_fresh_process(command: list[str], label: str) -> Optional[dict]:
+    """Run one measurement command in a fresh process: the JSON object its last output line holds,
+    printed with ``label``; None (and the error's tail printed) when it failed."""
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        print(f"{label}: failed\n{completed.stderr[-1500:]}", flush=True)
+        return None
+    figures = json.loads(completed.stdout.strip().splitlines()[-1])
+    print(f"{label}: {figures}", flush=True)
+    return figures
 
 
 def machine() -> str:

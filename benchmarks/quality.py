@@ -49,7 +49,10 @@ TOLERANCE = 4  # pixels at 64 px, as TorchRay's 15 px at 224 px
 CURVE_STEPS = 16
 ROAD_SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
 SANITY_METHODS = ("gradcam", "gradcam++", "scorecam", "saliency", "integratedgradients", "guidedbackprop",
-                  "guidedgradcam")
+                  "guidedgradcam", "randomcam",
+                  # issue 17's methods
+                  "gradientshap", "deeplift", "guidedig", "blurig", "xrai", "lrp", "layerintegratedgradients",
+                  "layerconductance")
 TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "gradcam", "scorecam", "saliency", "integratedgradients")
 TRANSFORMER_LAYER = "blocks.3.norm1"  # the last block's first norm, Grad-CAM's automatic choice
 TRANSFORMER_STAGES = ["head", "norm", "blocks.3", "blocks.2", "blocks.1", "blocks.0", "stem"]

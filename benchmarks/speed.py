@@ -20,12 +20,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure_in_fresh_process  # noqa: E402
 
 LAYERS = {"resnet50": "layer4", "vgg16": "features.29", "vit_b_16": None}
 OURS = ("gradcam", "gradcam++", "hirescam", "layercam", "eigencam", "saliency", "guidedbackprop", "ablationcam",
@@ -199,13 +199,9 @@ def main() -> None:
                     repeats = 1
                 command = [sys.executable, __file__, "--device", arguments.device, "--one", model_name, str(batch),
                            method, str(repeats)]
-                completed = subprocess.run(command, capture_output=True, text=True)
-                if completed.returncode != 0:
-                    print(f"{model_name} b{batch} {method}: failed\n{completed.stderr[-1500:]}", flush=True)
-                    continue
-                figures = json.loads(completed.stdout.strip().splitlines()[-1])
-                results.append({"model": model_name, "batch": batch, "method": method, **figures})
-                print(f"{model_name} b{batch} {method}: {figures}", flush=True)
+                figures = measure_in_fresh_process(command, f"{model_name} b{batch} {method}")
+                if figures is not None:
+                    results.append({"model": model_name, "batch": batch, "method": method, **figures})
     write(results, arguments.device, arguments.transformers)
 
 

@@ -19,11 +19,11 @@ from explain.data import load_demo_model, make_dataset  # noqa: E402
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs")
 out.mkdir(parents=True, exist_ok=True)
 model = load_demo_model()
-data = make_dataset(12, seed=5)
+data = make_dataset(8, seed=5)
 fig, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
 for name in ("gradcam", "scorecam", "saliency", "integratedgradients", "guidedbackprop"):
     cls = explain.get_method(name)
-    options = {"progress": False} if name == "scorecam" else {}
+    options = {"scorecam": {"progress": False}, "integratedgradients": {"steps": 16}}.get(name, {})
     explainer = cls(model, "layer4", **options) if cls.needs_layer else cls(model, **options)
     stages = metrics.cascading_randomization(explainer, list(data.images), data.labels.tolist())
     axis.plot([stage.layer for stage in stages], [stage.rank_correlation.mean().item() for stage in stages],

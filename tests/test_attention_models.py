@@ -178,6 +178,36 @@ FAMILIES = {
                                   multihead_by_hand, [f"encoder.layers.{i}.self_attn" for i in (0, 1)]),
 }
 
+# The architectures at their real size (random weights, 224 px), for the recording test alone: the
+# tiny configurations above run the same code paths and serve the slower method tests.
+def torchvision_vit_b_16() -> nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16(weights=None)
+    nn.init.normal_(model.heads.head.weight, std=0.02)  # torchvision initialises it to zero
+    return model.eval().requires_grad_(False)  # no parameter gradients: the input's path alone
+
+
+def timm_vit_small_full(fused: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False)
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    return model.eval().requires_grad_(False)
+
+
+FULL_SIZE = {
+    "torchvision-vit_b_16": Family(torchvision_vit_b_16, 224,
+                                   lambda m: [layer.self_attention for layer in m.encoder.layers], multihead_by_hand,
+                                   [f"encoder.layers.encoder_layer_{i}.self_attention" for i in range(12)]),
+    "timm-vit_small_patch16_224-fused": Family(timm_vit_small_full, 224, lambda m: [b.attn for b in m.blocks],
+                                               timm_by_hand, [f"blocks.{i}.attn" for i in range(12)]),
+    "timm-vit_small_patch16_224-eager": Family(lambda: timm_vit_small_full(fused=False), 224,
+                                               lambda m: [b.attn for b in m.blocks], timm_by_hand,
+                                               [f"blocks.{i}.attn" for i in range(12)]),
+}
+
 
 def score_of(family: Family, output, targets: list) -> Tensor:
     logits = family.logits(output)
@@ -200,12 +230,12 @@ def run_by_hand(family: Family, model: nn.Module, x: Tensor, targets=None):
     return output, stash
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *FULL_SIZE])
 def test_recorded_attention_equals_attention_by_hand_and_the_output_stays_the_fused_one(name):
-    family = FAMILIES[name]
+    family = FAMILIES.get(name) or FULL_SIZE[name]
     model = family.build()
     torch.manual_seed(1)
-    x = torch.randn(3, 3, family.size, family.size)
+    x = torch.randn(3, 3, family.size, family.size, requires_grad=True)  # a path to A where weights are frozen
     targets = [0, 3, 1]
     with torch.no_grad():
         fused = family.logits(model(x))
@@ -222,5 +252,6 @@ def test_recorded_attention_equals_attention_by_hand_and_the_output_stays_the_fu
         assert probabilities.shape == hand.shape and not probabilities.requires_grad
         torch.testing.assert_close(probabilities, hand.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(probabilities.sum(-1), torch.ones(probabilities.shape[:-1]), rtol=0, atol=1e-5)
-        torch.testing.assert_close(gradient, hand.grad, rtol=1e-4, atol=1e-6)
+        # float32 sums over 768 features in another order: an absolute floor scaled to the gradient
+        torch.testing.assert_close(gradient, hand.grad, rtol=1e-4, atol=max(1e-6, 1e-4 * hand.grad.abs().max().item()))
         assert gradient.abs().sum() > 0

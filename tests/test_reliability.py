@@ -116,9 +116,11 @@ def live_tensors() -> int:
         return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
-# Calls per method in the memory test: 400 by default (all methods in about two minutes on two cores);
-# EXPLAIN_RELIABILITY_CALLS=1000 gives the full run the release check uses.
-RELIABILITY_CALLS = int(os.environ.get("EXPLAIN_RELIABILITY_CALLS", "400"))
+# Calls per method in the memory test: 200 by default (every method in about 90 s on two cores);
+# EXPLAIN_RELIABILITY_CALLS=1000 gives the full run the release check uses. Traced Python memory
+# moves by 10-30 kB whatever the number of calls (torch's dispatch caches, the function modes'
+# frames) and a leak grows with the calls: hence a fixed allowance plus a per-call one.
+RELIABILITY_CALLS = int(os.environ.get("EXPLAIN_RELIABILITY_CALLS", "200"))
 
 
 @pytest.mark.parametrize("name", ALL_METHODS)
@@ -148,7 +150,7 @@ def test_many_calls_keep_memory_flat(name):
         python_growth = tracemalloc.get_traced_memory()[0] - start
         tracemalloc.stop()
     assert live_tensors() <= tensors_before, "tensors are kept between calls"
-    assert python_growth < 500 * traced, f"Python memory grew by {python_growth} bytes over {traced} calls"
+    assert python_growth < 40_000 + 100 * traced, f"Python memory grew by {python_growth} bytes over {traced} calls"
     assert process.memory_info().rss - rss_before < 8 * 2**20, \
         f"RSS grew by more than 8 MiB over {RELIABILITY_CALLS} calls"
 

@@ -13,6 +13,7 @@ works with any method.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from numbers import Integral
 from typing import Optional, Sequence, Union
 
@@ -66,7 +67,7 @@ def _index_tensor(units: Units, dims: Optional[int]) -> tuple[Tensor, bool, bool
     return indices, keep, per_image
 
 
-class UnitTarget:
+class UnitTarget(ABC):
     """Base of Channel and Neuron: a layer and the units whose values are explained."""
 
     def __init__(self, layer: LayerSpec, indices: Tensor, keep_target_dim: bool, per_image: bool):
@@ -75,9 +76,9 @@ class UnitTarget:
         self.keep_target_dim = keep_target_dim
         self.per_image = per_image
 
+    @abstractmethod
     def values(self, layer_output: Tensor) -> Tensor:
         """The units' values, (R, K), from the layer's output (R rows)."""
-        raise NotImplementedError
 
     def __call__(self, output: object) -> Tensor:
         raise TypeError(

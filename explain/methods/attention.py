@@ -15,6 +15,7 @@ the average the head reads). ``row="class"`` or ``"mean"`` chooses explicitly.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import ClassVar, Optional, Sequence
 
 import torch
@@ -90,11 +91,11 @@ class AttentionExplainer(Explainer):
         return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
                            disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
 
+    @abstractmethod
     def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
         """The method: each rolled-out block's (N, heads, T, T) probabilities → (N, K, T, T) relevance,
         and for gradient methods (N, K) flags: where ∂score/∂A was zero in every block, and where the
         score does not depend on the attention at all (None for methods without gradients)."""
-        raise NotImplementedError
 
     def _first_block(self, blocks: int) -> int:
         if not -blocks <= self.start_block < blocks:

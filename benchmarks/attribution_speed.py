@@ -2,11 +2,14 @@
 
     python benchmarks/attribution_speed.py [--model resnet18] [--batches 1 8] [--device cpu]
 
-Each (method, implementation, batch) row is measured in a fresh process, as in speed.py: the median
-time of repeated calls and the peak memory growth of one call (RSS on the CPU,
-``torch.cuda.max_memory_allocated`` on CUDA), each divided by a no-grad forward's, measured in the
-same process. The same work on both sides: the same number of steps, samples and baselines, the
-same targets; PAIR's ``saliency`` takes one image at a time, so its rows loop over the batch.
+Time: for each (method, batch), one fresh process builds our explainer and the peers', calls each
+once, then calls them in turn (ours, peer, ours, peer, ..., with a no-grad forward in each round)
+and takes each one's median: what loads the machine meanwhile slows both sides alike. Memory: the
+peak growth of one call (RSS on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA), in a fresh
+process per implementation. The same work on both sides: the same number of steps, samples and
+baselines, the same targets; PAIR's ``saliency`` takes one image at a time, so its rows loop over
+the batch. Where ours computes a diagnostic that the peer computes only on request (GradientSHAP's
+completeness check), both are measured with it and without it.
 Writes the "Attribution methods next to their peers" section of benchmarks/RESULTS.md; rows measured
 again (``--methods``, ``--batches``) replace those of earlier runs, kept in attribution_speed.json.
 """
@@ -16,27 +19,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_in_fresh_process  # noqa: E402
+from common import measure_in_fresh_process, seconds_of  # noqa: E402
 
 STEPS, SAMPLES, REFERENCES, NOISE = 32, 16, 4, 0.1
 LAYER = "layer3"
-PAIRS: dict[str, tuple[str, ...]] = {  # our method → peers computing the same
-    "integratedgradients": ("captum",),
-    "gradientshap": ("captum",),
-    "deeplift": ("captum",),
-    "deepliftshap": ("captum",),
-    "layerintegratedgradients": ("captum",),
-    "layerconductance": ("captum",),
-    "smoothgrad": ("captum",),
-    "lrp": ("zennit",),
-    "guidedig": ("saliency",),
-    "blurig": ("saliency",),
+PAIRS: dict[str, tuple[tuple[str, str], ...]] = {  # method → (our variant, the peer's doing the same work)
+    "integratedgradients": (("ours", "captum"),),
+    "gradientshap": (("ours", "captum, convergence delta"), ("ours, no completeness check", "captum")),
+    "deeplift": (("ours", "captum"),),
+    "deepliftshap": (("ours", "captum"),),
+    "layerintegratedgradients": (("ours", "captum"),),
+    "layerconductance": (("ours", "captum"),),
+    "smoothgrad": (("ours", "captum"),),
+    "lrp": (("ours", "zennit"),),
+    "guidedig": (("ours", "saliency"),),
+    "blurig": (("ours", "saliency"),),
 }
+
+
+def implementations(method: str) -> list[str]:
+    """Every implementation measured for a method, ours first, each once."""
+    ours = [mine for mine, _ in PAIRS[method]]
+    peers = [theirs for _, theirs in PAIRS[method]]
+    return list(dict.fromkeys(ours + peers))
 SLOW = {"guidedig", "blurig"}  # batch 1 only: per-image paths, PAIR loops in numpy
 
 
@@ -47,7 +58,7 @@ def references(batch):
     return torch.randn(REFERENCES, *batch.shape[1:], generator=generator).to(batch.device)
 
 
-def ours(method: str, model, batch, classes) -> Callable[[], Any]:
+def ours(method: str, model, batch, classes, variant: str = "ours") -> Callable[[], Any]:
     import explain
 
     options: dict[str, Any] = {
@@ -62,12 +73,14 @@ def ours(method: str, model, batch, classes) -> Callable[[], Any]:
         "guidedig": {"steps": STEPS},
         "blurig": {"steps": STEPS},
     }[method]
+    if variant == "ours, no completeness check":
+        options["check_completeness"] = False
     cls = explain.get_method(method)
     explainer = cls(model, LAYER, **options) if cls.needs_layer else cls(model, **options)
     return lambda: explainer.explain(batch, target=classes).maps
 
 
-def captum(method: str, model, batch, classes) -> Callable[[], Any]:
+def captum(method: str, model, batch, classes, variant: str = "captum") -> Callable[[], Any]:
     import captum.attr as attr
     import torch
 
@@ -78,12 +91,15 @@ def captum(method: str, model, batch, classes) -> Callable[[], Any]:
                                                                  method="riemann_middle")
     if method == "gradientshap":
         base = references(batch)
-        return lambda: attr.GradientShap(model).attribute(batch, base, target=target, n_samples=SAMPLES, stdevs=NOISE)
+        delta = variant == "captum, convergence delta"
+        return lambda: attr.GradientShap(model).attribute(batch, base, target=target, n_samples=SAMPLES, stdevs=NOISE,
+                                                          return_convergence_delta=delta)
     if method == "deeplift":
-        return lambda: attr.DeepLift(model).attribute(batch, torch.zeros_like(batch), target=target)
+        hookable = relu_per_call(model)
+        return lambda: attr.DeepLift(hookable).attribute(batch, torch.zeros_like(batch), target=target)
     if method == "deepliftshap":
-        base = references(batch)
-        return lambda: attr.DeepLiftShap(model).attribute(batch, base, target=target)
+        base, hookable = references(batch), relu_per_call(model)
+        return lambda: attr.DeepLiftShap(hookable).attribute(batch, base, target=target)
     if method == "layerintegratedgradients":
         return lambda: attr.LayerIntegratedGradients(model, layer).attribute(batch, target=target, n_steps=STEPS,
                                                                              method="riemann_middle")
@@ -97,7 +113,25 @@ def captum(method: str, model, batch, classes) -> Callable[[], Any]:
     raise ValueError(method)
 
 
-def zennit(method: str, model, batch, classes) -> Callable[[], Any]:
+def relu_per_call(model):
+    """A traced copy of the model computing the same function, each ReLU call its own module and not
+    in place: Captum's DeepLift hooks modules and refuses a ReLU module that runs more than once per
+    forward (torchvision's resnet blocks call theirs twice). Ours needs no such copy."""
+    import copy
+
+    import torch.fx
+    from torch import nn
+
+    traced = torch.fx.symbolic_trace(copy.deepcopy(model))
+    for index, node in enumerate(traced.graph.nodes):
+        if node.op == "call_module" and isinstance(traced.get_submodule(node.target), nn.ReLU):
+            node.target = f"relu_call_{index}"
+            traced.add_submodule(node.target, nn.ReLU())
+    traced.recompile()
+    return traced.eval()
+
+
+def zennit(method: str, model, batch, classes, variant: str = "zennit") -> Callable[[], Any]:
     import torch
     from zennit.attribution import Gradient
     from zennit.composites import EpsilonPlus
@@ -113,7 +147,7 @@ def zennit(method: str, model, batch, classes) -> Callable[[], Any]:
     return call
 
 
-def pair(method: str, model, batch, classes) -> Callable[[], Any]:
+def pair(method: str, model, batch, classes, variant: str = "saliency") -> Callable[[], Any]:
     """PAIR saliency, one image at a time (its API), channels-last numpy in and out."""
     import numpy as np
     import saliency.core as saliency
@@ -153,14 +187,8 @@ def pair(method: str, model, batch, classes) -> Callable[[], Any]:
     raise ValueError(method)
 
 
-def measure_one(model_name: str, batch_size: int, method: str, implementation: str, device_name: str,
-                repeats: int) -> dict:
-    """In a fresh process: memory growth of one call, then median times of the call and a no-grad forward."""
-    import resource
-    import statistics
-    import time
-
-    import psutil
+def setting(model_name: str, batch_size: int, device_name: str):
+    """(model, batch, classes, device) as every measurement process builds them: same seed, same data."""
     import torch
     import torchvision
 
@@ -170,50 +198,75 @@ def measure_one(model_name: str, batch_size: int, method: str, implementation: s
     batch = torch.randn(batch_size, 3, 224, 224, device=device)
     with torch.no_grad():
         classes = model(batch).argmax(1).tolist()
-    build = {"ours": ours, "captum": captum, "zennit": zennit, "saliency": pair}[implementation]
-    call = build(method, model, batch, classes)
+    return model, batch, classes, device
 
-    def forward():
-        with torch.no_grad():
-            return model(batch)
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def build(implementation: str, method: str, model, batch, classes) -> Callable[[], Any]:
+    """The call that one implementation (e.g. "ours", "captum, convergence delta") makes."""
+    library = implementation.split(",")[0]
+    maker = {"ours": ours, "captum": captum, "zennit": zennit, "saliency": pair}[library]
+    return maker(method, model, batch, classes, implementation)
 
+
+def measure_memory(model_name: str, batch_size: int, method: str, implementation: str, device_name: str) -> dict:
+    """In a fresh process: the peak memory growth of one call (method "forward": of a no-grad forward)."""
+    import resource
+
+    import psutil
+    import torch
+
+    model, batch, classes, device = setting(model_name, batch_size, device_name)
+    if method == "forward":
+        def call():
+            with torch.no_grad():
+                return model(batch)
+    else:
+        call = build(implementation, method, model, batch, classes)
     if device.type == "cuda":
-        synchronize()
+        torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         call()
-        synchronize()
+        torch.cuda.synchronize()
         growth = torch.cuda.max_memory_allocated() - before
     else:
         before = psutil.Process().memory_info().rss
         call()
         growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"growth": max(growth, 0)}
 
-    def timed(function, count: int) -> float:
-        times = []
-        for _ in range(count):
-            synchronize()
-            started = time.perf_counter()
-            function()
-            synchronize()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
 
+def measure_times(model_name: str, batch_size: int, method: str, device_name: str, repeats: int) -> dict:
+    """In a fresh process: {implementation: median seconds of a call} and "forward": a no-grad forward's,
+    the implementations called in turn, round after round, after one call each to warm up. An
+    implementation that fails (a peer refusing the model) is left out, its error under "failed"."""
+    import statistics
+
+    import torch
+
+    model, batch, classes, device = setting(model_name, batch_size, device_name)
+
+    def forward():
+        with torch.no_grad():
+            return model(batch)
+
+    calls: dict[str, Callable[[], Any]] = {}
+    failed: dict[str, str] = {}
+    for implementation in implementations(method):
+        try:
+            call = build(implementation, method, model, batch, classes)
+            call()
+            calls[implementation] = call
+        except Exception as error:  # a peer refusing the model: reported, the others still measured
+            failed[implementation] = f"{type(error).__name__}: {str(error)[:300]}"
+    calls["forward"] = forward
     forward()
-    forward_seconds = timed(forward, 10)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        forward()
-        forward_growth = torch.cuda.max_memory_allocated() - before
-    else:
-        forward_growth = 0
-    return {"method_s": timed(call, repeats), "forward_s": forward_seconds, "growth": max(growth, 0),
-            "forward_growth": forward_growth}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(seconds_of(call, device))
+    return {**{name: statistics.median(values) for name, values in times.items()}, "rounds": times,
+            "failed": failed}
 
 
 def main() -> None:
@@ -222,27 +275,54 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--methods", nargs="+", default=list(PAIRS))
-    parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, help="timed rounds per method and batch (default: 9 at batch 1, "
+                        "where a call takes seconds, else 5)")
+    parser.add_argument("--memory", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--times", nargs=4, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
-    if arguments.one:
+    if arguments.memory or arguments.times:
         import torch
 
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        model_name, batch, method, implementation, repeats = arguments.one
-        print(json.dumps(measure_one(model_name, int(batch), method, implementation, arguments.device,
-                                     int(repeats))))
+        if arguments.memory:
+            model_name, batch, method, implementation = arguments.memory
+            figures = measure_memory(model_name, int(batch), method, implementation, arguments.device)
+        else:
+            model_name, batch, method, repeats = arguments.times
+            figures = measure_times(model_name, int(batch), method, arguments.device, int(repeats))
+        print(json.dumps(figures))
         return
     rows = []
     for batch in arguments.batches:
+        command = [sys.executable, __file__, "--device", arguments.device]
+        forward_seconds = []
         for method in arguments.methods:
             if method in SLOW and batch > 1:
                 continue
-            for implementation in ("ours", *PAIRS[method]):
-                command = [sys.executable, __file__, "--device", arguments.device, "--one", arguments.model,
-                           str(batch), method, implementation, "3"]
-                figures = measure_in_fresh_process(command, f"{method} {implementation} b{batch}")
-                if figures is not None:
-                    rows.append({"batch": batch, "method": method, "implementation": implementation, **figures})
+            repeats = arguments.repeats or (9 if batch == 1 else 5)
+            times = measure_in_fresh_process(command + ["--times", arguments.model, str(batch), method, str(repeats)],
+                                             f"{method} b{batch} times")
+            if times is None:
+                continue
+            forward_seconds.append(times["forward"])
+            for implementation in implementations(method):
+                if implementation not in times:
+                    continue
+                label = f"{method} {implementation} b{batch} memory"
+                memory = measure_in_fresh_process(
+                    command + ["--memory", arguments.model, str(batch), method, implementation], label)
+                if memory is not None:
+                    rows.append({"batch": batch, "method": method, "implementation": implementation,
+                                 "method_s": times[implementation], "forward_s": times["forward"],
+                                 "rounds": times["rounds"][implementation], "repeats": repeats, **memory})
+        if arguments.device == "cpu" or not forward_seconds:
+            continue  # on the CPU a no-grad forward's RSS growth is within the allocator's noise (< 1 MiB at batch 1)
+        memory = measure_in_fresh_process(command + ["--memory", arguments.model, str(batch), "forward", "torch"],
+                                          f"forward b{batch} memory")
+        if memory is not None:
+            seconds = statistics.median(forward_seconds)
+            rows.append({"batch": batch, "method": "forward", "implementation": "torch (no grad)",
+                         "method_s": seconds, "forward_s": seconds, **memory})
     write(rows, arguments.model, arguments.device)
 
 
@@ -254,9 +334,13 @@ def merged_with_earlier(rows: list[dict], model: str, device: str) -> list[dict]
     key = f"{model} {device}"
     by_row = {(r["method"], r["implementation"], r["batch"]): r for r in earlier.get(key, [])}
     by_row.update({(r["method"], r["implementation"], r["batch"]): r for r in rows})
-    order = {method: index for index, method in enumerate(PAIRS)}
-    merged = sorted(by_row.values(), key=lambda r: (r["batch"], order.get(r["method"], len(order)),
-                                                    r["implementation"] != "ours"))
+    order = {method: index for index, method in enumerate(["forward", *PAIRS])}
+    def position(row: dict) -> tuple:
+        known = implementations(row["method"]) if row["method"] in PAIRS else []
+        rank = known.index(row["implementation"]) if row["implementation"] in known else len(known)
+        return row["batch"], order.get(row["method"], len(order)), rank
+
+    merged = sorted(by_row.values(), key=position)
     earlier[key] = merged
     store.write_text(json.dumps(earlier, indent=1) + "\n")
     return merged
@@ -266,25 +350,42 @@ def write(rows: list[dict], model: str, device: str) -> None:
     from common import write_section
 
     rows = merged_with_earlier(rows, model, device)
+    rounds_per_batch = sorted({(r["batch"], r["repeats"]) for r in rows if r.get("repeats")})
+    repeats = ", ".join(f"{count} at batch {batch}" for batch, count in rounds_per_batch)
 
     lines = [
         f"{model} (random weights), 224×224 inputs, {device.upper()}, {os.environ.get('BENCH_THREADS', '2')} threads; "
         f"{STEPS} steps for the path methods (midpoint rule for Integrated Gradients on both sides), {SAMPLES} "
         f"samples and σ = {NOISE} for GradientSHAP and SmoothGrad, {REFERENCES} reference inputs for the SHAP "
         f"variants, layer methods at `{LAYER}`, LRP with the EpsilonPlus composite and BatchNorm folded. Time: "
-        "median of 3 calls; × forward: divided by a no-grad forward of the same batch timed in the same process. "
-        "Memory: peak growth of one call (RSS on CPU; allocated memory on CUDA). Each row is a fresh process.",
+        f"median over rounds ({repeats}), each calling ours, the peers' and a no-grad forward in turn in one process; "
+        "× forward: divided by the forward's median. Memory: peak growth of one call in a fresh process (RSS on "
+        "CPU; allocated memory on CUDA), × forward (CUDA): divided by a no-grad forward's, measured alike.",
         "",
-        "| method | batch | implementation | time (s) | × forward | × peer's time | memory growth (MiB) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| method | batch | implementation | time (s) | × forward | × peer's time | memory growth (MiB) | × forward |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    ours_time = {(r["method"], r["batch"]): r["method_s"] for r in rows if r["implementation"] == "ours"}
+    rounds = {(r["method"], r["batch"], r["implementation"]): r.get("rounds") for r in rows}
+    medians = {(r["method"], r["batch"], r["implementation"]): r["method_s"] for r in rows}
+    forward_memory = {r["batch"]: r["growth"] for r in rows if r["method"] == "forward"}
     for row in rows:
-        mine = ours_time.get((row["method"], row["batch"]))
-        versus = "–" if row["implementation"] == "ours" or mine is None else f"{mine / row['method_s']:.2f}"
+        counterpart = {theirs: mine for mine, theirs in PAIRS.get(row["method"], ())}.get(row["implementation"])
+        mine, theirs = rounds.get((row["method"], row["batch"], counterpart)), row.get("rounds")
+        versus = "–"
+        if mine and theirs:  # ours and the peer were called in the same rounds: the ratio round by round
+            ratios = sorted(a / b for a, b in zip(mine, theirs))
+            versus = f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+        elif counterpart is not None and (row["method"], row["batch"], counterpart) in medians:
+            versus = f"{medians[(row['method'], row['batch'], counterpart)] / row['method_s']:.2f}"
+        floor = forward_memory.get(row["batch"])
+        memory_ratio = f"{row['growth'] / floor:.1f}" if floor else "–"
         lines.append(f"| {row['method']} | {row['batch']} | {row['implementation']} | {row['method_s']:.3f} | "
-                     f"{row['method_s'] / row['forward_s']:.1f} | {versus} | {row['growth'] / 2**20:.0f} |")
-    lines += ["", "× peer's time: ours divided by the peer's (below 1: ours is faster).", "",
+                     f"{row['method_s'] / row['forward_s']:.1f} | {versus} | {row['growth'] / 2**20:.0f} | "
+                     f"{memory_ratio} |")
+    lines += ["", "× peer's time, on a peer's row: the time of ours doing the same work (the row above it, or "
+              "for GradientSHAP: ours with its completeness check next to Captum with its convergence delta, ours "
+              "without next to Captum without) divided by the peer's in the same round; the median over the rounds "
+              "and, in brackets, the lowest and highest (below 1: ours is faster).", "",
               f"Command: `python benchmarks/attribution_speed.py --device {device}`."]
     write_section(f"Attribution methods next to their peers ({device.upper()})", "\n".join(lines))
 

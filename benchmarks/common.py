@@ -30,6 +30,17 @@ def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1
     return statistics.median(times)
 
 
+def seconds_of(call: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call, waiting for the GPU's queued work before and after on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
 def measure_in_fresh_process(command: list[str], label: str) -> Optional[dict]:
     """Run one measurement command in a fresh process: the JSON object its last output line holds,
     printed with ``label``; None (and the error's tail printed) when it failed."""

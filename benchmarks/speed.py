@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_in_fresh_process  # noqa: E402
+from common import measure_in_fresh_process, seconds_of  # noqa: E402
 
 LAYERS = {"resnet50": "layer4", "vgg16": "features.29", "vit_b_16": None}
 OURS = ("gradcam", "gradcam++", "hirescam", "layercam", "eigencam", "saliency", "guidedbackprop", "ablationcam",
@@ -140,13 +140,7 @@ def measure_one(model_name: str, batch_size: int, method: str, device_name: str,
         function()
         times = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            function()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
+            times.append(seconds_of(function, device))
         return statistics.median(times)
 
     # slow methods (hundreds of forwards): the first call is the measurement

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from conftest import SmallCNN
-from torch import nn
+from torch import Tensor, nn
 
 import explain
 from explain.methods.expected_gradients import PathSamples
@@ -174,6 +174,52 @@ def test_gradientshap_converges_to_the_mean_integrated_gradients_over_the_refere
     relative = (shap.attributions - integrated).norm() / integrated.norm()
     assert relative < 0.1, relative
     assert (shap.diagnostics["completeness_error"].abs() < 0.1 * shap.diagnostics["score_change"].abs()).all()
+
+
+class Conditioned(nn.Module):
+    """A second, per-image input (a condition vector) scales the features: a reference's score
+    depends on the image it is drawn for."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 5)
+
+    def forward(self, condition, image):
+        return self.head(torch.tanh(self.conv(image) * condition[:, :, None, None]).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("conditioned", [False, True], ids=["shared references", "per-image forward arguments"])
+def test_gradientshap_completeness_error_is_against_the_mean_score_of_each_images_drawn_references(conditioned):
+    """Σ attributions − (y(x) − mean over the image's draws of y(b_s)), y(b_s) computed row by row
+    here, with the image's own forward arguments where it has them; batch_size smaller than the
+    distinct references, so the scores come in several chunks."""
+    torch.manual_seed(0)
+    x, references = torch.randn(3, 3, 8, 8), torch.randn(5, 3, 8, 8)
+    targets = [1, 3, 0]
+    model = Conditioned().eval() if conditioned else SmallCNN().eval()
+    conditions = torch.rand(3, 4) + 0.5
+    call = {"forward_args": (conditions,), "input_position": 1} if conditioned else {}
+
+    def score(image: int, inputs: Tensor) -> float:
+        with torch.no_grad():
+            output = model(conditions[image : image + 1], inputs) if conditioned else model(inputs)
+        return float(output[0, targets[image]])
+
+    explainer = explain.GradientShap(model, references, samples=7, noise_std=0.1, seed=5, batch_size=2,
+                                     normalize=None)
+    result = explainer.explain(x, target=targets, **call)
+    draws = explainer.draw(x)
+    for image in range(3):
+        drawn = draws.baseline_index[image * 7 : (image + 1) * 7]
+        mean_reference_score = sum(score(image, references[int(i)][None]) for i in drawn) / 7
+        change = score(image, x[image : image + 1]) - mean_reference_score
+        assert result.diagnostics["score_change"][image, 0].item() == pytest.approx(change, rel=1e-5, abs=1e-6)
+        error = result.attributions[image, 0].double().sum().item() - change
+        assert result.diagnostics["completeness_error"][image, 0].item() == pytest.approx(error, rel=1e-4, abs=1e-5)
+    unchecked = explain.GradientShap(model, references, samples=7, noise_std=0.1, seed=5, batch_size=2,
+                                     normalize=None, check_completeness=False).explain(x, target=targets, **call)
+    torch.testing.assert_close(unchecked.attributions, result.attributions)
+    assert "completeness_error" not in unchecked.diagnostics and "score_change" not in unchecked.diagnostics
 
 
 # ------------------------------------------------------------------ Captum 0.9

@@ -59,8 +59,12 @@ class GradientShap(GradientExplainer):
         in model-input units (Captum's stdevs); seed: same seed and device, same draws.
     multiply_by_inputs: False gives the mean gradient itself.
     batch_size: samples per forward/backward pass.
-    ``diagnostics["completeness_error"]`` (N, K): Σ attributions − mean over the drawn
-    references of (y(x) − y(b)); it shrinks as ``samples`` grows.
+    check_completeness: True (default) reports ``diagnostics["completeness_error"]`` (N, K):
+        Σ attributions − mean over the drawn references of (y(x) − y(b)), which shrinks as
+        ``samples`` grows, and ``"score_change"``. It costs one no-grad forward per distinct
+        reference drawn (per distinct image and reference with ``forward_args``): at 16 samples
+        from 4 references on one image, 4 forwards against 16 forward/backward passes. False
+        skips them, as Captum does unless asked for its convergence delta.
     """
 
     name = "gradientshap"
@@ -68,13 +72,14 @@ class GradientShap(GradientExplainer):
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
                  noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True, batch_size: int = 32,
-                 **options: Unpack[GradientOptions]):
+                 check_completeness: bool = True, **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         check_references(baselines)
         if samples < 1 or batch_size < 1 or noise_std < 0:
             raise ValueError("samples and batch_size must be at least 1 and noise_std non-negative.")
         self.baselines, self.samples, self.noise_std, self.seed = baselines, samples, noise_std, seed
         self.multiply_by_inputs, self.batch_size = multiply_by_inputs, batch_size
+        self.check_completeness = check_completeness
 
     def draw(self, batch: Tensor) -> PathSamples:
         """The call's random draws, from a generator seeded with ``seed`` on the batch's device (drawing a
@@ -99,19 +104,29 @@ class GradientShap(GradientExplainer):
 
     def reference_scores(self, references: Tensor, image_of_row: Tensor, reference_of_row: Tensor,
                          selected: SelectedTargets) -> Tensor:
-        """(N, K) float64 sums over each image's drawn rows of y(x'), the score of the row's reference:
-        one no-grad forward per distinct (image, reference) pair, not per row (16 samples from the
-        zero input cost one forward per image)."""
-        pair_of_row = image_of_row * len(references) + reference_of_row
-        pairs, row_to_pair = torch.unique(pair_of_row, return_inverse=True)
-        pair_scores = []
+        """(N, K) float64 sums over each image's drawn rows of y(x'), the score of the row's reference.
+        A reference's output is the same for every image unless the call has per-image forward
+        arguments: then one no-grad forward per distinct (image, reference) pair, else one per
+        distinct reference (16 samples from 4 references cost 4 forwards, whatever the batch)."""
+        shared = self.forward_call is None
+        key_of_row = reference_of_row if shared else image_of_row * len(references) + reference_of_row
+        keys, row_to_key = torch.unique(key_of_row, return_inverse=True)
+        row_scores = torch.empty(len(key_of_row), selected.scores.shape[1], dtype=torch.float64,
+                                 device=image_of_row.device)
         with torch.no_grad():
-            for start in range(0, len(pairs), self.batch_size):
-                chunk = pairs[start : start + self.batch_size]
-                images = chunk // len(references)
-                output = self.call_model(references[chunk % len(references)], rows=images)
-                pair_scores.append(selected.scores_for(output, images).double())
-        row_scores = torch.cat(pair_scores)[row_to_pair]
+            for start in range(0, len(keys), self.batch_size):
+                chunk = keys[start : start + self.batch_size]
+                in_chunk = (row_to_key >= start) & (row_to_key < start + len(chunk))
+                if shared:  # one output per reference, scored for the target of each image drawing it
+                    output = self.call_model(references[chunk])
+                    for image in torch.unique(image_of_row[in_chunk]):
+                        rows = in_chunk & (image_of_row == image)
+                        scores = selected.scores_for(output, image.expand(len(chunk))).double()
+                        row_scores[rows] = scores[row_to_key[rows] - start]
+                else:
+                    images = chunk // len(references)
+                    output = self.call_model(references[chunk % len(references)], rows=images)
+                    row_scores[in_chunk] = selected.scores_for(output, images).double()[row_to_key[in_chunk] - start]
         sums = torch.zeros(selected.scores.shape, dtype=torch.float64, device=row_scores.device)
         return sums.index_add_(0, image_of_row, row_scores)
 
@@ -142,10 +157,12 @@ class GradientShap(GradientExplainer):
                 gradients = (noisy - references)[:, None] * gradients
             total.index_add_(0, images, gradients.double())
             disconnected[images] &= unreachable
-        baseline_scores = self.reference_scores(baselines, image_of_row, samples.baseline_index, selected)
         attributions = (total / per_image).to(batch.dtype)
-        score_change = selected.scores.detach().double() - baseline_scores / per_image
         self.disconnected = disconnected
+        if not self.check_completeness:
+            return self.attribution_from(attributions, selected, zero_gradient=all_zero(total))
+        baseline_scores = self.reference_scores(baselines, image_of_row, samples.baseline_index, selected)
+        score_change = selected.scores.detach().double() - baseline_scores / per_image
         completeness_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
                                      completeness_error=completeness_error.float(), score_change=score_change.float())

@@ -329,9 +329,11 @@ class LayerConductance(LayerPathExplainer):
     layer's output A, Σ_i ∂y/∂A_u(x(α_i)) · (A_u(x(α_{i+1})) − A_u(x(α_i))) over consecutive points
     α_0 < … < α_steps of the input path x(α) = x' + α (x − x'), as Captum's LayerConductance: the
     points are the rule's ``steps + 1`` nodes (its weights are not used) and the gradient is taken at
-    the left point of each pair. Summed over units, this left Riemann–Stieltjes sum approximates
-    y(x(α_steps)) − y(x(α_0)) to first order in 1 / steps; with points from x' to x ("trapezoid")
-    that is y(x) − y(x'), exactly so where the network after the layer is linear.
+    the left point of each pair (a last node at α = 1 is not run: its layer output is the one at x,
+    so the trapezoid rule's 33 points cost 32 forward/backward rows). Summed over units, this left
+    Riemann–Stieltjes sum approximates y(x(α_steps)) − y(x(α_0)) to first order in 1 / steps; with
+    points from x' to x ("trapezoid") that is y(x) − y(x'), exactly so where the network after the
+    layer is linear.
 
     steps: intervals along the path (default 32: 33 points).
     rule: where the points lie; default "trapezoid", evenly spaced from x' to x inclusive (Captum's
@@ -356,8 +358,12 @@ class LayerConductance(LayerPathExplainer):
         alphas = self.path_points().to(batch.device)
         difference = batch - baseline
         totals = PathAccumulator(len(batch), selected.scores.shape[1], tuple(end.shape[1:]), batch.device)
+        # a last point at α = 1 is x itself: its layer output is ``end`` and its gradient pairs with no
+        # later point, so the path runs the points before it (the trapezoid rule's 33 points: 32 rows)
+        ends_at_input = bool(alphas[-1] == 1)
+        run_points = len(alphas) - 1 if ends_at_input else len(alphas)
         previous: Optional[tuple[Tensor, Tensor, Tensor]] = None  # the last row of the chunk before
-        for images, points in self.path_rows(len(batch), len(alphas), batch.device):
+        for images, points in self.path_rows(len(batch), run_points, batch.device):
             inputs = baseline[images] + broadcast_over(alphas[points].to(batch.dtype), batch) * difference[images]
             with ActivationCapture(self.model, [self.chosen_layer], graph_from_first_layer=True) as capture:
                 with torch.no_grad():  # the capture's hook turns the graph on at the layer
@@ -367,6 +373,10 @@ class LayerConductance(LayerPathExplainer):
             last_point = points == len(alphas) - 1  # its gradient pairs with no later point
             totals.add_gradients(images[~last_point], gradients[~last_point], unreachable[~last_point])
             activations = activations.detach()
+            if ends_at_input:  # the last point run pairs with x
+                closing = points == run_points - 1
+                change = end[images[closing]].double() - activations[closing].double()
+                totals.add_terms(images[closing], gradients[closing].double() * change[:, None])
             if previous is not None:
                 images, activations, gradients = (torch.cat([before, now]) for before, now in
                                                    zip(previous, (images, activations, gradients)))

@@ -267,10 +267,17 @@ def test_maps_are_finite_in_range_shaped_and_independent_of_the_rest_of_the_batc
             maps = explanation.maps
             assert maps.shape == (batch, size, size), name
             assert torch.isfinite(maps).all() and maps.min() >= 0 and maps.max() <= 1, name
-            if name in BATCH_INDEPENDENT and batch > 1:
-                alone = torch.cat([build(name, model, layer).explain(x[i : i + 1], target=targets[i]).raw_maps
-                                   for i in range(batch)])
-                torch.testing.assert_close(explanation.raw_maps, alone, rtol=1e-4, atol=1e-5, msg=name)
+    # Batch independence in float64: in float32 a batched convolution rounds differently from a
+    # single image's, and a formula that divides by a sum that cancels (XGrad-CAM on a layer with
+    # signed activations) magnifies that rounding past any fixed tolerance; in float64 it does not.
+    model, x = model.double(), x.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for name in BATCH_INDEPENDENT if batch > 1 else []:
+            together = build(name, model, layer).explain(x, target=targets).raw_maps
+            alone = torch.cat([build(name, model, layer).explain(x[i : i + 1], target=targets[i]).raw_maps
+                               for i in range(batch)])
+            torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5, msg=name)
 
 
 class RandomViT(nn.Module):

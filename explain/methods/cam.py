@@ -369,7 +369,11 @@ class GradCAMPlusPlus(CAM):
 
 @register
 class XGradCAM(CAM):
-    """XGrad-CAM (Fu et al. 2020): w_k = Σ_ij (A_k,ij / Σ_ab A_k,ab) G_k,ij (0 for a channel summing to 0)."""
+    """XGrad-CAM (Fu et al. 2020): w_k = Σ_ij (A_k,ij / Σ_ab A_k,ab) G_k,ij (0 for a channel summing to 0).
+
+    The paper's activations are non-negative (after a ReLU). At a layer with signed activations a
+    channel whose values nearly cancel gets a large weight that float32 rounding can change (a batch
+    and its images one by one then differ by up to ~1e-3 of the map); explain the ReLU's output."""
 
     name = "xgradcam"
     summary = "XGrad-CAM: gradients weighted by normalised activations (axiom-based)"

@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, register
+from .base import Attribution, checked_batch_size, register, rows_per_pass
 from .expected_gradients import check_references, references_for
 from .gradients import GradientExplainer, GradientOptions, all_zero, baseline_like
 
@@ -241,7 +241,8 @@ class DeepLiftShap(DeepLift):
     baselines: (B, C, H, W) reference inputs (e.g. a batch of training images, preprocessed);
         every image is explained against each of them and the attributions averaged. None:
         the zero input alone (then this equals DeepLift).
-    batch_size: image-baseline pairs per forward/backward pass.
+    batch_size: image-baseline pairs per forward/backward pass;
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     ``diagnostics["summation_error"]``: Σ attributions − mean over baselines of (y(x) − y(b)).
     """
 
@@ -252,10 +253,9 @@ class DeepLiftShap(DeepLift):
     """DeepLift's single baseline is replaced by ``baselines``."""
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, eps: float = 1e-10,
-                 batch_size: int = 32, **options: Unpack[GradientOptions]):
+                 batch_size: Optional[int] = None, **options: Unpack[GradientOptions]):
         check_references(baselines)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
+        checked_batch_size(batch_size)
         super().__init__(model, eps=eps, **options)
         self.baselines, self.batch_size = baselines, batch_size
 
@@ -269,8 +269,9 @@ class DeepLiftShap(DeepLift):
                             device=batch.device)
         change = torch.zeros(count, selected.scores.shape[1], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, selected.scores.shape[1], dtype=torch.bool, device=batch.device)
-        for start in range(0, len(pairs), self.batch_size):
-            images, references = pairs[start : start + self.batch_size].unbind(1)
+        per_pass = rows_per_pass(self.batch_size, batch.device)
+        for start in range(0, len(pairs), per_pass):
+            images, references = pairs[start : start + per_pass].unbind(1)
             attributions, score_change, unreachable = self.rescaled(batch[images], baselines[references],
                                                                     selected, images)
             total.index_add_(0, images, attributions.double())

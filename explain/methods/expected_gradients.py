@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, register
+from .base import Attribution, checked_batch_size, register, rows_per_pass
 from .gradients import GradientExplainer, GradientOptions, all_zero, input_gradients
 
 
@@ -58,7 +58,7 @@ class GradientShap(GradientExplainer):
     samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
         in model-input units (Captum's stdevs); seed: same seed and device, same draws.
     multiply_by_inputs: False gives the mean gradient itself.
-    batch_size: samples per forward/backward pass.
+    batch_size: samples per forward/backward pass; None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     check_completeness: True (default) reports ``diagnostics["completeness_error"]`` (N, K):
         Σ attributions − mean over the drawn references of (y(x) − y(b)), which shrinks as
         ``samples`` grows, and ``"score_change"``. It costs one no-grad forward per distinct
@@ -71,12 +71,13 @@ class GradientShap(GradientExplainer):
     summary = "GradientSHAP / expected gradients: gradients at random points between the input and random references"
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
-                 noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True, batch_size: int = 32,
-                 check_completeness: bool = True, **options: Unpack[GradientOptions]):
+                 noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True,
+                 batch_size: Optional[int] = None, check_completeness: bool = True, **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         check_references(baselines)
-        if samples < 1 or batch_size < 1 or noise_std < 0:
-            raise ValueError("samples and batch_size must be at least 1 and noise_std non-negative.")
+        checked_batch_size(batch_size)
+        if samples < 1 or noise_std < 0:
+            raise ValueError("samples must be at least 1 and noise_std non-negative.")
         self.baselines, self.samples, self.noise_std, self.seed = baselines, samples, noise_std, seed
         self.multiply_by_inputs, self.batch_size = multiply_by_inputs, batch_size
         self.check_completeness = check_completeness
@@ -113,9 +114,10 @@ class GradientShap(GradientExplainer):
         keys, row_to_key = torch.unique(key_of_row, return_inverse=True)
         row_scores = torch.empty(len(key_of_row), selected.scores.shape[1], dtype=torch.float64,
                                  device=image_of_row.device)
+        per_pass = rows_per_pass(self.batch_size, image_of_row.device)
         with torch.no_grad():
-            for start in range(0, len(keys), self.batch_size):
-                chunk = keys[start : start + self.batch_size]
+            for start in range(0, len(keys), per_pass):
+                chunk = keys[start : start + per_pass]
                 in_chunk = (row_to_key >= start) & (row_to_key < start + len(chunk))
                 if shared:  # one output per reference, scored for the target of each image drawing it
                     output = self.call_model(references[chunk])
@@ -138,8 +140,9 @@ class GradientShap(GradientExplainer):
         image_of_row = torch.arange(count, device=batch.device).repeat_interleave(per_image)
         total = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
-        for start in range(0, len(image_of_row), self.batch_size):
-            rows = slice(start, start + self.batch_size)
+        per_pass = rows_per_pass(self.batch_size, batch.device)
+        for start in range(0, len(image_of_row), per_pass):
+            rows = slice(start, start + per_pass)
             images = image_of_row[rows]
             references = baselines[samples.baseline_index[rows]]
             noisy = batch[images] + samples.noise[rows]

@@ -33,7 +33,7 @@ from ..layouts import Layout, Reshape, infer_layout
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import UnitTarget
-from .base import Attribution, Explainer, register
+from .base import Attribution, Explainer, checked_batch_size, register, rows_per_pass
 from .cam import check_batch_dimension, gradients_at
 from .gradients import RULE_ALIASES, baseline_like, integration_nodes
 
@@ -137,7 +137,8 @@ class LayerPathExplainer(Explainer):
     steps: the number of path points (Layer IG) or intervals (conductance), default 32.
     rule: where the points lie: "midpoint", "left", "right", "trapezoid" or "gausslegendre" (Captum's
         names, "riemann_middle" and so on, are accepted too).
-    batch_size: path points (rows, over all images) per forward/backward pass (bounds memory).
+    batch_size: path points (rows, over all images) per forward/backward pass (bounds memory);
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     relu: keep only positive evidence in the map, as the CAMs do (default); False keeps the signed
         sum over channels. The per-unit attributions are signed either way.
     reshape: how the layer's output becomes (N, C, h, w) maps; None reads channels first, channels
@@ -163,7 +164,7 @@ class LayerPathExplainer(Explainer):
         baseline: Union[str, Tensor] = "zeros",
         steps: int = 32,
         rule: str = "midpoint",
-        batch_size: int = 32,
+        batch_size: Optional[int] = None,
         relu: bool = True,
         reshape: Reshape = None,
         **options,
@@ -171,8 +172,7 @@ class LayerPathExplainer(Explainer):
         super().__init__(model, **options)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int of at least 1; got {batch_size!r}.")
+        checked_batch_size(batch_size)
         baseline_like(baseline, None)  # validates
         self.baseline, self.steps, self.batch_size = baseline, steps, batch_size
         self.rule = RULE_ALIASES.get(rule, rule)
@@ -214,8 +214,9 @@ class LayerPathExplainer(Explainer):
         yields ((R,) image indices, (R,) point indices)."""
         image_of_row = torch.arange(images, device=device).repeat_interleave(points)
         point_of_row = torch.arange(points, device=device).repeat(images)
-        for start in range(0, len(image_of_row), self.batch_size):
-            yield image_of_row[start : start + self.batch_size], point_of_row[start : start + self.batch_size]
+        per_pass = rows_per_pass(self.batch_size, device)
+        for start in range(0, len(image_of_row), per_pass):
+            yield image_of_row[start : start + per_pass], point_of_row[start : start + per_pass]
 
     def layer_output(self, inputs: Tensor) -> tuple[Any, Tensor]:
         """(the model's output, the layer's output) for a batch, without a graph."""

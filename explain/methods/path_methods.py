@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, register
+from .base import Attribution, checked_batch_size, register, rows_per_pass
 from .gradients import GradientExplainer, all_zero, baseline_like, input_gradients
 
 CLOSE_ENOUGH = 1e-9
@@ -99,7 +99,8 @@ class GuidedIG(GradientExplainer):
     fraction: the fraction of features moved in each sub-step (default 0.25).
     max_dist: how far (in relative position α ∈ [0, 1]) a feature may deviate from the straight
         line; 0 gives Integrated Gradients (the left Riemann sum), 1 the unbounded Guided IG.
-    batch_size: rows (image × target paths) per forward/backward pass.
+    batch_size: rows (image × target paths) per forward/backward pass;
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     Each image and target has its own path (the path follows the target's gradient); the
     gradient of every path is taken in one batched pass per step.
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x')),
@@ -117,7 +118,7 @@ class GuidedIG(GradientExplainer):
         steps: int = 200,
         fraction: float = 0.25,
         max_dist: float = 0.02,
-        batch_size: int = 32,
+        batch_size: Optional[int] = None,
         **options,
     ):
         super().__init__(model, **options)
@@ -128,10 +129,8 @@ class GuidedIG(GradientExplainer):
             raise ValueError(f"fraction must be in (0, 1]; got {fraction!r}.")
         if not 0 <= max_dist <= 1:
             raise ValueError(f"max_dist must be in [0, 1]; got {max_dist!r}.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
         self.baseline, self.steps, self.fraction, self.max_dist = baseline, steps, fraction, max_dist
-        self.batch_size = batch_size
+        self.batch_size = checked_batch_size(batch_size)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
@@ -145,10 +144,12 @@ class GuidedIG(GradientExplainer):
         target_of_row = torch.arange(targets, device=batch.device).repeat(count)
         disconnected = torch.ones(len(image_of_row), dtype=torch.bool, device=batch.device)
 
+        per_pass = rows_per_pass(self.batch_size, batch.device)
+
         def gradient_at(points: Tensor) -> Tensor:
             gradients = []
-            for start in range(0, len(points), self.batch_size):
-                rows = slice(start, start + self.batch_size)
+            for start in range(0, len(points), per_pass):
+                rows = slice(start, start + per_pass)
                 gradient, unreachable = self.row_gradients(
                     points[rows].view(-1, *batch.shape[1:]).to(batch.dtype), selected, image_of_row[rows],
                     target_of_row[rows])
@@ -224,7 +225,8 @@ class BlurIG(GradientExplainer):
     grad_step: the finite-difference step in σ for ∂x/∂σ (default 0.01 as PAIR).
     sqrt: PAIR's square-root spacing, σ_i = √(i · max_sigma / steps) (the path then starts at
         σ = √max_sigma).
-    batch_size: points per forward/backward pass (every target of a point in the same pass).
+    batch_size: points per forward/backward pass (every target of a point in the same pass);
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x(σ_max))),
     "score_change" (N, K) y(x) − y(x(σ_max)).
     """
@@ -240,7 +242,7 @@ class BlurIG(GradientExplainer):
         steps: int = 100,
         grad_step: float = 0.01,
         sqrt: bool = False,
-        batch_size: int = 32,
+        batch_size: Optional[int] = None,
         **options,
     ):
         super().__init__(model, **options)
@@ -248,10 +250,8 @@ class BlurIG(GradientExplainer):
             raise ValueError(f"max_sigma and grad_step must be positive; got {max_sigma!r} and {grad_step!r}.")
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
         self.max_sigma, self.steps, self.grad_step, self.sqrt = float(max_sigma), steps, float(grad_step), sqrt
-        self.batch_size = batch_size
+        self.batch_size = checked_batch_size(batch_size)
 
     def sigmas(self) -> list[float]:
         """The steps + 1 values of σ that bound the Riemann sum's intervals, from 0 up."""
@@ -273,9 +273,10 @@ class BlurIG(GradientExplainer):
         step_of_row = list(range(self.steps)) * count
         integral = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
-        for start in range(0, len(image_of_row), self.batch_size):
-            images = image_of_row[start : start + self.batch_size]
-            at_steps = step_of_row[start : start + self.batch_size]
+        per_pass = rows_per_pass(self.batch_size, batch.device)
+        for start in range(0, len(image_of_row), per_pass):
+            images = image_of_row[start : start + per_pass]
+            at_steps = step_of_row[start : start + per_pass]
             originals = images64[images]
             points = gaussian_blur(originals, [sigmas[step] for step in at_steps])
             further = gaussian_blur(originals, [sigmas[step] + self.grad_step for step in at_steps])

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, ExplainerOptions, register
+from .base import Attribution, Explainer, ExplainerOptions, checked_batch_size, register, rows_per_pass
 from .gradients import GradientExplainer, GradientOptions, Saliency, reduce_channels
 
 STATISTICS = ("mean", "mean_square", "variance")
@@ -32,7 +32,8 @@ class SmoothGrad(Explainer):
         map is computed first and the maps are averaged (the default for CAMs and layer methods).
     seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
         device, same map.
-    batch_size: noisy copies per pass of the wrapped method.
+    batch_size: noisy copies per pass of the wrapped method;
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     The targets are chosen on the clean image and kept for every noisy copy.
     """
 
@@ -50,7 +51,7 @@ class SmoothGrad(Explainer):
         noise_std: Optional[float] = None,
         average: Optional[str] = None,
         seed: int = 0,
-        batch_size: int = 32,
+        batch_size: Optional[int] = None,
         **options: Unpack[GradientOptions],
     ):
         if isinstance(explainer, nn.Module):
@@ -64,8 +65,9 @@ class SmoothGrad(Explainer):
         options.pop("reduce", None)
         shared: ExplainerOptions = options  # without "reduce", the wrapped method's own option
         super().__init__(explainer.model, **shared)
-        if samples < 1 or noise < 0 or batch_size < 1 or (noise_std is not None and noise_std < 0):
-            raise ValueError("samples and batch_size must be at least 1 and noise / noise_std non-negative.")
+        checked_batch_size(batch_size)
+        if samples < 1 or noise < 0 or (noise_std is not None and noise_std < 0):
+            raise ValueError("samples must be at least 1 and noise / noise_std non-negative.")
         if average not in (None, *AVERAGES):
             raise ValueError(f"average must be one of {AVERAGES}; got {average!r}.")
         self.explainer = explainer
@@ -88,7 +90,7 @@ class SmoothGrad(Explainer):
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
         generator = torch.Generator(device=batch.device).manual_seed(self.seed)  # drawn where the batch is
-        samples_per_pass = max(1, self.batch_size // count)
+        samples_per_pass = max(1, rows_per_pass(self.batch_size, batch.device) // count)
         sums: dict[str, Tensor] = {}
         inner: Optional[Attribution] = None
         flags: dict[str, Tensor] = {}  # where every noisy copy's gradient was zero / disconnected

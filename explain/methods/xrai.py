@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, register, upsample_maps
+from .base import Attribution, Explainer, checked_batch_size, register, upsample_maps
 from .gradients import REDUCTIONS, IntegratedGradients, baseline_like, reduce_channels
 
 XRAI_REDUCTIONS = ("max", *REDUCTIONS)
@@ -196,7 +196,8 @@ class XRAI(Explainer):
         default ``Felzenszwalb()`` (PAIR's scales, resize to 224 px and 5-pixel dilation).
     area_threshold: stop adding regions once this fraction of the image is covered (default 1.0).
     min_pixel_diff: segments adding fewer new pixels than this are dropped (default 50 as PAIR).
-    batch_size: interpolated inputs per forward/backward pass of Integrated Gradients.
+    batch_size: interpolated inputs per forward/backward pass of Integrated Gradients;
+        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
     ``Explanation.diagnostics``: "ranks" (N, K, H, W) long, 1 for the first region added;
     "gains" (N, K, H, W) each region's gain (PAIR's XRAI heatmap); "base_attributions"
     (N, K, H, W) the channel-reduced attributions the regions were ranked by.
@@ -215,7 +216,7 @@ class XRAI(Explainer):
         segmenter: Optional[Callable[[Tensor], Tensor]] = None,
         area_threshold: float = 1.0,
         min_pixel_diff: int = 50,
-        batch_size: int = 32,
+        batch_size: Optional[int] = None,
         **options,
     ):
         self.explainer: Optional[Explainer] = None
@@ -231,8 +232,9 @@ class XRAI(Explainer):
         super().__init__(model, **options)
         if reduce not in XRAI_REDUCTIONS:
             raise ValueError(f"reduce must be one of {XRAI_REDUCTIONS}; got {reduce!r}.")
-        if not isinstance(steps, int) or steps < 1 or batch_size < 1:
-            raise ValueError(f"steps and batch_size must be ints of at least 1; got {steps!r} and {batch_size!r}.")
+        checked_batch_size(batch_size)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
         if not 0 <= area_threshold <= 1:
             raise ValueError(f"area_threshold must be in [0, 1]; got {area_threshold!r}.")
         if baselines is not None:

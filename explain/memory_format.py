@@ -1,0 +1,90 @@
+"""The memory layout in which the toolkit hands a batch to the model.
+
+On the CPU, PyTorch's oneDNN convolutions run forward and backward faster on a channels-last
+batch (the same values, stored pixel by pixel instead of plane by plane) once the batch holds a
+few rows: at 16 rows, 0.67–0.86× the time on resnet18/50, vgg11, densenet121, mobilenet_v3 and
+efficientnet_b0, while at 1–2 rows resnet18 ran 1.2× slower (``benchmarks/memory_format.py``,
+table in benchmarks/RESULTS.md). So the copy of the batch that every method makes for the model's
+forward is made channels-last where that was measured faster: on the CPU, a floating-point 4-D batch
+of at least ``CHANNELS_LAST_MIN_ROWS`` rows, for a model with 2-D convolutions. The model itself
+(parameters, buffers) is never touched, and maps, scores and gradients have the same values up to
+float rounding.
+
+A model whose forward cannot take that layout (a ``.view`` of a tensor that is not contiguous, an
+extension that wants contiguous memory) fails with an error about strides or contiguity; the call
+is then run again with the usual layout (``usual_layout_only``), so such a model gets what it would
+have got without this.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+CHANNELS_LAST_MIN_ROWS = 4
+"""The fewest rows a batch needs before it is given to the model channels-last (CPU only)."""
+
+CHANNELS_LAST_DTYPES = (torch.float32, torch.bfloat16)
+"""The input dtypes for which oneDNN runs channels-last convolutions (float64 has no such kernels)."""
+
+_LAYOUT_WORDS = ("stride", "contiguous", "view size is not compatible")
+
+_thread = threading.local()
+
+
+@contextmanager
+def usual_layout_only() -> Iterator[None]:
+    """Within the block, on this thread, every batch goes to the model in the usual (contiguous) layout."""
+    previous = getattr(_thread, "usual_only", False)
+    _thread.usual_only = True
+    try:
+        yield
+    finally:
+        _thread.usual_only = previous
+
+
+def has_convolutions(model: nn.Module) -> bool:
+    """Whether the model contains a 2-D convolution (which a channels-last batch speeds up)."""
+    return any(isinstance(module, nn.Conv2d) for module in model.modules())
+
+
+def wants_channels_last(model: nn.Module, inputs: Tensor) -> bool:
+    """Whether a batch is given to this model channels-last (see the module's docstring)."""
+    return (
+        not getattr(_thread, "usual_only", False)
+        and inputs.device.type == "cpu"
+        and inputs.dim() == 4
+        and inputs.shape[0] >= CHANNELS_LAST_MIN_ROWS
+        and inputs.dtype in CHANNELS_LAST_DTYPES
+        and has_convolutions(model)
+    )
+
+
+def model_batch(model: nn.Module, inputs: Tensor) -> Tensor:
+    """A copy of ``inputs`` for one forward of ``model`` (inside the autograd graph when ``inputs``
+    requires grad), in the memory layout that runs fastest: channels-last where
+    ``wants_channels_last``, else the layout ``inputs`` has. Same shape, dtype, device and values."""
+    if wants_channels_last(model, inputs):
+        _thread.channels_last_copies = channels_last_copies() + 1
+        return inputs.clone(memory_format=torch.channels_last)
+    return inputs.clone()
+
+
+def channels_last_copies() -> int:
+    """How many channels-last batches this thread has given to a model so far (to tell whether a
+    failed call used one)."""
+    return getattr(_thread, "channels_last_copies", 0)
+
+
+def is_layout_error(error: BaseException) -> bool:
+    """Whether an error (or one it was raised from) is a model refusing a tensor's memory layout."""
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and any(word in str(seen) for word in _LAYOUT_WORDS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

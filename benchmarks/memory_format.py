@@ -99,7 +99,8 @@ def main() -> None:
                          f"{gradient['channels_last'] / gradient['contiguous']:.2f} "
                          f"({gradient['contiguous'] / rows * 1000:.0f})")
         lines.append(f"| {model_name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Command: `python benchmarks/memory_format.py --rows {' '.join(map(str, arguments.rows))}`."]
+    lines += ["", f"Command: `python benchmarks/memory_format.py --rows {' '.join(map(str, arguments.rows))} "
+              f"--repeats {arguments.repeats}`."]
     write_section("Memory layout of the model's input (CPU)", "\n".join(lines))
 
 

@@ -21,6 +21,7 @@ the sign), upsampled to the input; ``low_res_maps`` holds it at the layer's reso
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
@@ -199,15 +200,15 @@ class LayerPathExplainer(Explainer):
     def layer_name(self) -> Optional[str]:
         return None if self.target_layer is None else self.target_layer[0]
 
+    @abstractmethod
     def path_points(self) -> Tensor:
         """(P,) float64 points α in [0, 1], increasing, where the method evaluates the path."""
-        raise TypeError(f"{type(self).__name__} defines no path_points.")
 
+    @abstractmethod
     def path_attributions(self, batch: Tensor, baseline: Tensor, start: Tensor, end: Tensor,
                           selected: SelectedTargets) -> PathAttributions:
         """The method's formula. batch x and baseline x' (N, C, H, W); start A(x') and end A(x), the
         layer's outputs for them (N, ...); the targets selected on x."""
-        raise TypeError(f"{type(self).__name__} defines no path_attributions.")
 
     def path_rows(self, images: int, points: int, device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
         """(image, point) index pairs of every path point, image by image, in chunks of ``batch_size``:

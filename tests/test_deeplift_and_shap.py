@@ -368,3 +368,36 @@ def test_gradientshap_equals_captum_given_the_same_draws(name, monkeypatch):
         selected = explain.targets.select_targets(model(x), targets, None, batch_size=3)
     ours = explainer.attribute_with(x, selected, samples)
     assert relative_error(ours.attributions[:, 0], theirs.detach()) <= 1e-4
+
+
+class CountsForwards(nn.Module):
+    """SmallCNN in float64 that records the batch size of every forward, its output a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallCNN().double().eval()
+        self.batch_sizes: list[int] = []
+
+    def forward(self, x):
+        self.batch_sizes.append(len(x))
+        return {"logits": self.net(x)}
+
+
+def test_deeplift_runs_the_model_once_on_images_and_baselines_and_picks_targets_there():
+    """One forward on [x; x'] (2N rows) serves the target choice too: top-1 and top-k classes are the
+    model's own on x, and the attributions equal those for the same classes given explicitly."""
+    torch.manual_seed(0)
+    model = CountsForwards()
+    x = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    with torch.no_grad():
+        logits = model.net(x)
+    top1 = explain.DeepLift(model).explain(x)
+    assert model.batch_sizes == [6]
+    assert top1.class_indices.flatten().tolist() == logits.argmax(1).tolist()
+    torch.testing.assert_close(top1.scores.flatten().double(), logits.max(1).values, rtol=1e-6, atol=1e-6)
+    top2 = explain.DeepLift(model).explain(x, topk=2)
+    assert top2.class_indices.tolist() == logits.topk(2).indices.tolist()
+    given = explain.DeepLift(model).explain(x, target=top2.class_indices.tolist())
+    torch.testing.assert_close(top2.attributions, given.attributions, rtol=0, atol=0)
+    change = top2.diagnostics["score_change"].double()
+    assert (top2.diagnostics["summation_error"].double().abs() <= 1e-6 * change.abs().clamp_min(1)).all()

@@ -124,9 +124,10 @@ def upsample_maps(maps: Tensor, size: Sequence[int]) -> Tensor:
 
 ROWS_PER_PASS = {"cpu": 16}
 """Rows (path points, noisy or reference copies of the images) per forward/backward pass when a
-method's ``batch_size`` is None, by device type; 32 on other devices. On the CPU a pass of 16 rows
-cost the least per row (resnet18 and resnet50, 224 px: 0.72× and 0.63× of a 32-row pass's time per
-row with Integrated Gradients; benchmarks/RESULTS.md, "Memory layout of the model's input")."""
+method's ``batch_size`` is None, by device type; 32 on other devices. On the CPU, passes of 16 rows
+cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the time of 32-row passes on
+resnet18, 0.63× on resnet50; per-row costs by pass size in benchmarks/RESULTS.md, "Memory layout of
+the model's input")."""
 
 
 def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:

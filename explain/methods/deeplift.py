@@ -49,27 +49,37 @@ def _halves(tensor: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class RescaledNonlinearity(torch.autograd.Function):
-    """y = f(z) on [z; z']; backward: grad · Δy/Δz for both halves, f'(z) · grad where |Δz| < eps."""
+    """y = f(z) on [z; z']; backward: grad · m with the multiplier m = Δy/Δz for both halves, and f'
+    at each half's own z where |Δz| < eps. The multipliers are computed in the forward and kept alone
+    (not the inputs and outputs, which later in-place operations could change)."""
 
     @staticmethod
     def forward(ctx: Any, inputs: Tensor, function: Callable[[Tensor], Tensor], eps: float) -> Tensor:
         outputs = function(inputs)
-        ctx.function, ctx.eps = function, eps
-        ctx.inputs, ctx.outputs = inputs.detach().clone(), outputs.detach().clone()  # safe from in-place ops
+        z, z_ref = _halves(inputs)
+        y, y_ref = _halves(outputs)
+        delta_in = z - z_ref
+        small = delta_in.abs() < eps
+        rescaled = (y - y_ref) / torch.where(small, torch.ones_like(delta_in), delta_in)
+        ordinary = _derivative(function, inputs)
+        ctx.save_for_backward(torch.where(torch.cat([small, small]), ordinary, torch.cat([rescaled, rescaled])))
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None]:
         (grad_output,) = grad_outputs  # one output, one gradient
-        z, z_ref = _halves(ctx.inputs)
-        y, y_ref = _halves(ctx.outputs)
-        delta_in, delta_out = torch.cat([z - z_ref] * 2), torch.cat([y - y_ref] * 2)
-        with torch.enable_grad():
-            leaf = ctx.inputs.clone().requires_grad_(True)
-            (ordinary,) = torch.autograd.grad(ctx.function(leaf), leaf, grad_output)
-        small = delta_in.abs() < ctx.eps
-        rescaled = grad_output * delta_out / torch.where(small, torch.ones_like(delta_in), delta_in)
-        return torch.where(small, ordinary, rescaled), None, None
+        (multipliers,) = ctx.saved_tensors
+        return grad_output * multipliers, None, None
+
+
+def _derivative(function: Callable[[Tensor], Tensor], inputs: Tensor) -> Tensor:
+    """f'(z) elementwise for an elementwise f: by its formula for ReLU, by autograd otherwise."""
+    if function is F.relu:
+        return (inputs > 0).to(inputs.dtype)
+    with torch.enable_grad():
+        leaf = inputs.detach().requires_grad_(True)
+        (derivative,) = torch.autograd.grad(function(leaf).sum(), leaf)
+    return derivative
 
 
 class MaxPoolRule(torch.autograd.Function):
@@ -77,36 +87,39 @@ class MaxPoolRule(torch.autograd.Function):
     u = max(y, y'), the images' half sends grad · (u − y') back to the positions of z's maxima,
     the baselines' half grad · (y − u) to those of z''s maxima, both halves get the sum divided by
     Δz. Positions shared by overlapping windows (a 3×3 pool of stride 2) add up their windows'
-    shares, so the multipliers sum exactly to the pooled difference."""
+    shares, so the multipliers sum exactly to the pooled difference. Where |Δz| < eps, the pooling's
+    ordinary gradient (grad sent to each half's own maxima)."""
 
     eps = 1e-10
 
     @staticmethod
     def forward(ctx: Any, inputs: Tensor, pool: Callable[..., Any], options: dict[str, Any]) -> Tensor:
         outputs, indices = pool(inputs, return_indices=True, **options)
-        ctx.pool, ctx.options = pool, options
-        ctx.save_for_backward(inputs.detach().clone(), outputs.detach().clone(), indices)
+        z, z_ref = _halves(inputs)
+        ctx.input_shape = inputs.shape
+        ctx.save_for_backward(z - z_ref, outputs.detach().clone(), indices)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None]:
         (grad_output,) = grad_outputs  # one output, one gradient
-        inputs, outputs, indices = ctx.saved_tensors
-        z, z_ref = _halves(inputs)
+        delta_half, outputs, indices = ctx.saved_tensors
         y, y_ref = _halves(outputs)
-        delta_in = torch.cat([z - z_ref] * 2)
         larger = torch.max(y, y_ref)
         shares = grad_output * torch.cat([larger - y_ref, y - larger])
-        spread = torch.zeros(*inputs.shape[:2], inputs[0, 0].numel(), dtype=shares.dtype, device=shares.device)
-        spread.scatter_add_(2, indices.flatten(2), shares.flatten(2))
-        first, second = _halves(spread.view(inputs.shape))
-        combined = torch.cat([first + second] * 2)
-        with torch.enable_grad():
-            leaf = inputs.clone().requires_grad_(True)
-            (ordinary,) = torch.autograd.grad(ctx.pool(leaf, **ctx.options), leaf, grad_output)
-        small = delta_in.abs() < MaxPoolRule.eps
-        rescaled = combined / torch.where(small, torch.ones_like(delta_in), delta_in)
-        return torch.where(small, ordinary, rescaled), None, None
+        first, second = _halves(_to_maxima(shares, indices, ctx.input_shape))
+        small = delta_half.abs() < MaxPoolRule.eps
+        rescaled = (first + second) / torch.where(small, torch.ones_like(delta_half), delta_half)
+        ordinary = _to_maxima(grad_output, indices, ctx.input_shape)  # max pooling's own backward
+        return torch.where(torch.cat([small, small]), ordinary, torch.cat([rescaled, rescaled])), None, None
+
+
+def _to_maxima(values: Tensor, indices: Tensor, input_shape: torch.Size) -> Tensor:
+    """(N, C, *pooled) values added up at the input positions their windows' maxima came from
+    (``indices`` as max pooling returns them): (N, C, *input spatial)."""
+    spread = torch.zeros(*input_shape[:2], input_shape[2:].numel(), dtype=values.dtype, device=values.device)
+    spread.scatter_add_(2, indices.flatten(2), values.flatten(2))
+    return spread.view(input_shape)
 
 
 def _pool_options(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -197,27 +210,33 @@ class DeepLift(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
-        with torch.no_grad():
-            selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
         baseline = baseline_like(self.baseline, batch)
-        attributions, score_change, disconnected = self.rescaled(batch, baseline, selected,
-                                                                 torch.arange(count, device=batch.device))
+        attributions, score_change, disconnected, selected = self.rescaled(
+            batch, baseline, (target, topk), torch.arange(count, device=batch.device))
         self.disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())
 
-    def rescaled(self, inputs: Tensor, baselines: Tensor, selected: SelectedTargets,
-                 image_of_row: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rescaled(self, inputs: Tensor, baselines: Tensor, targets: SelectedTargets | tuple[Target, Optional[int]],
+                 image_of_row: Tensor) -> tuple[Tensor, Tensor, Tensor, SelectedTargets]:
         """DeepLIFT of R rows against their own baselines, row r being a copy of image
         ``image_of_row[r]``: ((R, K, C, H, W) attributions, (R, K) y(x) − y(x') in float64,
-        (R, K) bool where the score does not depend on the input)."""
+        (R, K) bool where the score does not depend on the input, the targets). targets: selected
+        already, or (target, topk) to select on the images' half of this forward (R = N images)."""
         rows = len(inputs)
         both_images = torch.cat([image_of_row, image_of_row])
         with torch.enable_grad():
             stacked = torch.cat([inputs, baselines]).detach().requires_grad_(True)
             with rescale_rule(self.eps):
                 output = self.call_model(stacked, rows=both_images)
+            if isinstance(targets, SelectedTargets):
+                selected = targets
+            elif isinstance(output, Tensor) and output.shape[:1] == (2 * rows,):  # no forward of its own
+                selected = select_targets(output[:rows].detach(), *targets, batch_size=rows)
+            else:  # an output that cannot be split by rows: the targets from a forward at x
+                with torch.no_grad():
+                    selected = select_targets(self.call_model(inputs), *targets, batch_size=rows)
             scores = selected.scores_for(output, both_images)  # (2R, K)
             multipliers, disconnected = [], []
             for k in range(scores.shape[1]):
@@ -230,7 +249,7 @@ class DeepLift(GradientExplainer):
                 disconnected.append(torch.full((rows,), gradient is None, dtype=torch.bool, device=inputs.device))
         score_change = (scores[:rows] - scores[rows:]).detach().double()
         attributions = (inputs - baselines)[:, None] * torch.stack(multipliers, dim=1)
-        return attributions, score_change, torch.stack(disconnected, dim=1)
+        return attributions, score_change, torch.stack(disconnected, dim=1), selected
 
 
 @register
@@ -272,8 +291,8 @@ class DeepLiftShap(DeepLift):
         per_pass = rows_per_pass(self.batch_size, batch.device)
         for start in range(0, len(pairs), per_pass):
             images, references = pairs[start : start + per_pass].unbind(1)
-            attributions, score_change, unreachable = self.rescaled(batch[images], baselines[references],
-                                                                    selected, images)
+            attributions, score_change, unreachable, _ = self.rescaled(batch[images], baselines[references],
+                                                                       selected, images)
             total.index_add_(0, images, attributions.double())
             change.index_add_(0, images, score_change)
             disconnected[images] &= unreachable

@@ -4,9 +4,10 @@ On the CPU, PyTorch's oneDNN convolutions run forward and backward faster on a c
 batch (the same values, stored pixel by pixel instead of plane by plane) once the batch holds a
 few rows: from 4 rows, 0.62–0.87× the time on resnet18/50, vgg11, densenet121, mobilenet_v3 and
 efficientnet_b0 (convnext and ViT level), while at 1–2 rows resnet18's forward ran 1.45× and 1.16×
-slower (``benchmarks/memory_format.py``, table in benchmarks/RESULTS.md). So the copy of the batch that every method makes for the model's
-forward is made channels-last where that was measured faster: on the CPU, a floating-point 4-D batch
-of at least ``CHANNELS_LAST_MIN_ROWS`` rows, for a model with 2-D convolutions. The model itself
+slower (``benchmarks/memory_format.py``, table in benchmarks/RESULTS.md). So the copy of the batch
+that every method makes for the model's forward is made channels-last where that was measured
+faster: on the CPU, a float32 or bfloat16 4-D batch of at least ``CHANNELS_LAST_MIN_ROWS`` rows, for
+a model with 2-D convolutions. The model itself
 (parameters, buffers) is never touched, and maps, scores and gradients have the same values up to
 float rounding.
 

@@ -11,10 +11,13 @@ a model with 2-D convolutions. The model itself
 (parameters, buffers) is never touched, and maps, scores and gradients have the same values up to
 float rounding.
 
-A model whose forward cannot take that layout (a ``.view`` of a tensor that is not contiguous, an
-extension that wants contiguous memory) fails with an error about strides or contiguity; the call
-is then run again with the usual layout (``usual_layout_only``), so such a model gets what it would
-have got without this.
+A model whose forward refuses that layout (a ``.view`` of a tensor that is not contiguous, an
+``assert x.is_contiguous()``, an extension that wants contiguous memory) raises; when a call that
+gave the model a channels-last batch fails inside the model (or with an error about strides or
+contiguity), the call is run once more with the usual layout (``usual_layout_only``): such a model
+gets the map, or the error, it would have got without this. A model that silently reads memory by
+its own strides (``torch.as_strided`` written for contiguous tensors) cannot be told apart: explain
+it inside ``usual_layout_only()``.
 """
 
 from __future__ import annotations
@@ -81,11 +84,16 @@ def channels_last_copies() -> int:
     return getattr(_thread, "channels_last_copies", 0)
 
 
-def is_layout_error(error: BaseException) -> bool:
-    """Whether an error (or one it was raised from) is a model refusing a tensor's memory layout."""
+def may_be_layout_error(error: BaseException, model_failures: tuple[type[BaseException], ...]) -> bool:
+    """Whether an error could come from a model refusing a channels-last batch: the model itself failed
+    (an error of ``model_failures`` anywhere in the chain, e.g. ``ModelInputError``, whatever its
+    message: a bare ``assert x.is_contiguous()`` says nothing) or an error mentions strides or
+    contiguity. Chains that loop back on themselves are walked once."""
+    visited: set[int] = set()
     seen: Optional[BaseException] = error
-    while seen is not None:
-        if isinstance(seen, RuntimeError) and any(word in str(seen) for word in _LAYOUT_WORDS):
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if isinstance(seen, model_failures) or any(word in str(seen) for word in _LAYOUT_WORDS):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -118,11 +118,55 @@ def test_a_model_that_refuses_channels_last_is_run_in_the_usual_layout(method):
         assert model.layouts[0] == "channels_last" and set(model.layouts[1:]) == {"contiguous"}, model.layouts
 
 
-def test_an_error_that_is_not_about_the_layout_is_raised_at_once():
-    model = RecordsItsInput(fail_with="mat1 and mat2 shapes cannot be multiplied").eval()
-    with pytest.raises(ModelInputError, match="shapes cannot be multiplied"):
-        explain.Saliency(model).explain(torch.randn(4, 3, 8, 8), target=0)
+def test_an_error_outside_the_model_is_raised_at_once():
+    model = RecordsItsInput().eval()
+    with pytest.raises(ValueError, match="out of range"):
+        explain.Saliency(model).explain(torch.randn(4, 3, 8, 8), target=7)  # 3 classes
     assert model.layouts == ["channels_last"]  # not run again
+
+
+class AssertsContiguousInput(nn.Module):
+    """A model that checks its input's layout with a bare assert (no message to recognise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        assert x.is_contiguous()
+        return self.fc(torch.relu(self.conv(x)).amax(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("method, images", [("saliency", 4), ("integratedgradients", 1), ("deeplift", 2),
+                                            ("gradcam", 5)])
+def test_a_model_that_asserts_a_contiguous_input_gets_its_usual_map(method, images):
+    """Integrated Gradients of one image runs 16-row passes and DeepLIFT of two images a 4-row one:
+    each gets a channels-last batch first, fails inside the model, and is run again as usual."""
+    torch.manual_seed(0)
+    model = AssertsContiguousInput().eval()
+    x = torch.randn(images, 3, 8, 8)
+    cls = explain.get_method(method)
+
+    def build():
+        return cls(model, "conv", normalize=None) if cls.needs_layer else cls(model, normalize=None)
+
+    with usual_layout_only():
+        expected = build().explain(x, target=0).maps
+    torch.testing.assert_close(build().explain(x, target=0).maps, expected, rtol=0, atol=0)
+
+
+def test_an_error_chain_that_loops_is_raised_not_walked_forever():
+    class RaisesFromItself(RecordsItsInput):
+        def forward(self, x):
+            self.layouts.append(layout_of(x))
+            error = RuntimeError("the model is not ready")
+            raise error from error
+
+    model = RaisesFromItself().eval()
+    with pytest.raises(ModelInputError, match="not ready"):
+        explain.Saliency(model).explain(torch.randn(4, 3, 8, 8), target=0)
+    assert model.layouts == ["channels_last", "contiguous"]  # a model failure: run once more as usual
 
 
 def test_a_model_that_fails_in_both_layouts_raises_the_usual_layouts_error_and_leaves_nothing_set():

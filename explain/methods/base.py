@@ -16,10 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import ForwardArguments, check_hookable, map_tensors, model_device, model_dtype, run_model
+from ..capture import (
+    ForwardArguments,
+    ModelInputError,
+    check_hookable,
+    map_tensors,
+    model_device,
+    model_dtype,
+    run_model,
+)
 from ..explanation import Diagnostic, Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
-from ..memory_format import channels_last_copies, is_layout_error, model_batch, usual_layout_only
+from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_output
 from ..units import bind_units
@@ -429,10 +437,10 @@ class Explainer(ABC):
             attribution: Optional[Attribution] = None
             try:
                 attribution = self.attribute(prepared.batch, target, topk)
-            except RuntimeError as error:
-                if channels_last_copies() == copies_before or not is_layout_error(error):
+            except (RuntimeError, AssertionError, ValueError) as error:
+                if channels_last_copies() == copies_before or not may_be_layout_error(error, (ModelInputError,)):
                     raise
-            if attribution is None:  # the model refused a channels-last batch: run as it always runs
+            if attribution is None:  # the model may have refused a channels-last batch: run as it always runs
                 scope.enter(usual_layout_only())
                 attribution = self.attribute(prepared.batch, target, topk)
             raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])

@@ -197,6 +197,10 @@ class DeepLift(GradientExplainer):
         IntegratedGradients). eps: |Δz| below which the ordinary derivative is used.
     ``Explanation.diagnostics["summation_error"]`` (N, K) is Σ attributions − (y(x) − y(x')),
     zero up to rounding for ReLU/max-pool networks; ``["score_change"]`` is y(x) − y(x').
+    The targets (top-1, top-k) and scores come from the images' rows of the one forward on [x; x'].
+    A model whose rows depend on each other in eval mode (batch statistics computed inside its
+    forward) gives other scores there than on x alone, and so do its attributions: such a model has
+    no per-image DeepLIFT, here or in Captum, which stacks the rows alike.
     """
 
     name = "deeplift"

@@ -7,9 +7,8 @@ efficientnet_b0 (convnext and ViT level), while at 1–2 rows resnet18's forward
 slower (``benchmarks/memory_format.py``, table in benchmarks/RESULTS.md). So the copy of the batch
 that every method makes for the model's forward is made channels-last where that was measured
 faster: on the CPU, a float32 or bfloat16 4-D batch of at least ``CHANNELS_LAST_MIN_ROWS`` rows, for
-a model with 2-D convolutions. The model itself
-(parameters, buffers) is never touched, and maps, scores and gradients have the same values up to
-float rounding.
+a model with 2-D convolutions. The model itself (parameters, buffers) is never touched, and maps,
+scores and gradients have the same values up to float rounding.
 
 A model whose forward refuses that layout (a ``.view`` of a tensor that is not contiguous, an
 ``assert x.is_contiguous()``, an extension that wants contiguous memory) raises; when a call that
@@ -28,6 +27,8 @@ from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from .capture import ModelInputError
 
 CHANNELS_LAST_MIN_ROWS = 4
 """The fewest rows a batch needs before it is given to the model channels-last (CPU only)."""
@@ -84,16 +85,16 @@ def channels_last_copies() -> int:
     return getattr(_thread, "channels_last_copies", 0)
 
 
-def may_be_layout_error(error: BaseException, model_failures: tuple[type[BaseException], ...]) -> bool:
+def may_be_layout_error(error: BaseException) -> bool:
     """Whether an error could come from a model refusing a channels-last batch: the model itself failed
-    (an error of ``model_failures`` anywhere in the chain, e.g. ``ModelInputError``, whatever its
-    message: a bare ``assert x.is_contiguous()`` says nothing) or an error mentions strides or
-    contiguity. Chains that loop back on themselves are walked once."""
+    (a ``ModelInputError`` anywhere in the chain, whatever its message: a bare ``assert
+    x.is_contiguous()`` says nothing) or an error mentions strides or contiguity. Chains that loop
+    back on themselves are walked once."""
     visited: set[int] = set()
     seen: Optional[BaseException] = error
     while seen is not None and id(seen) not in visited:
         visited.add(id(seen))
-        if isinstance(seen, model_failures) or any(word in str(seen) for word in _LAYOUT_WORDS):
+        if isinstance(seen, ModelInputError) or any(word in str(seen) for word in _LAYOUT_WORDS):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

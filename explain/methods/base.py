@@ -16,15 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import (
-    ForwardArguments,
-    ModelInputError,
-    check_hookable,
-    map_tensors,
-    model_device,
-    model_dtype,
-    run_model,
-)
+from ..capture import ForwardArguments, check_hookable, map_tensors, model_device, model_dtype, run_model
 from ..explanation import Diagnostic, Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
@@ -438,7 +430,7 @@ class Explainer(ABC):
             try:
                 attribution = self.attribute(prepared.batch, target, topk)
             except (RuntimeError, AssertionError, ValueError) as error:
-                if channels_last_copies() == copies_before or not may_be_layout_error(error, (ModelInputError,)):
+                if channels_last_copies() == copies_before or not may_be_layout_error(error):
                     raise
             if attribution is None:  # the model may have refused a channels-last batch: run as it always runs
                 scope.enter(usual_layout_only())

@@ -60,11 +60,24 @@ def run_model(model: nn.Module, inputs: object, call: Optional[ForwardArguments]
             "the image goes)."
         ) from error
     except (RuntimeError, AssertionError, ValueError, IndexError) as error:
+        if is_out_of_memory(error):  # not the input's fault: passed on as it is (see Explainer.row_passes)
+            raise
         raise ModelInputError(
             f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If it expects "
             "another size or channel count, pass a preprocess that produces it (e.g. torchvision "
             "weights.transforms() for its 224 px models), or resize the tensor yourself."
         ) from error
+
+
+_ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                        "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an error is a failed allocation: torch's OutOfMemoryError, or a RuntimeError from an
+    allocator, cuBLAS or cuDNN that says so."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(words in str(error) for words in _ALLOCATION_FAILURES))
 
 
 def _shape_text(inputs: object) -> str:

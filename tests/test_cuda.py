@@ -92,3 +92,23 @@ def test_the_demo_transformers_attention_methods_on_the_gpu_equal_the_cpu(exact_
         on_gpu = explain.get_method(name)(model.cuda()).explain(batch.cuda(), topk=2)
         model.cpu()
         torch.testing.assert_close(on_gpu.maps.cpu(), on_cpu.maps, rtol=1e-3, atol=1e-3)
+
+
+def test_a_pass_too_large_for_the_gpu_is_run_again_in_halves(exact_float32):
+    """Integrated Gradients' 256 rows in one pass (resnet18, 224 px: about 5 GB) under a 2 GiB cap:
+    the pass is halved until it fits, the map equals 32-row passes', and the size is kept."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval().cuda()
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    expected = explain.IntegratedGradients(model, steps=64, batch_size=32).explain(x, target=[1, 2, 3, 4])
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total)
+    try:
+        explainer = explain.IntegratedGradients(model, steps=64)
+        result = explainer.explain(x, target=[1, 2, 3, 4])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert explainer.rows_that_fit[str(x.device)] < 256
+    torch.testing.assert_close(result.maps, expected.maps, rtol=1e-3, atol=2e-3)

@@ -10,13 +10,21 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Optional, Sequence, TypedDict, TypeVar, overload
+from typing import Any, Callable, ClassVar, Generic, Iterator, Optional, Sequence, TypedDict, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import ForwardArguments, check_hookable, map_tensors, model_device, model_dtype, run_model
+from ..capture import (
+    ForwardArguments,
+    check_hookable,
+    is_out_of_memory,
+    map_tensors,
+    model_device,
+    model_dtype,
+    run_model,
+)
 from ..explanation import Diagnostic, Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
@@ -124,10 +132,13 @@ def upsample_maps(maps: Tensor, size: Sequence[int]) -> Tensor:
 
 ROWS_PER_PASS = {"cpu": 16}
 """Rows (path points, noisy or reference copies of the images) per forward/backward pass when a
-method's ``batch_size`` is None, by device type; 32 on other devices. On the CPU, passes of 16 rows
-cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the time of 32-row passes on
-resnet18, 0.63× on resnet50; per-row costs by pass size in benchmarks/RESULTS.md, "Memory layout of
-the model's input")."""
+method's ``batch_size`` is None, by device type; 256 on other devices (GPUs). On the CPU, passes of
+16 rows cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the time of 32-row
+passes on resnet18, 0.63× on resnet50; per-row costs by pass size in benchmarks/RESULTS.md, "Memory
+layout of the model's input"). On a GPU each pass has a fixed cost (kernel launches, Python) that
+small passes do not spread: on an H200, Captum's single 256-row pass of Integrated Gradients took
+0.62× the time of eight 32-row passes (benchmarks/RESULTS.md, "Attribution methods next to their
+peers (CUDA)"). A pass that runs out of memory is run again in halves (``Explainer.row_passes``)."""
 
 
 def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
@@ -140,7 +151,10 @@ def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
 
 def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
     """The rows per forward/backward pass: ``batch_size`` if given, else ``ROWS_PER_PASS`` for the device."""
-    return batch_size if batch_size is not None else ROWS_PER_PASS.get(device.type, 32)
+    return batch_size if batch_size is not None else ROWS_PER_PASS.get(device.type, 256)
+
+
+Result = TypeVar("Result")
 
 
 def check_parameters_usable(model: nn.Module) -> None:
@@ -355,6 +369,9 @@ class Explainer(ABC):
         self.normalize = normalize
         self.class_names = class_names
         self.output = output
+        self.rows_that_fit: dict[str, int] = {}
+        """Per device, the rows per pass that fitted in memory after a pass ran out of it (see
+        ``row_passes``); later calls start there."""
         self._thread_state = threading.local()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -368,7 +385,49 @@ class Explainer(ABC):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("rows_that_fit", {})
         self._thread_state = threading.local()
+
+    def row_passes(self, items: int, batch_size: Optional[int], device: torch.device,
+                   compute: Callable[[slice], Result], rows_per_item: int = 1) -> Iterator[tuple[slice, Result]]:
+        """Run ``compute`` on consecutive slices of ``range(items)``, as many items per pass as make
+        ``rows_per_pass`` model rows (``rows_per_item`` rows each, at least one item), yielding (slice,
+        its result) in order. ``compute`` must only compute: the caller adds up the results, so that a
+        pass can be run again.
+
+        With ``batch_size`` None, a pass that runs out of memory is run again with half the items (down
+        to one), and the explainer remembers the rows that fitted for its later calls on the device. A
+        ``batch_size`` given by the caller is kept: running out of memory then raises, with a hint.
+        """
+        rows = rows_per_pass(batch_size, device)
+        if batch_size is None:
+            rows = min(rows, self.rows_that_fit.get(str(device), rows))
+        per_pass = max(1, rows // rows_per_item)
+        start = 0
+        while start < items:
+            chunk = slice(start, min(start + per_pass, items))
+            failed = False
+            try:
+                result = compute(chunk)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                tried = chunk.stop - chunk.start
+                if batch_size is not None or tried == 1:
+                    hint = (f"batch_size={batch_size} was given: pass a smaller one" if batch_size is not None
+                            else "even one at a time: use smaller inputs or a smaller model, or another device")
+                    out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+                    kind = torch.cuda.OutOfMemoryError if out_of_memory else RuntimeError
+                    rows = tried * rows_per_item
+                    raise kind(f"{error}\n{self.method_name} ran out of memory on {device} at {rows} "
+                               f"row{'s' if rows > 1 else ''} per forward/backward pass ({hint}).") from error
+                failed = True  # run again below, once the error's frames (and their tensors) are released
+            if failed:
+                per_pass = max(1, tried // 2)
+                self.rows_that_fit[str(device)] = per_pass * rows_per_item
+                continue
+            yield chunk, result
+            start = chunk.stop
 
     def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
         """The model's scores for a batch: its forward pass (with the call's other arguments), then

@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register, rows_per_pass
+from .base import Attribution, checked_batch_size, register
 from .expected_gradients import check_references, references_for
 from .gradients import GradientExplainer, GradientOptions, all_zero, baseline_like
 
@@ -265,7 +265,8 @@ class DeepLiftShap(DeepLift):
         every image is explained against each of them and the attributions averaged. None:
         the zero input alone (then this equals DeepLift).
     batch_size: image-baseline pairs per forward/backward pass;
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     ``diagnostics["summation_error"]``: Σ attributions − mean over baselines of (y(x) − y(b)).
     """
 
@@ -292,12 +293,17 @@ class DeepLiftShap(DeepLift):
                             device=batch.device)
         change = torch.zeros(count, selected.scores.shape[1], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, selected.scores.shape[1], dtype=torch.bool, device=batch.device)
-        per_pass = rows_per_pass(self.batch_size, batch.device)
-        for start in range(0, len(pairs), per_pass):
-            images, references = pairs[start : start + per_pass].unbind(1)
+
+        def pair_attributions(rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+            images, references = pairs[rows].unbind(1)
             attributions, score_change, unreachable, _ = self.rescaled(batch[images], baselines[references],
                                                                        selected, images)
-            total.index_add_(0, images, attributions.double())
+            return attributions.double(), score_change, unreachable
+
+        for rows, (attributions, score_change, unreachable) in self.row_passes(len(pairs), self.batch_size,
+                                                                               batch.device, pair_attributions):
+            images = pairs[rows, 0]
+            total.index_add_(0, images, attributions)
             change.index_add_(0, images, score_change)
             disconnected[images] &= unreachable
         attributions = (total / len(baselines)).to(batch.dtype)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register, rows_per_pass
+from .base import Attribution, checked_batch_size, register
 from .gradients import GradientExplainer, GradientOptions, all_zero, input_gradients
 
 
@@ -58,7 +58,8 @@ class GradientShap(GradientExplainer):
     samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
         in model-input units (Captum's stdevs); seed: same seed and device, same draws.
     multiply_by_inputs: False gives the mean gradient itself.
-    batch_size: samples per forward/backward pass; None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+    batch_size: samples per forward/backward pass; None (default): 16 on the CPU, 256 on a GPU (halved
+        where memory runs out; ``ROWS_PER_PASS``).
     check_completeness: True (default) reports ``diagnostics["completeness_error"]`` (N, K):
         Σ attributions − mean over the drawn references of (y(x) − y(b)), which shrinks as
         ``samples`` grows, and ``"score_change"``. It costs one no-grad forward per distinct
@@ -114,21 +115,28 @@ class GradientShap(GradientExplainer):
         keys, row_to_key = torch.unique(key_of_row, return_inverse=True)
         row_scores = torch.empty(len(key_of_row), selected.scores.shape[1], dtype=torch.float64,
                                  device=image_of_row.device)
-        per_pass = rows_per_pass(self.batch_size, image_of_row.device)
-        with torch.no_grad():
-            for start in range(0, len(keys), per_pass):
-                chunk = keys[start : start + per_pass]
-                in_chunk = (row_to_key >= start) & (row_to_key < start + len(chunk))
+
+        def chunk_scores(chunk_keys: slice) -> tuple[Tensor, Tensor]:
+            """((R,) bool: the rows whose key is in the chunk, (R, K) float64: their scores there)."""
+            chunk = keys[chunk_keys]
+            in_chunk = (row_to_key >= chunk_keys.start) & (row_to_key < chunk_keys.stop)
+            scores = torch.zeros_like(row_scores)
+            with torch.no_grad():
                 if shared:  # one output per reference, scored for the target of each image drawing it
                     output = self.call_model(references[chunk])
                     for image in torch.unique(image_of_row[in_chunk]):
                         rows = in_chunk & (image_of_row == image)
-                        scores = selected.scores_for(output, image.expand(len(chunk))).double()
-                        row_scores[rows] = scores[row_to_key[rows] - start]
+                        image_scores = selected.scores_for(output, image.expand(len(chunk))).double()
+                        scores[rows] = image_scores[row_to_key[rows] - chunk_keys.start]
                 else:
                     images = chunk // len(references)
                     output = self.call_model(references[chunk % len(references)], rows=images)
-                    row_scores[in_chunk] = selected.scores_for(output, images).double()[row_to_key[in_chunk] - start]
+                    pair_scores = selected.scores_for(output, images).double()
+                    scores[in_chunk] = pair_scores[row_to_key[in_chunk] - chunk_keys.start]
+            return in_chunk, scores
+
+        for _, (in_chunk, scores) in self.row_passes(len(keys), self.batch_size, image_of_row.device, chunk_scores):
+            row_scores[in_chunk] = scores[in_chunk]
         sums = torch.zeros(selected.scores.shape, dtype=torch.float64, device=row_scores.device)
         return sums.index_add_(0, image_of_row, row_scores)
 
@@ -140,26 +148,23 @@ class GradientShap(GradientExplainer):
         image_of_row = torch.arange(count, device=batch.device).repeat_interleave(per_image)
         total = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
-        per_pass = rows_per_pass(self.batch_size, batch.device)
-        for start in range(0, len(image_of_row), per_pass):
-            rows = slice(start, start + per_pass)
+
+        def path_terms(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the expectation, float64
             images = image_of_row[rows]
             references = baselines[samples.baseline_index[rows]]
             noisy = batch[images] + samples.noise[rows]
             alphas = samples.alphas[rows].to(batch.dtype).view(-1, 1, 1, 1)
             points = alphas * noisy + (1 - alphas) * references
-
-            def scores_of(output: object, images: Tensor = images) -> Tensor:
-                return selected.scores_for(output, images)
-
-            def forward(inputs: Tensor, images: Tensor = images) -> object:
-                return self.forward(inputs, images)
-
-            gradients, _, unreachable = input_gradients(forward, points, scores_of)
+            gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images), points,
+                                                        lambda output: selected.scores_for(output, images))
             if self.multiply_by_inputs:
                 gradients = (noisy - references)[:, None] * gradients
-            total.index_add_(0, images, gradients.double())
-            disconnected[images] &= unreachable
+            return gradients.double(), unreachable
+
+        for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
+                                                          path_terms):
+            total.index_add_(0, image_of_row[rows], terms)
+            disconnected[image_of_row[rows]] &= unreachable
         attributions = (total / per_image).to(batch.dtype)
         self.disconnected = disconnected
         if not self.check_completeness:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from ..layouts import Layout, Reshape, infer_layout
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import UnitTarget
-from .base import Attribution, Explainer, checked_batch_size, register, rows_per_pass
+from .base import Attribution, Explainer, Result, checked_batch_size, register
 from .cam import check_batch_dimension, gradients_at
 from .gradients import RULE_ALIASES, baseline_like, integration_nodes
 
@@ -139,7 +139,8 @@ class LayerPathExplainer(Explainer):
     rule: where the points lie: "midpoint", "left", "right", "trapezoid" or "gausslegendre" (Captum's
         names, "riemann_middle" and so on, are accepted too).
     batch_size: path points (rows, over all images) per forward/backward pass (bounds memory);
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     relu: keep only positive evidence in the map, as the CAMs do (default); False keeps the signed
         sum over channels. The per-unit attributions are signed either way.
     reshape: how the layer's output becomes (N, C, h, w) maps; None reads channels first, channels
@@ -210,14 +211,16 @@ class LayerPathExplainer(Explainer):
         """The method's formula. batch x and baseline x' (N, C, H, W); start A(x') and end A(x), the
         layer's outputs for them (N, ...); the targets selected on x."""
 
-    def path_rows(self, images: int, points: int, device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
-        """(image, point) index pairs of every path point, image by image, in chunks of ``batch_size``:
-        yields ((R,) image indices, (R,) point indices)."""
+    def path_passes(self, images: int, points: int, device: torch.device,
+                    compute: Callable[[Tensor, Tensor], Result]) -> Iterator[tuple[Tensor, Tensor, Result]]:
+        """Every path point as an (image, point) index pair, image by image, given to ``compute``
+        ((R,) image indices, (R,) point indices) in passes of ``batch_size`` rows
+        (``Explainer.row_passes``): yields (image indices, point indices, what ``compute`` returned)."""
         image_of_row = torch.arange(images, device=device).repeat_interleave(points)
         point_of_row = torch.arange(points, device=device).repeat(images)
-        per_pass = rows_per_pass(self.batch_size, device)
-        for start in range(0, len(image_of_row), per_pass):
-            yield image_of_row[start : start + per_pass], point_of_row[start : start + per_pass]
+        for rows, result in self.row_passes(len(image_of_row), self.batch_size, device,
+                                            lambda rows: compute(image_of_row[rows], point_of_row[rows])):
+            yield image_of_row[rows], point_of_row[rows], result
 
     def layer_output(self, inputs: Tensor) -> tuple[Any, Tensor]:
         """(the model's output, the layer's output) for a batch, without a graph."""
@@ -312,13 +315,17 @@ class LayerIntegratedGradients(LayerPathExplainer):
                            integration_nodes(self.steps, self.rule))
         difference = end - start
         totals = PathAccumulator(len(batch), selected.scores.shape[1], tuple(end.shape[1:]), batch.device)
-        for images, points in self.path_rows(len(batch), len(alphas), batch.device):
+
+        def gradients_at_points(images: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
             values = start[images] + broadcast_over(alphas[points].to(end.dtype), end) * difference[images]
             with ReplacedOutput(self.model, self.chosen_layer, values) as replaced, torch.no_grad():
                 output = self.call_model(batch[images], images)
             if replaced.leaf is None:
                 raise LayerNotRunError(f"layer {self.layer_name!r} did not run during the forward pass of the path.")
-            gradients, unreachable = target_gradients(selected.scores_for(output, images), replaced.leaf)
+            return target_gradients(selected.scores_for(output, images), replaced.leaf)
+
+        for images, points, (gradients, unreachable) in self.path_passes(len(batch), len(alphas), batch.device,
+                                                                         gradients_at_points):
             totals.add_gradients(images, gradients, unreachable)
             totals.add_terms(images, gradients.double() * broadcast_over(weights[points], gradients))
         complete = totals.total * difference[:, None].double()
@@ -365,16 +372,20 @@ class LayerConductance(LayerPathExplainer):
         ends_at_input = bool(alphas[-1] == 1)
         run_points = len(alphas) - 1 if ends_at_input else len(alphas)
         previous: Optional[tuple[Tensor, Tensor, Tensor]] = None  # the last row of the chunk before
-        for images, points in self.path_rows(len(batch), run_points, batch.device):
+
+        def layer_and_gradients(images: Tensor, points: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             inputs = baseline[images] + broadcast_over(alphas[points].to(batch.dtype), batch) * difference[images]
             with ActivationCapture(self.model, [self.chosen_layer], graph_from_first_layer=True) as capture:
                 with torch.no_grad():  # the capture's hook turns the graph on at the layer
                     output = self.call_model(inputs, images)
             (activations,) = capture.activations()
             gradients, unreachable = target_gradients(selected.scores_for(output, images), activations)
+            return activations.detach(), gradients, unreachable
+
+        for images, points, (activations, gradients, unreachable) in self.path_passes(
+                len(batch), run_points, batch.device, layer_and_gradients):
             last_point = points == len(alphas) - 1  # its gradient pairs with no later point
             totals.add_gradients(images[~last_point], gradients[~last_point], unreachable[~last_point])
-            activations = activations.detach()
             if ends_at_input:  # the last point run pairs with x
                 closing = points == run_points - 1
                 change = end[images[closing]].double() - activations[closing].double()

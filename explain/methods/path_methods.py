@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register, rows_per_pass
+from .base import Attribution, checked_batch_size, register
 from .gradients import GradientExplainer, all_zero, baseline_like, input_gradients
 
 CLOSE_ENOUGH = 1e-9
@@ -100,7 +100,8 @@ class GuidedIG(GradientExplainer):
     max_dist: how far (in relative position α ∈ [0, 1]) a feature may deviate from the straight
         line; 0 gives Integrated Gradients (the left Riemann sum), 1 the unbounded Guided IG.
     batch_size: rows (image × target paths) per forward/backward pass;
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     Each image and target has its own path (the path follows the target's gradient); the
     gradient of every path is taken in one batched pass per step.
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x')),
@@ -144,16 +145,16 @@ class GuidedIG(GradientExplainer):
         target_of_row = torch.arange(targets, device=batch.device).repeat(count)
         disconnected = torch.ones(len(image_of_row), dtype=torch.bool, device=batch.device)
 
-        per_pass = rows_per_pass(self.batch_size, batch.device)
+        def gradients_of(rows: slice, points: Tensor) -> tuple[Tensor, Tensor]:
+            gradient, unreachable = self.row_gradients(points[rows].view(-1, *batch.shape[1:]).to(batch.dtype),
+                                                       selected, image_of_row[rows], target_of_row[rows])
+            return gradient.flatten(1).double(), unreachable
 
         def gradient_at(points: Tensor) -> Tensor:
             gradients = []
-            for start in range(0, len(points), per_pass):
-                rows = slice(start, start + per_pass)
-                gradient, unreachable = self.row_gradients(
-                    points[rows].view(-1, *batch.shape[1:]).to(batch.dtype), selected, image_of_row[rows],
-                    target_of_row[rows])
-                gradients.append(gradient.flatten(1).double())
+            for rows, (gradient, unreachable) in self.row_passes(len(points), self.batch_size, batch.device,
+                                                                 lambda rows: gradients_of(rows, points)):
+                gradients.append(gradient)
                 disconnected[rows] &= unreachable
             return torch.cat(gradients)
 
@@ -226,7 +227,8 @@ class BlurIG(GradientExplainer):
     sqrt: PAIR's square-root spacing, σ_i = √(i · max_sigma / steps) (the path then starts at
         σ = √max_sigma).
     batch_size: points per forward/backward pass (every target of a point in the same pass);
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x(σ_max))),
     "score_change" (N, K) y(x) − y(x(σ_max)).
     """
@@ -273,25 +275,23 @@ class BlurIG(GradientExplainer):
         step_of_row = list(range(self.steps)) * count
         integral = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
-        per_pass = rows_per_pass(self.batch_size, batch.device)
-        for start in range(0, len(image_of_row), per_pass):
-            images = image_of_row[start : start + per_pass]
-            at_steps = step_of_row[start : start + per_pass]
+
+        def path_terms(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the integral, float64
+            images, at_steps = image_of_row[rows], step_of_row[rows]
             originals = images64[images]
             points = gaussian_blur(originals, [sigmas[step] for step in at_steps])
             further = gaussian_blur(originals, [sigmas[step] + self.grad_step for step in at_steps])
             velocity = (further - points) / self.grad_step  # ∂x/∂σ
             weights = torch.tensor([widths[step] for step in at_steps], dtype=torch.float64, device=batch.device)
+            gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images),
+                                                        points.to(batch.dtype),
+                                                        lambda output: selected.scores_for(output, images))
+            return gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None], unreachable
 
-            def scores_of(output, images=images):
-                return selected.scores_for(output, images)
-
-            def forward(inputs, images=images):
-                return self.forward(inputs, images)
-
-            gradients, _, unreachable = input_gradients(forward, points.to(batch.dtype), scores_of)
-            integral.index_add_(0, images, gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None])
-            disconnected[images] &= unreachable
+        for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
+                                                          path_terms):
+            integral.index_add_(0, image_of_row[rows], terms)
+            disconnected[image_of_row[rows]] &= unreachable
         attributions = -integral
         score_change = selected.scores.detach().double() - blurred_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change

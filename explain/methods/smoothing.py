@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, ExplainerOptions, checked_batch_size, register, rows_per_pass
+from .base import Attribution, Explainer, ExplainerOptions, checked_batch_size, register
 from .gradients import GradientExplainer, GradientOptions, Saliency, reduce_channels
 
 STATISTICS = ("mean", "mean_square", "variance")
@@ -33,7 +33,8 @@ class SmoothGrad(Explainer):
     seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
         device, same map.
     batch_size: noisy copies per pass of the wrapped method;
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     The targets are chosen on the clean image and kept for every noisy copy.
     """
 
@@ -90,15 +91,20 @@ class SmoothGrad(Explainer):
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
         generator = torch.Generator(device=batch.device).manual_seed(self.seed)  # drawn where the batch is
-        samples_per_pass = max(1, rows_per_pass(self.batch_size, batch.device) // count)
+        state_before = {0: generator.get_state()}  # by sample: a pass that is run again draws the same noise
         sums: dict[str, Tensor] = {}
         inner: Optional[Attribution] = None
         flags: dict[str, Tensor] = {}  # where every noisy copy's gradient was zero / disconnected
-        for first in range(0, self.samples, samples_per_pass):
-            group = range(first, min(first + samples_per_pass, self.samples))
-            noise = torch.cat([torch.randn(batch.shape, generator=generator, device=batch.device) for _ in group])
-            noisy = batch.repeat(len(group), 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(len(group), 1, 1, 1)
-            image_of_row = torch.arange(count, device=batch.device).repeat(len(group))
+
+        def noisy_attribution(group: slice) -> Attribution:
+            """The wrapped method on the noisy copies of samples ``group``, sample by sample."""
+            generator.set_state(state_before[group.start])
+            copies = group.stop - group.start
+            noise = torch.cat([torch.randn(batch.shape, generator=generator, device=batch.device)
+                               for _ in range(copies)])
+            state_before[group.stop] = generator.get_state()
+            noisy = batch.repeat(copies, 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(copies, 1, 1, 1)
+            image_of_row = torch.arange(count, device=batch.device).repeat(copies)
             fixed: Target
             if clean.target_function:
                 fixed = clean.target_function
@@ -108,19 +114,23 @@ class SmoothGrad(Explainer):
             call = self.forward_call
             self.explainer.forward_call = None if call is None else call.for_rows(image_of_row)
             try:
-                inner = self.explainer.attribute(noisy, fixed, None)
+                return self.explainer.attribute(noisy, fixed, None)
             finally:
                 self.explainer.forward_call = None
+
+        for group, inner in self.row_passes(self.samples, self.batch_size, batch.device, noisy_attribution,
+                                            rows_per_item=count):
+            copies = group.stop - group.start
             for key in ("zero_gradient", "disconnected"):
                 value = getattr(inner, key)
                 if value is not None:
-                    every_copy = value.reshape(len(group), count, -1).all(0)
+                    every_copy = value.reshape(copies, count, -1).all(0)
                     flags[key] = every_copy & flags[key] if key in flags else every_copy
             for key, values in (("maps", inner.maps), ("attributions", inner.attributions)):
                 if values is None:
                     continue
                 values = values.detach().double()
-                grouped = values.reshape(len(group), count, *values.shape[1:])
+                grouped = values.reshape(copies, count, *values.shape[1:])
                 sums[key] = sums.get(key, 0) + grouped.sum(0)
                 sums[key + "²"] = sums.get(key + "²", 0) + grouped.pow(2).sum(0)
         statistics = {key: self._statistic(sums[key], sums[key + "²"]).float() for key in ("maps", "attributions")

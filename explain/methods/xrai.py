@@ -197,7 +197,8 @@ class XRAI(Explainer):
     area_threshold: stop adding regions once this fraction of the image is covered (default 1.0).
     min_pixel_diff: segments adding fewer new pixels than this are dropped (default 50 as PAIR).
     batch_size: interpolated inputs per forward/backward pass of Integrated Gradients;
-        None (default): 16 on the CPU, 32 on a GPU (``ROWS_PER_PASS``).
+        None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
+        ``ROWS_PER_PASS``).
     ``Explanation.diagnostics``: "ranks" (N, K, H, W) long, 1 for the first region added;
     "gains" (N, K, H, W) each region's gain (PAIR's XRAI heatmap); "base_attributions"
     (N, K, H, W) the channel-reduced attributions the regions were ranked by.

@@ -1,0 +1,190 @@
+"""Methods that run many copies of the images (path points, noisy samples, references) push them
+through the model in passes (``Explainer.row_passes``). With ``batch_size`` None a pass that runs
+out of memory is run again in halves, with the same result as passes that fit from the start; the
+explainer keeps the size that fitted; a size the caller gave is kept and its failure explained.
+
+A GPU's out-of-memory error is simulated on the CPU by a model that refuses batches of more rows
+than it "has memory" for, in its forward or in its backward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SmallCNN, assert_state_equal, model_state
+from torch import nn
+
+import explain
+from explain.capture import ModelInputError, is_out_of_memory
+from explain.methods import base
+
+
+class RefuseBackward(torch.autograd.Function):
+    """Identity whose backward runs out of "memory" for batches of more than ``rows`` rows."""
+
+    @staticmethod
+    def forward(context, inputs, rows):
+        context.rows = rows
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(context, gradient):
+        if gradient.shape[0] > context.rows:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return gradient, None
+
+
+class LimitedMemory(nn.Module):
+    """SmallCNN that raises torch's OutOfMemoryError for batches of more than ``rows`` rows, in
+    its forward pass (``where="forward"``) or in the backward pass from its output (``"backward"``)."""
+
+    def __init__(self, rows: int, where: str = "forward"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = SmallCNN(classes=4)
+        self.rows, self.where = rows, where
+        self.refusals = 0
+        self.largest_batch = 0
+
+    def forward(self, x):
+        if x.shape[0] > self.rows and self.where == "forward":
+            self.refusals += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        self.largest_batch = max(self.largest_batch, x.shape[0])
+        output = self.net(x)
+        if self.where == "backward" and output.requires_grad:
+            output = RefuseBackward.apply(output, self.rows)
+        return output
+
+
+METHODS = {
+    "integratedgradients": lambda model, **kw: explain.IntegratedGradients(model, steps=12, **kw),
+    "gradientshap": lambda model, **kw: explain.GradientShap(model, torch.randn(3, 3, 12, 12), samples=10, **kw),
+    "deepliftshap": lambda model, **kw: explain.DeepLiftShap(model, torch.randn(5, 3, 12, 12), **kw),
+    "smoothgrad": lambda model, **kw: explain.SmoothGrad(model, samples=9, **kw),
+    "layerintegratedgradients": lambda model, **kw: explain.LayerIntegratedGradients(
+        model, "net.features.3", steps=12, **kw),
+    "layerconductance": lambda model, **kw: explain.LayerConductance(model, "net.features.3", steps=12, **kw),
+    "guidedig": lambda model, **kw: explain.GuidedIG(model, steps=6, **kw),
+    "blurig": lambda model, **kw: explain.BlurIG(model, steps=12, **kw),
+}
+
+
+@pytest.fixture
+def large_passes(monkeypatch):
+    """Automatic passes of 64 rows on the CPU, as a GPU's large passes."""
+    monkeypatch.setitem(base.ROWS_PER_PASS, "cpu", 64)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_pass_that_runs_out_of_memory_is_run_again_in_halves_with_the_same_result(name, where, large_passes):
+    torch.manual_seed(1)
+    images = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    build = METHODS[name]
+    unlimited = LimitedMemory(rows=10_000).double().eval()
+    with torch.random.fork_rng():
+        expected = build(unlimited, batch_size=3, normalize=None).explain(images, target=[[1, 2], [0, 3]])
+    model = LimitedMemory(rows=3, where=where).double().eval()
+    model.load_state_dict(unlimited.state_dict())
+    before = model_state(model)
+    explainer = build(model, normalize=None)
+    with torch.random.fork_rng():
+        result = explainer.explain(images, target=[[1, 2], [0, 3]])
+    assert_state_equal(before, model_state(model))
+    torch.testing.assert_close(result.raw_maps, expected.raw_maps, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(result.attributions, expected.attributions, rtol=1e-10, atol=1e-12)
+    for key, value in expected.diagnostics.items():
+        torch.testing.assert_close(result.diagnostics[key], value, rtol=1e-6, atol=1e-9)
+    fitted = explainer.rows_that_fit["cpu"]
+    assert fitted < 64  # halved at least once, and remembered
+    # the next call starts at the size that fitted: no pass runs out of memory again
+    refusals = model.refusals
+    explainer.explain(images, target=[[1, 2], [0, 3]])
+    assert model.refusals == refusals
+
+
+def test_smoothgrad_draws_the_same_noise_for_a_pass_that_is_run_again(large_passes):
+    images = torch.randn(3, 3, 12, 12, dtype=torch.float64)
+    unlimited = LimitedMemory(rows=10_000).double().eval()
+    limited = LimitedMemory(rows=8).double().eval()
+    limited.load_state_dict(unlimited.state_dict())
+    expected = explain.SmoothGrad(unlimited, samples=10, seed=3, normalize=None).explain(images, target=0)
+    result = explain.SmoothGrad(limited, samples=10, seed=3, normalize=None).explain(images, target=0)
+    assert limited.refusals > 0 and limited.largest_batch <= 8
+    torch.testing.assert_close(result.attributions, expected.attributions, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batch_size_the_caller_gave_is_kept_and_its_failure_says_what_to_do():
+    model = LimitedMemory(rows=7).eval()
+    before = model_state(model)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"batch_size=8 was given: pass a smaller one"):
+        explain.IntegratedGradients(model, steps=16, batch_size=8).explain(torch.randn(1, 3, 12, 12), target=0)
+    assert model.refusals == 1  # not retried: the caller chose the size
+    assert_state_equal(before, model_state(model))
+
+
+def test_running_out_of_memory_at_one_row_raises_with_the_rows_it_tried(large_passes):
+    model = LimitedMemory(rows=0, where="backward").eval()  # the forward at x (no graph) runs
+    before = model_state(model)
+    explainer = explain.GradientShap(model, torch.randn(2, 3, 12, 12), samples=6)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"at 1 row per forward/backward pass \(even one"):
+        explainer.explain(torch.randn(1, 3, 12, 12), target=0)
+    assert explainer.rows_that_fit == {"cpu": 1}  # 6 rows, then 3, then 1
+    assert_state_equal(before, model_state(model))
+
+
+def test_other_errors_are_raised_at_once(large_passes):
+    class Broken(nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            Broken.calls += 1
+            if x.shape[0] > 1:
+                raise ValueError("out of range")  # not an allocation failure
+            return x.flatten(1)[:, :3]
+
+    with pytest.raises(ModelInputError, match="out of range"):
+        explain.IntegratedGradients(Broken(), steps=8).explain(torch.randn(1, 3, 4, 4), target=0)
+    assert Broken.calls == 3  # the forward at x, at the baseline, and the first pass only
+
+
+def test_what_counts_as_running_out_of_memory():
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                                         "memory: you tried to allocate 1099511627776 bytes."))
+    assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_rows_per_pass_are_16_on_the_cpu_and_256_on_a_gpu():
+    assert base.rows_per_pass(None, torch.device("cpu")) == 16
+    assert base.rows_per_pass(None, torch.device("cuda", 0)) == 256
+    assert base.rows_per_pass(None, torch.device("mps")) == 256
+    assert base.rows_per_pass(5, torch.device("cuda", 0)) == 5
+
+
+def test_a_copied_explainer_keeps_the_size_that_fitted(large_passes):
+    import copy
+    import pickle
+
+    model = LimitedMemory(rows=9).eval()
+    explainer = explain.IntegratedGradients(model, steps=32)
+    explainer.explain(torch.randn(1, 3, 12, 12), target=0)
+    assert explainer.rows_that_fit == {"cpu": 8}
+    assert copy.deepcopy(explainer).rows_that_fit == {"cpu": 8}
+    state = explainer.__getstate__()
+    del state["rows_that_fit"]  # an explainer pickled before the attribute existed
+    restored = explain.IntegratedGradients.__new__(explain.IntegratedGradients)
+    restored.__setstate__(state)
+    assert restored.rows_that_fit == {}
+    assert pickle.loads(pickle.dumps(explainer)).rows_that_fit == {"cpu": 8}
+
+
+def test_running_out_of_memory_in_the_model_is_not_reported_as_a_bad_input():
+    model = LimitedMemory(rows=0).eval()
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        explain.Saliency(model).explain(torch.randn(1, 3, 12, 12), target=0)
+    assert not isinstance(raised.value, ModelInputError)
+    assert "preprocess" not in str(raised.value)  # the bad-input advice would send the user the wrong way

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Literal, Optional, Sequence, Union, cast, overload
+from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence, Union, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -69,15 +69,29 @@ def run_model(model: nn.Module, inputs: object, call: Optional[ForwardArguments]
         ) from error
 
 
-_ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
-                        "CUDNN_STATUS_ALLOC_FAILED")
+_ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed",
+                        "allocfailed", "resource_exhausted")
+"""Words (compared in lower case) of the errors by which allocators, cuBLAS, cuDNN, cuFFT, cuSOLVER and
+MIOpen say they could not allocate memory."""
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """The error, then what it was raised from or while handling, and so on; a chain that loops back on
+    itself is walked once."""
+    visited: set[int] = set()
+    seen: Optional[BaseException] = error
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        yield seen
+        seen = seen.__cause__ or seen.__context__
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether an error is a failed allocation: torch's OutOfMemoryError, or a RuntimeError from an
-    allocator, cuBLAS or cuDNN that says so."""
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and any(words in str(error) for words in _ALLOCATION_FAILURES))
+    """Whether an error is, or was raised from, a failed allocation: torch's OutOfMemoryError, or a
+    RuntimeError from an allocator or a GPU library that says so."""
+    return any(isinstance(seen, torch.cuda.OutOfMemoryError) or (
+        isinstance(seen, RuntimeError) and any(words in str(seen).lower() for words in _ALLOCATION_FAILURES))
+        for seen in error_chain(error))
 
 
 def _shape_text(inputs: object) -> str:

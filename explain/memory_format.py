@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from .capture import ModelInputError
+from .capture import ModelInputError, error_chain
 
 CHANNELS_LAST_MIN_ROWS = 4
 """The fewest rows a batch needs before it is given to the model channels-last (CPU only)."""
@@ -90,11 +90,5 @@ def may_be_layout_error(error: BaseException) -> bool:
     (a ``ModelInputError`` anywhere in the chain, whatever its message: a bare ``assert
     x.is_contiguous()`` says nothing) or an error mentions strides or contiguity. Chains that loop
     back on themselves are walked once."""
-    visited: set[int] = set()
-    seen: Optional[BaseException] = error
-    while seen is not None and id(seen) not in visited:
-        visited.add(id(seen))
-        if isinstance(seen, ModelInputError) or any(word in str(seen) for word in _LAYOUT_WORDS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, ModelInputError) or any(word in str(seen) for word in _LAYOUT_WORDS)
+               for seen in error_chain(error))

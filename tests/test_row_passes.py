@@ -127,7 +127,7 @@ def test_running_out_of_memory_at_one_row_raises_with_the_rows_it_tried(large_pa
     model = LimitedMemory(rows=0, where="backward").eval()  # the forward at x (no graph) runs
     before = model_state(model)
     explainer = explain.GradientShap(model, torch.randn(2, 3, 12, 12), samples=6)
-    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"at 1 row per forward/backward pass \(even one"):
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"at 1 row per pass \(even one row at a time"):
         explainer.explain(torch.randn(1, 3, 12, 12), target=0)
     assert explainer.rows_that_fit == {"cpu": 1}  # 6 rows, then 3, then 1
     assert_state_equal(before, model_state(model))
@@ -154,6 +154,19 @@ def test_what_counts_as_running_out_of_memory():
     assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
                                          "memory: you tried to allocate 1099511627776 bytes."))
     assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"))
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
+    assert is_out_of_memory(RuntimeError("cuFFT error: CUFFT_ALLOC_FAILED"))
+    assert is_out_of_memory(RuntimeError("miopenStatusAllocFailed"))
+    try:  # a model that wraps the allocator's error in its own
+        try:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        except torch.cuda.OutOfMemoryError as error:
+            raise KeyError("inference failed in block 3") from error
+    except KeyError as wrapped:
+        assert is_out_of_memory(wrapped)
+    looping = RuntimeError("a chain that loops")
+    looping.__cause__ = looping
+    assert not is_out_of_memory(looping)
     assert not is_out_of_memory(ValueError("out of memory"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
@@ -188,3 +201,110 @@ def test_running_out_of_memory_in_the_model_is_not_reported_as_a_bad_input():
         explain.Saliency(model).explain(torch.randn(1, 3, 12, 12), target=0)
     assert not isinstance(raised.value, ModelInputError)
     assert "preprocess" not in str(raised.value)  # the bad-input advice would send the user the wrong way
+
+
+class SharedTable(nn.Module):
+    """LimitedMemory's model times the mean of a shared (2, 4) table passed as a keyword argument."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.inner = LimitedMemory(rows)
+        self.tables_seen: set[tuple[float, ...]] = set()
+
+    def forward(self, x, table):
+        self.tables_seen.add(tuple(table.mean(0).tolist()))
+        return self.inner(x) * table.mean(0)
+
+
+def test_a_shared_argument_stays_shared_when_a_pass_has_as_many_rows_as_it_has(large_passes):
+    """One image and a (2, 4) table for every image: SmoothGrad's passes of 2 noisy copies (after running
+    out of memory) must not take the table for per-image tensors of a 2-row batch."""
+    table = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, -2.0, 5.0, 7.0]], dtype=torch.float64)
+    x = torch.randn(1, 3, 12, 12, dtype=torch.float64)
+    results = []
+    for rows in (10_000, 3):
+        model = SharedTable(rows).double().eval()
+        model.inner.load_state_dict(LimitedMemory(10_000).double().state_dict())
+        explainer = explain.SmoothGrad(explain.IntegratedGradients(model, steps=4, normalize=None), samples=8,
+                                       normalize=None)
+        results.append(explainer.explain(x, target=0, forward_kwargs={"table": table}))
+        assert model.tables_seen == {(2.0, -0.5, 3.0, 4.0)}
+    torch.testing.assert_close(results[1].attributions, results[0].attributions, rtol=1e-10, atol=1e-12)
+
+
+class RefusesOnce(LimitedMemory):
+    """Runs out of memory once, on the first batch of exactly ``rows`` rows."""
+
+    def forward(self, x):
+        if x.shape[0] == self.rows and not self.refusals:
+            self.refusals += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, transient)")
+        return self.net(x)
+
+
+def test_a_short_last_pass_that_fails_once_does_not_shrink_later_calls(large_passes):
+    model = RefusesOnce(rows=2).eval()
+    explainer = explain.IntegratedGradients(model, steps=66)  # passes of 64 rows, then 2
+    explainer.explain(torch.randn(1, 3, 12, 12), target=0)
+    assert model.refusals == 1
+    assert explainer.rows_that_fit == {"cpu": 64}  # the largest pass that fitted, not half of the 2 that failed
+
+
+def test_xrai_keeps_the_size_that_fitted_for_its_next_call(large_passes):
+    model = LimitedMemory(rows=8).eval()
+    xrai = explain.XRAI(model, steps=16)
+    x = torch.rand(1, 3, 16, 16)
+    xrai.explain(x, target=0)
+    refusals = model.refusals
+    assert refusals > 0 and xrai.rows_that_fit == {"cpu": 8}
+    xrai.explain(x, target=0)
+    assert model.refusals == refusals
+
+
+def test_smoothgrad_splits_a_sample_of_many_images_over_passes(large_passes):
+    """Eight images on a model that takes four rows at a time: one noisy copy of every image is more
+    than a pass can hold, so a pass holds part of a sample; the noise and the result are unchanged."""
+    images = torch.randn(8, 3, 12, 12, dtype=torch.float64)
+    unlimited = LimitedMemory(rows=10_000).double().eval()
+    limited = LimitedMemory(rows=4, where="backward").double().eval()
+    limited.load_state_dict(unlimited.state_dict())
+    targets = [0, 1, 2, 3, 0, 1, 2, 3]
+    expected = explain.SmoothGrad(unlimited, samples=5, seed=1, normalize=None).explain(images, target=targets)
+    result = explain.SmoothGrad(limited, samples=5, seed=1, normalize=None).explain(images, target=targets)
+    torch.testing.assert_close(result.attributions, expected.attributions, rtol=1e-12, atol=1e-14)
+    given = explain.SmoothGrad(unlimited, samples=5, seed=1, normalize=None, batch_size=3).explain(
+        images, target=targets)  # passes of 3 rows: samples split everywhere
+    torch.testing.assert_close(given.attributions, expected.attributions, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batch_size_of_one_that_runs_out_of_memory_does_not_ask_for_a_smaller_one():
+    model = LimitedMemory(rows=0, where="backward").eval()
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="even one row at a time") as raised:
+        explain.IntegratedGradients(model, steps=4, batch_size=1).explain(torch.randn(1, 3, 12, 12), target=0)
+    assert "pass a smaller one" not in str(raised.value)
+
+
+class OwnError(RuntimeError):
+    """A model's own error type, raised from the allocator's."""
+
+
+class WrapsItsMemoryErrors(LimitedMemory):
+    def forward(self, x):
+        try:
+            return super().forward(x)
+        except torch.cuda.OutOfMemoryError as error:
+            raise OwnError("inference failed in block 3") from error
+
+
+def test_an_out_of_memory_error_the_model_wraps_is_retried_and_not_reported_as_a_bad_input(large_passes):
+    unlimited = LimitedMemory(rows=10_000).eval()
+    model = WrapsItsMemoryErrors(rows=5).eval()
+    model.load_state_dict(unlimited.state_dict())
+    x = torch.randn(1, 3, 12, 12)
+    result = explain.IntegratedGradients(model, steps=16).explain(x, target=0)
+    expected = explain.IntegratedGradients(unlimited, steps=16, batch_size=4).explain(x, target=0)
+    torch.testing.assert_close(result.attributions, expected.attributions, rtol=1e-4, atol=1e-6)
+    model.rows = 0
+    with pytest.raises(OwnError, match="inference failed") as raised:  # the model's type, as it raised it
+        explain.Saliency(model).explain(x, target=0)
+    assert not isinstance(raised.value, ModelInputError)

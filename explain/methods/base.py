@@ -41,13 +41,17 @@ class ForwardCall:
 
     args / kwargs: passed through; position: where the explained batch goes, an index into the
     positional arguments or a keyword name; batch_size: N. Tensors whose first dimension is N
-    are per-image and follow the rows when a method runs copies of the images.
+    are per-image and follow the rows when a method runs copies of the images; which ones are is
+    decided once, on the explained batch, and kept by the copies' calls (a shared tensor whose
+    first dimension happens to equal a pass's row count stays shared).
     """
 
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     position: int | str = 0
     batch_size: int = 0
+    per_image: Optional[tuple[frozenset[int], frozenset[str]]] = None
+    """(positions, keyword names) of the per-image tensors; None: those of first dimension ``batch_size``."""
 
     def arguments(self, inputs: Tensor) -> ForwardArguments:
         """(args, kwargs) of one forward, with copies of the other tensors (the model may edit them in place)."""
@@ -58,16 +62,27 @@ class ForwardCall:
         args.insert(self.position, inputs)
         return tuple(args), copy[1]
 
+    def per_image_arguments(self) -> tuple[frozenset[int], frozenset[str]]:
+        """(positions, keyword names) of the arguments that hold one row per image."""
+        if self.per_image is not None:
+            return self.per_image
+
+        def is_per_image(value: object) -> bool:
+            return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size
+
+        return (frozenset(index for index, value in enumerate(self.args) if is_per_image(value)),
+                frozenset(name for name, value in self.kwargs.items() if is_per_image(value)))
+
     def for_rows(self, rows: Tensor) -> "ForwardCall":
         """The same call for a batch whose row r is a copy of image ``rows[r]``."""
+        positions, names = self.per_image_arguments()
 
-        def select(value: object) -> object:
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size:
-                return value[rows.to(value.device)]
-            return value
+        def select(value: Tensor) -> Tensor:
+            return value[rows.to(value.device)]
 
-        return ForwardCall(tuple(select(value) for value in self.args),
-                           {key: select(value) for key, value in self.kwargs.items()}, self.position, len(rows))
+        args = tuple(select(value) if index in positions else value for index, value in enumerate(self.args))
+        kwargs = {name: select(value) if name in names else value for name, value in self.kwargs.items()}
+        return ForwardCall(args, kwargs, self.position, len(rows), (positions, names))
 
 
 @dataclass
@@ -155,6 +170,23 @@ def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
 
 
 Result = TypeVar("Result")
+
+
+def out_of_memory_error(error: BaseException, method: str, device: torch.device, rows: int,
+                        batch_size: Optional[int]) -> BaseException:
+    """The error to raise when a pass of ``rows`` rows ran out of memory and cannot be made smaller:
+    ``error`` with what was tried and what to do, as torch's OutOfMemoryError or a RuntimeError as it
+    was (an error of the model's own type is returned as it is, with the advice as a note on Python 3.11+)."""
+    if batch_size is not None and batch_size > 1:
+        hint = f"batch_size={batch_size} was given: pass a smaller one"
+    else:
+        hint = "even one row at a time: explain fewer images per call, use smaller inputs, or another device"
+    advice = f"{method} ran out of memory on {device} at {rows} row{'s' if rows > 1 else ''} per pass ({hint})."
+    if type(error) in (torch.cuda.OutOfMemoryError, RuntimeError):
+        return type(error)(f"{error}\n{advice}")
+    if hasattr(error, "add_note"):
+        error.add_note(advice)
+    return error
 
 
 def check_parameters_usable(model: nn.Module) -> None:
@@ -388,44 +420,42 @@ class Explainer(ABC):
         self.__dict__.setdefault("rows_that_fit", {})
         self._thread_state = threading.local()
 
-    def row_passes(self, items: int, batch_size: Optional[int], device: torch.device,
-                   compute: Callable[[slice], Result], rows_per_item: int = 1) -> Iterator[tuple[slice, Result]]:
-        """Run ``compute`` on consecutive slices of ``range(items)``, as many items per pass as make
-        ``rows_per_pass`` model rows (``rows_per_item`` rows each, at least one item), yielding (slice,
-        its result) in order. ``compute`` must only compute: the caller adds up the results, so that a
-        pass can be run again.
+    def row_passes(self, rows: int, batch_size: Optional[int], device: torch.device,
+                   compute: Callable[[slice], Result]) -> Iterator[tuple[slice, Result]]:
+        """Run ``compute`` on consecutive slices of ``range(rows)``, ``rows_per_pass`` at a time, yielding
+        (slice, its result) in order. ``compute`` must only compute: the caller adds up the results, so
+        that a pass can be run again.
 
-        With ``batch_size`` None, a pass that runs out of memory is run again with half the items (down
-        to one), and the explainer remembers the rows that fitted for its later calls on the device. A
-        ``batch_size`` given by the caller is kept: running out of memory then raises, with a hint.
+        With ``batch_size`` None, a pass that runs out of memory is run again with half its rows (down to
+        one), and the explainer remembers the largest pass that fitted for its later calls on the device
+        (``rows_that_fit``). A ``batch_size`` given by the caller is kept: running out of memory then
+        raises, with a hint.
         """
-        rows = rows_per_pass(batch_size, device)
+        per_pass = rows_per_pass(batch_size, device)
         if batch_size is None:
-            rows = min(rows, self.rows_that_fit.get(str(device), rows))
-        per_pass = max(1, rows // rows_per_item)
+            per_pass = min(per_pass, self.rows_that_fit.get(str(device), per_pass))
+        largest_fitted = 0
         start = 0
-        while start < items:
-            chunk = slice(start, min(start + per_pass, items))
+        while start < rows:
+            chunk = slice(start, min(start + per_pass, rows))
+            tried = chunk.stop - chunk.start
             failed = False
             try:
                 result = compute(chunk)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
-                tried = chunk.stop - chunk.start
                 if batch_size is not None or tried == 1:
-                    hint = (f"batch_size={batch_size} was given: pass a smaller one" if batch_size is not None
-                            else "even one at a time: use smaller inputs or a smaller model, or another device")
-                    out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
-                    kind = torch.cuda.OutOfMemoryError if out_of_memory else RuntimeError
-                    rows = tried * rows_per_item
-                    raise kind(f"{error}\n{self.method_name} ran out of memory on {device} at {rows} "
-                               f"row{'s' if rows > 1 else ''} per forward/backward pass ({hint}).") from error
+                    advised = out_of_memory_error(error, self.method_name, device, tried, batch_size)
+                    if advised is error:
+                        raise
+                    raise advised from error
                 failed = True  # run again below, once the error's frames (and their tensors) are released
             if failed:
-                per_pass = max(1, tried // 2)
-                self.rows_that_fit[str(device)] = per_pass * rows_per_item
+                per_pass = tried // 2
+                self.rows_that_fit[str(device)] = max(per_pass, largest_fitted)
                 continue
+            largest_fitted = max(largest_fitted, tried)
             yield chunk, result
             start = chunk.stop
 

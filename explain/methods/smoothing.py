@@ -32,7 +32,7 @@ class SmoothGrad(Explainer):
         map is computed first and the maps are averaged (the default for CAMs and layer methods).
     seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
         device, same map.
-    batch_size: noisy copies per pass of the wrapped method;
+    batch_size: noisy copies (rows, one image's copy each) per pass of the wrapped method;
         None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
         ``ROWS_PER_PASS``).
     The targets are chosen on the clean image and kept for every noisy copy.
@@ -91,20 +91,27 @@ class SmoothGrad(Explainer):
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
         generator = torch.Generator(device=batch.device).manual_seed(self.seed)  # drawn where the batch is
-        state_before = {0: generator.get_state()}  # by sample: a pass that is run again draws the same noise
-        sums: dict[str, Tensor] = {}
-        inner: Optional[Attribution] = None
-        flags: dict[str, Tensor] = {}  # where every noisy copy's gradient was zero / disconnected
+        state_before = {0: generator.get_state()}  # by sample: rows drawn again get the same noise
 
-        def noisy_attribution(group: slice) -> Attribution:
-            """The wrapped method on the noisy copies of samples ``group``, sample by sample."""
-            generator.set_state(state_before[group.start])
-            copies = group.stop - group.start
-            noise = torch.cat([torch.randn(batch.shape, generator=generator, device=batch.device)
-                               for _ in range(copies)])
-            state_before[group.stop] = generator.get_state()
-            noisy = batch.repeat(copies, 1, 1, 1) + noise.to(batch.dtype) * spread.repeat(copies, 1, 1, 1)
-            image_of_row = torch.arange(count, device=batch.device).repeat(copies)
+        def noise_of(samples: range) -> Tensor:
+            """(len(samples) · N, C, H, W): the noise of whole samples, each drawn as (N, C, H, W), in order."""
+            generator.set_state(state_before[samples.start])
+            draws = []
+            for sample in samples:
+                draws.append(torch.randn(batch.shape, generator=generator, device=batch.device))
+                state_before[sample + 1] = generator.get_state()
+            return torch.cat(draws)
+
+        def images_of(rows: slice) -> Tensor:  # rows are sample by sample, image by image
+            return torch.arange(rows.start, rows.stop, device=batch.device) % count
+
+        def noisy_attribution(rows: slice) -> Attribution:
+            """The wrapped method on noisy copies ``rows`` (row r: sample r // N of image r % N)."""
+            first_sample, last_sample = rows.start // count, (rows.stop - 1) // count
+            offset = first_sample * count
+            noise = noise_of(range(first_sample, last_sample + 1))[rows.start - offset : rows.stop - offset]
+            image_of_row = images_of(rows)
+            noisy = batch[image_of_row] + noise.to(batch.dtype) * spread[image_of_row]
             fixed: Target
             if clean.target_function:
                 fixed = clean.target_function
@@ -118,21 +125,27 @@ class SmoothGrad(Explainer):
             finally:
                 self.explainer.forward_call = None
 
-        for group, inner in self.row_passes(self.samples, self.batch_size, batch.device, noisy_attribution,
-                                            rows_per_item=count):
-            copies = group.stop - group.start
+        sums: dict[str, Tensor] = {}  # per image, of each copy's values and of their squares, float64
+        flag_counts: dict[str, Tensor] = {}  # per image, the copies whose gradient was not zero / not disconnected
+        inner: Optional[Attribution] = None
+        for rows, inner in self.row_passes(self.samples * count, self.batch_size, batch.device, noisy_attribution):
+            image_of_row = images_of(rows)
             for key in ("zero_gradient", "disconnected"):
                 value = getattr(inner, key)
                 if value is not None:
-                    every_copy = value.reshape(copies, count, -1).all(0)
-                    flags[key] = every_copy & flags[key] if key in flags else every_copy
+                    counts = flag_counts.setdefault(key, torch.zeros(count, *value.shape[1:], dtype=torch.long,
+                                                                     device=value.device))
+                    counts.index_add_(0, image_of_row.to(value.device), (~value).long())
             for key, values in (("maps", inner.maps), ("attributions", inner.attributions)):
                 if values is None:
                     continue
                 values = values.detach().double()
-                grouped = values.reshape(copies, count, *values.shape[1:])
-                sums[key] = sums.get(key, 0) + grouped.sum(0)
-                sums[key + "²"] = sums.get(key + "²", 0) + grouped.pow(2).sum(0)
+                if key not in sums:
+                    sums[key] = torch.zeros(count, *values.shape[1:], dtype=torch.float64, device=values.device)
+                    sums[key + "²"] = torch.zeros_like(sums[key])
+                sums[key].index_add_(0, image_of_row.to(values.device), values)
+                sums[key + "²"].index_add_(0, image_of_row.to(values.device), values.pow(2))
+        flags = {key: counts == 0 for key, counts in flag_counts.items()}  # every copy's gradient zero / disconnected
         statistics = {key: self._statistic(sums[key], sums[key + "²"]).float() for key in ("maps", "attributions")
                       if key in sums}
         # the papers average input gradients, then reduce them; a layer's or a CAM's maps are averaged as maps

@@ -268,6 +268,8 @@ class XRAI(Explainer):
             explainers = [IntegratedGradients(self.model, baseline=baseline, steps=self.steps,
                                               batch_size=self.batch_size, output=self.output, normalize=None)
                           for baseline in self.baselines_for(batch)]
+            for explainer in explainers:  # they start at, and add to, the pass sizes that fitted before
+                explainer.rows_that_fit = self.rows_that_fit
         collected: list[Tensor] = []
         flags: dict = {"zero_gradient": None, "disconnected": None, "layer": None}
         for explainer in explainers:

@@ -12,7 +12,7 @@ from typing_extensions import Unpack
 
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, checked_batch_size, register
-from .gradients import GradientExplainer, GradientOptions, all_zero, input_gradients
+from .gradients import GradientExplainer, GradientOptions, all_zero
 
 
 def check_references(baselines: Optional[Tensor]) -> None:
@@ -155,8 +155,7 @@ class GradientShap(GradientExplainer):
             noisy = batch[images] + samples.noise[rows]
             alphas = samples.alphas[rows].to(batch.dtype).view(-1, 1, 1, 1)
             points = alphas * noisy + (1 - alphas) * references
-            gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images), points,
-                                                        lambda output: selected.scores_for(output, images))
+            gradients, unreachable = self.copies_gradients(points, selected, images)
             if self.multiply_by_inputs:
                 gradients = (noisy - references)[:, None] * gradients
             return gradients.double(), unreachable

@@ -112,6 +112,13 @@ class GradientExplainer(Explainer):
         selected.scores = scores
         return gradients, selected
 
+    def copies_gradients(self, copies: Tensor, selected: SelectedTargets, images: Tensor) -> tuple[Tensor, Tensor]:
+        """For R rows, row r a copy of image ``images[r]`` (a path point, a noisy sample): ((R, K, C, H, W)
+        ∂score/∂input for that image's K targets, (R, K) bool where the score does not depend on the input)."""
+        gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images), copies,
+                                                    lambda output: selected.scores_for(output, images))
+        return gradients, unreachable
+
     def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Tensor,
                          **diagnostics: Diagnostic) -> Attribution:
         """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
@@ -306,8 +313,7 @@ class IntegratedGradients(GradientExplainer):
         def weighted_gradients(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the sum, float64
             images, steps_of_rows = image_of_row[rows], step_of_row[rows]
             points = baseline[images] + alphas[steps_of_rows].view(-1, 1, 1, 1) * difference[images]
-            gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images), points,
-                                                        lambda output: selected.scores_for(output, images))
+            gradients, unreachable = self.copies_gradients(points, selected, images)
             return gradients.double() * weights[steps_of_rows].view(-1, 1, 1, 1, 1), unreachable
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,

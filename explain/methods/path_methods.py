@@ -283,9 +283,7 @@ class BlurIG(GradientExplainer):
             further = gaussian_blur(originals, [sigmas[step] + self.grad_step for step in at_steps])
             velocity = (further - points) / self.grad_step  # ∂x/∂σ
             weights = torch.tensor([widths[step] for step in at_steps], dtype=torch.float64, device=batch.device)
-            gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images),
-                                                        points.to(batch.dtype),
-                                                        lambda output: selected.scores_for(output, images))
+            gradients, unreachable = self.copies_gradients(points.to(batch.dtype), selected, images)
             return gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None], unreachable
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,

@@ -315,6 +315,7 @@ def main() -> None:
                     rows.append({"batch": batch, "method": method, "implementation": implementation,
                                  "method_s": times[implementation], "forward_s": times["forward"],
                                  "rounds": times["rounds"][implementation], "repeats": repeats, **memory})
+            write(rows, arguments.model, arguments.device)  # after each method: a run cut short keeps its rows
         if arguments.device == "cpu" or not forward_seconds:
             continue  # on the CPU a no-grad forward's RSS growth is within the allocator's noise (< 1 MiB at batch 1)
         memory = measure_in_fresh_process(command + ["--memory", arguments.model, str(batch), "forward", "torch"],

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import TypeVar
 
-from .scope import CallScope
+from .scope import CallScope, errors_handled_outside
 
 LayerSpec = Union[str, nn.Module, type]
 """A layer: its ``named_modules()`` name, a glob over names, the module itself, or a module type."""
@@ -76,9 +76,10 @@ MIOpen say they could not allocate memory."""
 
 
 def error_chain(error: BaseException) -> Iterator[BaseException]:
-    """The error, then what it was raised from or while handling, and so on; a chain that loops back on
-    itself is walked once."""
-    visited: set[int] = set()
+    """The error, then what it was raised from or while handling, and so on, up to the exceptions the
+    caller was handling when the call began (``errors_handled_outside``: a call made inside the caller's
+    own ``except OutOfMemoryError:`` is not out of memory itself); a chain that loops is walked once."""
+    visited = errors_handled_outside()
     seen: Optional[BaseException] = error
     while seen is not None and id(seen) not in visited:
         visited.add(id(seen))

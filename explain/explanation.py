@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import numpy as np
+import torch
 from PIL import Image
 from torch import Tensor
 from typing_extensions import Unpack
@@ -23,13 +24,18 @@ if TYPE_CHECKING:
 VECTOR_FORMATS = {".pdf", ".svg", ".eps", ".ps"}
 
 Diagnostic = Union[Tensor, list[str]]
-"""One of ``Explanation.diagnostics``: a tensor (a figure per image and target, a count), or names
-(the attention blocks an attention method rolled out, the layers LRP traced)."""
+"""One of ``Explanation.diagnostics``: a tensor, (N, ...) with a figure per image (and target) or 0-d (a count),
+or names (the attention blocks an attention method rolled out, the layers LRP traced)."""
+
+ImageIndex = Union[int, slice, Sequence[int], Tensor, np.ndarray]
+"""Which images ``e[index]`` keeps: an int, a slice, a sequence of ints, or a bool mask of length N."""
 
 
 @dataclass
 class Explanation:
-    """Heatmaps for N images × K targets.
+    """Heatmaps for N images × K targets. ``len(e)`` is N; ``e[i]``, ``e[i:j]``, ``e[[i, j]]`` are the
+    explanations of some of the images (an Explanation of 1, j − i, 2 images), and ``for one in e`` goes
+    image by image; every per-image field follows.
 
     map_grid: (N, K, H, W) float maps at the input's resolution, on the model's
         device; in [0, 1] with the default normalisation ([-1, 1] for signed maps).
@@ -87,6 +93,67 @@ class Explanation:
     def __len__(self) -> int:
         return self.map_grid.shape[0]
 
+    def __getitem__(self, index: ImageIndex) -> Explanation:
+        """The explanation of some of the images, as an Explanation (``e[0]`` is one of 1 image): maps, scores,
+        classes, probabilities, display images, attributions, low-resolution maps and per-image diagnostics
+        ((N, ...) tensors) are those images'; 0-d diagnostics (counts) and names are kept as they are."""
+        rows = self._image_rows(index)
+        count = len(self)
+
+        def pick(values: Tensor) -> Tensor:
+            return values[rows.to(values.device)]
+
+        def pick_diagnostic(value: Diagnostic) -> Diagnostic:
+            per_image = isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == count
+            return pick(value) if isinstance(value, Tensor) and per_image else value
+
+        return dataclasses.replace(
+            self,
+            map_grid=pick(self.map_grid),
+            raw_map_grid=pick(self.raw_map_grid),
+            scores=pick(self.scores),
+            class_indices=None if self.class_indices is None else pick(self.class_indices),
+            display=self.display.select(rows),
+            low_res_maps=None if self.low_res_maps is None else [pick(maps) for maps in self.low_res_maps],
+            probabilities=None if self.probabilities is None else pick(self.probabilities),
+            attributions=None if self.attributions is None else pick(self.attributions),
+            diagnostics={name: pick_diagnostic(value) for name, value in self.diagnostics.items()},
+        )
+
+    def __iter__(self) -> Iterator[Explanation]:
+        """The explanation of each image, in order (each an Explanation of 1 image)."""
+        return (self[image] for image in range(len(self)))
+
+    def _image_rows(self, index: ImageIndex) -> Tensor:
+        """(R,) long indices of the images ``index`` selects; IndexError / TypeError as a list would raise."""
+        count = len(self)
+        if isinstance(index, slice):
+            return torch.tensor(list(range(count)[index]), dtype=torch.long)
+        if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
+            if not -count <= index < count:
+                raise IndexError(f"image index {index} is out of range for an explanation of {count} "
+                                 f"image{'s' if count != 1 else ''}.")
+            return torch.tensor([int(index) % count])
+        if isinstance(index, tuple):
+            raise TypeError("an Explanation is indexed by image only (e[i], e[i:j], e[[i, j]]); for target k of "
+                            "each image use e.maps[:, k] or e.map_grid[:, k].")
+        try:
+            selected = torch.as_tensor(index).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"an Explanation is indexed by an int, a slice, a list of image indices or a bool mask "
+                            f"of length {count}; got {type(index).__name__}.") from None
+        if selected.dtype == torch.bool:
+            if len(selected) != count:
+                raise IndexError(f"a bool mask selects from {count} images; it has {len(selected)} entries.")
+            return selected.nonzero()[:, 0].cpu()
+        if selected.is_floating_point() or selected.is_complex():
+            raise TypeError(f"image indices must be integers; got {selected.dtype}.")
+        out_of_range = (selected < -count) | (selected >= count)
+        if out_of_range.any():
+            raise IndexError(f"image index {int(selected[out_of_range][0])} is out of range for an explanation of "
+                             f"{count} image{'s' if count != 1 else ''}.")
+        return selected.long().cpu() % max(count, 1)
+
     def title(self, image_index: int, target_index: int = 0) -> str:
         """'class name (index): score' for one map."""
         index = None if self.class_indices is None else int(self.class_indices[image_index, target_index])
@@ -133,9 +200,7 @@ class Explanation:
 
     def png(self, dpi: int = 80) -> bytes:
         """The figure of ``figure()`` as PNG bytes (what a notebook shows)."""
-        buffer = io.BytesIO()
-        self.figure().savefig(buffer, format="png", dpi=dpi)
-        return buffer.getvalue()
+        return render.figure_png(self.figure(), dpi=dpi)
 
     def __repr__(self) -> str:
         """One line: method and layer, N × K, size, and the first images' classes with their scores."""

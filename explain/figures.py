@@ -6,7 +6,9 @@ so ``fig.savefig("grid.pdf")`` gives a vector figure with one image per panel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypedDict
+import difflib
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypedDict
 
 import numpy as np
 from torch import Tensor, nn
@@ -23,7 +25,14 @@ if TYPE_CHECKING:
 
     from .methods.base import Explainer
 
-NORMALIZATIONS = ("map", "row")
+NORMALIZATIONS = ("map", "method", "row")
+"""``figure``'s ``normalize``: "map" each map to its own largest |value|; "method" each method's maps to
+one scale, the largest |value| of that method over the images; "row" the same as "method"."""
+
+CHEAP_METHODS = ("gradcam", "gradcam++", "layercam", "saliency", "inputxgradient", "guidedbackprop")
+"""``compare``'s default methods: each costs one forward and one backward pass per image. Score-CAM
+(a forward pass per channel of the layer) and the path methods (Integrated Gradients: 32 passes) are
+worth naming when wanted, at their cost."""
 
 
 class FigureOptions(TypedDict, total=False):
@@ -43,16 +52,22 @@ class FigureOptions(TypedDict, total=False):
 
 
 def _panel_values(explanation: Explanation, image: int, signed: bool, clip_percentile: float,
-                  row_scale: Optional[float]) -> Tensor:
-    """One map in [0, 1] for display: signed maps centred at 0.5, others as normalised."""
+                  method_scale: Optional[float]) -> Tensor:
+    """One map in [0, 1] for display: signed maps centred at 0.5, others as normalised; divided by
+    ``method_scale`` (the method's largest |value| over the images) when given."""
     raw = explanation.raw_map_grid[image, 0].detach().float().cpu()
     if signed:
-        if row_scale is not None:
-            return (raw / row_scale).clamp(-1, 1) * 0.5 + 0.5
+        if method_scale is not None:
+            return (raw / method_scale).clamp(-1, 1) * 0.5 + 0.5
         return render.signed_to_unit(raw, clip_percentile)
-    if row_scale is not None:
-        return (raw.clamp_min(0) / row_scale).clamp(0, 1)
+    if method_scale is not None:
+        return (raw.clamp_min(0) / method_scale).clamp(0, 1)
     return explanation.map_grid[image, 0].detach().float().cpu().clamp(0, 1)
+
+
+def method_scale(explanation: Explanation) -> float:
+    """The largest |value| of a method's shown maps (each image's first target) over the images; 1 for all-zero maps."""
+    return float(explanation.raw_map_grid[:, 0].detach().abs().max()) or 1.0
 
 
 def is_signed(explanation: Explanation) -> bool:
@@ -81,11 +96,15 @@ def figure(
         each image is shown). rows: "images" (images in rows, methods in columns) or "methods".
     show_image: a column (or row) with the original images. mode / alpha / cmap: see
         ``render.overlay``; colour-blind-safe maps such as "viridis" or "cividis" work as well.
-    normalize: "map" (each map to its own maximum) or "row" (each image's maps share one scale,
-        the largest |value| among them). signed: draw maps with negative values in a diverging
+    normalize: "map" (each map to its own maximum) or "method" (each method's maps share one scale,
+        that method's largest |value| over the images, so the images can be compared under each method;
+        "row" is another name for it). Maps of different methods are never put on one scale: their
+        values are in different units (activations × gradients, gradients, logit shares), so one
+        method's would blank the others. signed: draw maps with negative values in a diverging
         colour map centred on zero ("RdBu_r"), clipping |values| at ``clip_percentile``; None
         decides per explanation. colorbar: one shared colorbar, labelled.
-    Returns a matplotlib Figure (save it to PNG at any dpi, or to PDF/SVG).
+    Returns a matplotlib Figure (save it to PNG at any dpi, or to PDF/SVG); a notebook cell whose
+    result it is shows it, no ``%matplotlib inline`` needed.
     """
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -103,18 +122,17 @@ def figure(
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)
-    fig = Figure(figsize=(panel_size * grid_shape[1] + (0.8 if colorbar else 0), panel_size * grid_shape[0] + 0.3),
-                 layout="constrained")
+    fig = render.shown_in_notebooks(Figure(
+        figsize=(panel_size * grid_shape[1] + (0.8 if colorbar else 0), panel_size * grid_shape[0] + 0.3),
+        layout="constrained"))
     axes = fig.subplots(*grid_shape, squeeze=False)
+    scales = [method_scale(e) if normalize in ("method", "row") else None for e in explanations]
     for image in range(count):
-        row_scale = None
-        if normalize == "row":
-            row_scale = max(float(e.raw_map_grid[image, 0].abs().max()) for e in explanations) or 1.0
         panels: list[tuple[str, np.ndarray, Optional[str]]] = []
         if show_image:
             panels.append(("image", (images[image].numpy() * 255).round().astype("uint8"), None))
-        for explanation, signed_map in zip(explanations, signs):
-            values = _panel_values(explanation, image, signed_map, clip_percentile, row_scale)
+        for explanation, signed_map, scale in zip(explanations, signs, scales):
+            values = _panel_values(explanation, image, signed_map, clip_percentile, scale)
             panel_cmap = render.DIVERGING_CMAP if signed_map else cmap
             drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode)
             header = explanation.description()
@@ -145,30 +163,63 @@ def figure(
     return fig
 
 
+class Comparison(NamedTuple):
+    """What ``compare`` returns: the figure and the explanations (``fig, explanations = compare(...)``).
+    A notebook cell whose result it is shows the figure."""
+
+    figure: "Figure"
+    explanations: list[Explanation]
+
+    def _repr_png_(self) -> bytes:
+        return render.figure_png(self.figure)
+
+
+def options_taken(method: type[Explainer]) -> Optional[frozenset[str]]:
+    """The names of the keyword options ``method``'s constructor takes (not the model, the layer or the
+    explainer it wraps); None when it takes any (``**options`` of its own)."""
+    from .methods.base import full_signature
+
+    parameters = full_signature(method).parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.name not in ("self", "model", "layer", "explainer"))
+
+
 def compare(
     model: nn.Module,
     images: Inputs,
-    methods: Sequence[str] = ("gradcam", "gradcam++", "scorecam", "saliency", "integratedgradients",
-                              "guidedbackprop"),
+    methods: Sequence[str] = CHEAP_METHODS,
     *,
     layer: Optional[LayerSpec | Sequence[LayerSpec]] = None,
     target: Target = None,
     method_options: Optional[Mapping[str, Any]] = None,
     **figure_options: Unpack[FigureOptions],
-) -> tuple[Figure, list[Explanation]]:
+) -> Comparison:
     """Explain ``images`` with each registered method by name and lay them out with ``figure``.
 
-    layer: the CAM methods' layer (None: chosen automatically). method_options: keyword
-    arguments for every method (e.g. ``preprocess``, ``class_names``).
-    Returns the figure and the explanations.
+    methods: registered names (``explain methods`` lists them); the default, ``CHEAP_METHODS``, costs
+    one forward and one backward pass per image and method. layer: the CAM methods' layer (None:
+    chosen automatically). method_options: keyword arguments for the methods, each passed to the
+    methods that take it (``preprocess``, ``class_names`` to all; ``steps`` to Integrated Gradients
+    only); an option that none of them takes is an error.
+    Returns a ``Comparison``: the figure and the explanations, which a notebook shows as the figure.
     """
     from .methods import get_method
 
+    classes = [get_method(name) for name in methods]
+    options = dict(method_options or {})
+    taken = [options_taken(cls) for cls in classes]
+    known = set().union(*(names for names in taken if names is not None))
+    unknown = [name for name in options if None not in taken and name not in known]
+    if unknown:
+        hints = "".join(f" Did you mean {close[0]!r} for {name!r}?" for name in unknown
+                        if (close := difflib.get_close_matches(name, sorted(known), n=1)))
+        raise ValueError(f"method_options {unknown} {'is' if len(unknown) == 1 else 'are'} taken by none of the "
+                         f"methods compared ({', '.join(methods)}).{hints} Their options: {', '.join(sorted(known))}.")
     explanations: list[Explanation] = []
-    for name in methods:
-        cls = get_method(name)
+    for cls, names in zip(classes, taken):
         make: Callable[..., Explainer] = cls  # constructors differ: CAM methods take the layer after the model
-        options = dict(method_options or {})
-        explainer = make(model, layer, **options) if cls.needs_layer else make(model, **options)
+        own = {name: value for name, value in options.items() if names is None or name in names}
+        explainer = make(model, layer, **own) if cls.needs_layer else make(model, **own)
         explanations.append(explainer.explain(images, target=target))
-    return figure(explanations, **figure_options), explanations
+    return Comparison(figure(explanations, **figure_options), explanations)

@@ -2,8 +2,10 @@
 
 Images (paths, PIL, ndarrays) are RGB, turned into float tensors in [0, 1] and
 passed through a ``preprocess`` callable (default: ImageNet mean/std
-normalisation, size kept). Tensors are taken as already preprocessed model
-input. For every input the toolkit keeps a display image, (H, W, 3) float in
+normalisation, size kept). Float tensors are taken as already preprocessed model
+input; uint8 tensors, channels first ((3, H, W) or (N, 3, H, W), as
+``torchvision.io.read_image`` gives), are images of 0-255 pixels like uint8
+ndarrays, and go through the preprocess. For every input the toolkit keeps a display image, (H, W, 3) float in
 [0, 1] at the batch's resolution, on which heatmaps are drawn.
 """
 
@@ -23,7 +25,8 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 ImageInput = Union[str, "os.PathLike[str]", Image.Image, np.ndarray, Tensor]
-"""One input: a path, a PIL image, an (H, W, 3) ndarray, or a (C, H, W) or (N, C, H, W) tensor."""
+"""One input: a path, a PIL image, an (H, W, 3) ndarray, a (C, H, W) or (N, C, H, W) float tensor of model input,
+or a (3, H, W) or (N, 3, H, W) uint8 tensor of pixels."""
 Inputs = Union[ImageInput, Sequence[ImageInput]]
 """What ``explain()`` takes: one input or a list of them."""
 PreprocessSpec = Optional[Callable[..., Any]]
@@ -34,7 +37,8 @@ PreprocessSpec = Optional[Callable[..., Any]]
 class Normalize:
     """The default preprocess: RGB image → (3, H, W) float tensor, ``(x - mean) / std``, size kept.
 
-    Accepts a PIL image, an (H, W, 3) ndarray or a (3, H, W) float tensor in [0, 1].
+    Accepts a PIL image, an (H, W, 3) ndarray, a (3, H, W) float tensor in [0, 1] or a (3, H, W)
+    uint8 tensor (0-255).
     Its ``mean`` and ``std`` are also used to turn model input back into a display image.
     """
 
@@ -43,7 +47,7 @@ class Normalize:
         self.std = tuple(float(value) for value in std)
 
     def __call__(self, image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
-        tensor = image if isinstance(image, Tensor) else image_to_tensor(image)
+        tensor = image if isinstance(image, Tensor) and image.is_floating_point() else image_to_tensor(image)
         mean = torch.tensor(self.mean, dtype=tensor.dtype).view(-1, 1, 1)
         std = torch.tensor(self.std, dtype=tensor.dtype).view(-1, 1, 1)
         return (tensor - mean) / std
@@ -211,15 +215,35 @@ def _checked_rgb(image: Image.Image, source: str = "the image") -> Image.Image:
     return image.convert("RGB")  # grayscale, palette, CMYK, YCbCr: unambiguous conversions
 
 
-def image_to_tensor(image: Union[Image.Image, np.ndarray]) -> Tensor:
-    """A PIL image or an (H, W), (H, W, 1) or (H, W, 3) ndarray → (3, H, W) float32 tensor in [0, 1].
+def _pixel_tensor_as_array(pixels: Tensor) -> np.ndarray:
+    """A uint8 tensor of pixels, channels first ((3, H, W), (1, H, W)) or (H, W), → an (H, W, C) or (H, W) ndarray."""
+    if pixels.dim() == 3 and pixels.shape[0] in (1, 3):
+        return pixels.detach().permute(1, 2, 0).cpu().numpy()
+    if pixels.dim() == 3 and pixels.shape[0] == 4:
+        raise ValueError("a uint8 tensor of 4 channels (RGBA); the model needs RGB: drop or composite the alpha "
+                         "channel first, e.g. pixels[:3].")
+    if pixels.dim() == 2:
+        return pixels.detach().cpu().numpy()
+    shape = tuple(pixels.shape)
+    hint = (" It looks channels-last: make it channels first (x.permute(2, 0, 1) for an image, x.permute(0, 3, 1, 2) "
+            "for a batch), or pass it as an ndarray."
+            if pixels.dim() == 3 and pixels.shape[-1] in (1, 3, 4) else "")
+    raise ValueError(f"a uint8 tensor is taken as an image's 0-255 pixels, channels first: (3, H, W) or (N, 3, H, W) "
+                     f"as torchvision.io.read_image gives, or (H, W) grayscale; got shape {shape}.{hint}")
 
-    uint8 arrays are divided by 255; float arrays must already lie in [0, 1].
+
+def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
+    """A PIL image, an (H, W), (H, W, 1) or (H, W, 3) ndarray, or a channels-first (3, H, W) uint8
+    tensor → (3, H, W) float32 tensor in [0, 1].
+
+    uint8 arrays and tensors are divided by 255; float arrays must already lie in [0, 1].
     Grayscale arrays are repeated to three channels; other channel counts,
     16-bit arrays and out-of-range floats are refused with an error.
     """
     if isinstance(image, Image.Image):
         array = np.asarray(_checked_rgb(image, source="the PIL image"))
+    elif isinstance(image, Tensor):
+        array = _pixel_tensor_as_array(image)
     else:
         array = np.asarray(image)
     if array.ndim == 2:
@@ -294,6 +318,14 @@ class DisplayImages:
             self._model_input = None
         return self._images
 
+    def select(self, rows: Tensor) -> "DisplayImages":
+        """The display images of some of the images: ``rows`` (R,) long indices; still made on first use."""
+        if self._images is not None:
+            return DisplayImages(self._images[rows.cpu()])
+        assert self._model_input is not None, "made from model input when not given"
+        return DisplayImages(model_input=self._model_input[rows.to(self._model_input.device)],
+                             preprocess=self._preprocess)
+
 
 @dataclass
 class PreparedInputs:
@@ -334,7 +366,7 @@ def _flatten(inputs: Inputs) -> list[ImageInput]:
 
 def _prepare_one(item: ImageInput, preprocess: Preprocess) -> tuple[Tensor, Tensor]:
     """One input → (model input (C, H, W), display image (H, W, 3))."""
-    if isinstance(item, Tensor):
+    if isinstance(item, Tensor) and item.dtype != torch.uint8:
         model_input = item.unsqueeze(0) if item.dim() == 2 else item
         return model_input, display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
     pil_image: Optional[Image.Image]
@@ -344,7 +376,7 @@ def _prepare_one(item: ImageInput, preprocess: Preprocess) -> tuple[Tensor, Tens
     elif isinstance(item, Image.Image):
         pil_image = _checked_rgb(item, source="the PIL image")
         image = image_to_tensor(pil_image)
-    else:
+    else:  # an ndarray, or a uint8 tensor of pixels
         image = image_to_tensor(item)
         pil_image = None
     if isinstance(preprocess, Normalize):
@@ -368,7 +400,7 @@ def prepare_inputs(
     inputs: Inputs, preprocess: Preprocess, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> PreparedInputs:
     """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
-    if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0:
+    if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0 and inputs.dtype != torch.uint8:
         # a model-ready batch: no split into images and re-stacking; display images when first drawn
         return _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
     items = _flatten(inputs)
@@ -387,11 +419,17 @@ def prepare_inputs(
 
 
 def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> PreparedInputs:
-    """Cast a floating batch to the model's dtype and refuse NaN or inf."""
+    """Cast a floating batch to the model's dtype; refuse other dtypes, and NaN or inf."""
+    if not batch.is_floating_point():
+        raise TypeError(
+            f"a tensor input is taken as model input and must be floating point; this one is {batch.dtype}. "
+            "Convert it, e.g. x.float() / 255 for 0-255 pixels, normalised as the model expects "
+            "(explain.Normalize() for ImageNet statistics); or pass the image as a uint8 tensor, a PIL image or an "
+            "ndarray, which the explainer's preprocess turns into model input."
+        )
     if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
         batch = batch.clone()
-    if batch.is_floating_point():
-        batch = batch.to(dtype)
+    batch = batch.to(dtype)
     if not torch.isfinite(batch).all():
         raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
     return PreparedInputs(batch=batch, display=display)

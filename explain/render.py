@@ -7,6 +7,8 @@ dimensions) and RGB images, (H, W, 3) or (N, H, W, 3), uint8 or float in
 
 from __future__ import annotations
 
+import functools
+import io
 from typing import TYPE_CHECKING, Optional, Sequence, TypedDict, Union
 
 import matplotlib
@@ -190,7 +192,7 @@ def explanation_figure(
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
     if figure is None:
-        figure = Figure(figsize=size, layout="constrained")
+        figure = shown_in_notebooks(Figure(figsize=size, layout="constrained"))
     else:
         figure.set_size_inches(*size)
         figure.set_layout_engine("constrained")
@@ -207,6 +209,21 @@ def explanation_figure(
     for axis in axes.flat:
         axis.set_axis_off()
     figure.suptitle(explanation.description(), fontsize=10)
+    return figure
+
+
+def figure_png(figure: "Figure", dpi: float = 100) -> bytes:
+    """A figure as PNG bytes, cropped to what is drawn (as a notebook shows figures)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def shown_in_notebooks(figure: "Figure") -> "Figure":
+    """``figure`` with a ``_repr_png_``: a Jupyter cell whose result it is shows it, without ``%matplotlib
+    inline`` or pyplot (our figures are not pyplot's, so pyplot never shows them a second time). With
+    ``%matplotlib inline`` IPython's own formatter for figures draws it instead, once."""
+    figure._repr_png_ = functools.partial(figure_png, figure)  # type: ignore[attr-defined]
     return figure
 
 

@@ -127,6 +127,19 @@ def current_scope() -> Optional["CallScope[Any]"]:
     return stack[-1] if stack else None
 
 
+def errors_handled_outside() -> set[int]:
+    """The ids of the exceptions that this thread's callers were handling when its open scopes began
+    (a call made inside ``except ...:``), with what those were raised from: an error raised during the
+    call links to them as its ``__context__``, but they are not part of the call's own failure."""
+    handled: set[int] = set()
+    for scope in getattr(_open_scopes, "stack", ()):
+        error = scope.handled_on_entry
+        while error is not None and id(error) not in handled:
+            handled.add(id(error))
+            error = error.__cause__ or error.__context__
+    return handled
+
+
 def _overrides_train(module: nn.Module) -> bool:
     return type(module).train is not nn.Module.train
 
@@ -148,10 +161,13 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
         self._undo: list[Callable[[], object]] = []
         self._grad_enabled = True
         self._function_modes = 0
+        self.handled_on_entry: Optional[BaseException] = None
+        """The exception the caller was handling when the scope opened, if any (see ``errors_handled_outside``)."""
 
     @_protected
     def __enter__(self) -> Entered:
         _deferral.install()
+        self.handled_on_entry = sys.exc_info()[1]
         self._grad_enabled = torch.is_grad_enabled()
         self._function_modes = torch._C._len_torch_function_stack()
         stack = getattr(_open_scopes, "stack", None)
@@ -191,6 +207,7 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
             stack = getattr(_open_scopes, "stack", [])
             if self in stack:
                 stack.remove(self)
+            self.handled_on_entry = None
         finally:
             _deferral.uninstall()
         interrupted = _deferral.take_pending()

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-Target = Union[None, int, Sequence[int], Sequence[Sequence[int]], Tensor, Callable[[Any], Tensor]]
+ClassRef = Union[int, str]
+"""A class, by index or by name."""
+
+Target = Union[None, ClassRef, Sequence[ClassRef], Sequence[Sequence[ClassRef]], Tensor, Callable[[Any], Tensor]]
 """What to explain for each image.
 
 - ``None``: the top-1 class of each image;
 - an ``int``: that class for every image;
 - a sequence of N ints: one class per image;
 - a sequence of N sequences of K ints (or an (N, K) tensor): K classes per image;
+- class names wherever an int may stand (``"tabby"``, one name per image, K per image), when the
+  explainer knows the model's class names (its ``class_names=``, or the model's own: a HuggingFace
+  ``config.id2label``, a timm ImageNet classifier's labels); see ``class_index``;
 - a callable ``f(output) -> Tensor[N]`` (or ``Tensor[N, K]``): any scalar(s) per image,
   computed from the model's output (segmentation, detection, embedding targets).
   Perturbation methods (Score-CAM, Ablation-CAM) apply it to outputs of batches of
@@ -81,6 +88,9 @@ class SelectedTargets:
     class_indices: (N, K) long tensor of class indices, or None for callable targets.
     keep_target_dim: whether maps keep a K dimension, (N, K, H, W), or drop it, (N, H, W).
     probabilities: (N, K) softmax probabilities of the explained classes, None for callable targets.
+    empty_region: (N, K) bool, where a ``RegionTarget``'s region (pixels, a box) is empty on the
+        explained images, so that its score is 0 whatever the input; None for other targets.
+    empty_region_advice: the region target's own words on what empty means and what to do.
     """
 
     scores: Tensor
@@ -88,6 +98,8 @@ class SelectedTargets:
     keep_target_dim: bool
     probabilities: Optional[Tensor] = None
     target_function: Optional[Callable[[Any], Tensor]] = None
+    empty_region: Optional[Tensor] = None
+    empty_region_advice: str = ""
 
     def scores_for(self, output: Any, image_index: Tensor) -> Tensor:
         """The same targets' scores on another forward pass, e.g. of perturbed copies.
@@ -103,30 +115,70 @@ class SelectedTargets:
         return output.gather(1, self.class_indices[image_index].to(output.device))
 
 
+@runtime_checkable
+class RegionTarget(Protocol):
+    """A target that scores a region of the model's output (pixels, a box). Where the region is
+    empty the score is 0 whatever the input, so the map is empty too: the pipeline asks the target
+    (``empty_regions``) and its warning blames the region, in the target's words (``empty_region_advice``),
+    instead of the gradient."""
+
+    def __call__(self, output: Any) -> Tensor: ...
+
+    def empty_regions(self, output: Any) -> Tensor:
+        """(N,) bool: the images whose region is empty in ``output``."""
+        ...
+
+    def empty_region_advice(self) -> str:
+        """What an empty region means for this target and what to do about it."""
+        ...
+
+
 class SegmentationTarget:
     """Semantic segmentation: the sum of class ``class_index``'s logits over a pixel mask.
 
     mask: (H, W) or (N, H, W) bool/0-1 at the output's resolution; None: the pixels where
     ``class_index`` is the predicted class. Use a single (H, W) mask with Score-CAM and
     Ablation-CAM, which score batches of perturbed copies row by row.
-    Called on (N, classes, H, W) segmentation logits, returns (N,) scores.
+    Called on (N, classes, H, W) segmentation logits, returns (N,) scores. An image where the
+    mask selects no pixel (no pixel predicted as the class) scores 0: a zero map and a warning
+    that says so (``RegionTarget``).
     """
 
     def __init__(self, class_index: int, mask: Optional[Tensor] = None):
         self.class_index = int(class_index)
         self.mask = None if mask is None else torch.as_tensor(mask)
 
-    def __call__(self, output: Tensor) -> Tensor:
+    def region(self, output: Tensor) -> Tensor:
+        """(N, H, W) or (H, W): the weight of each pixel's logit in the sum (the mask, or the predicted pixels)."""
         if not isinstance(output, Tensor) or output.dim() != 4:
             raise ValueError("SegmentationTarget needs (N, classes, H, W) logits; pass output= to select them.")
-        logits = output[:, self.class_index]
+        if not 0 <= self.class_index < output.shape[1]:
+            raise ValueError(f"SegmentationTarget's class {self.class_index} is out of range: the output has "
+                             f"{output.shape[1]} classes (0 to {output.shape[1] - 1}).")
         if self.mask is None:
-            mask = output.argmax(dim=1) == self.class_index
-        else:
-            mask = self.mask.to(logits.device)
-            if mask.shape[-2:] != logits.shape[-2:]:
-                raise ValueError(f"the mask is {tuple(mask.shape[-2:])} but the logits are {tuple(logits.shape[-2:])}.")
+            return output.detach().argmax(dim=1) == self.class_index
+        mask = self.mask.to(output.device)
+        if mask.shape[-2:] != output.shape[-2:]:
+            raise ValueError(f"the mask is {tuple(mask.shape[-2:])} but the logits are {tuple(output.shape[-2:])}.")
+        return mask
+
+    def __call__(self, output: Tensor) -> Tensor:
+        mask = self.region(output)
+        logits = output[:, self.class_index]
         return (logits * mask.to(logits.dtype)).sum(dim=(1, 2))
+
+    def empty_regions(self, output: Tensor) -> Tensor:
+        selected = self.region(output).flatten(-2).ne(0).any(dim=-1)  # (N,), or () for one (H, W) mask
+        return ~selected.expand(output.shape[0])
+
+    def empty_region_advice(self) -> str:
+        if self.mask is None:
+            return (f"no pixel is predicted as class {self.class_index} (SegmentationTarget({self.class_index}) "
+                    "without a mask explains the pixels predicted as its class). Choose a class that the model "
+                    "predicts somewhere in the image (output.argmax(1).unique() lists them), or pass mask= to say "
+                    "which pixels to explain")
+        return f"the mask given to SegmentationTarget({self.class_index}) selects no pixel of the image: pass a mask " \
+               "that covers the region to explain"
 
     def __repr__(self) -> str:
         return f"SegmentationTarget(class_index={self.class_index})"
@@ -173,7 +225,8 @@ class DetectionTarget:
     """Object detection: the score of the predicted box of class ``class_index`` that overlaps
     ``box`` best (IoU), for torchvision-style outputs (a list of dicts with "boxes", "labels" and
     "scores", one per image). box: (4,) x0, y0, x1, y1 for every image, or (N, 4).
-    An image with no box of that class overlapping by at least ``min_iou`` scores 0 (a zero map).
+    An image with no box of that class overlapping by at least ``min_iou`` (and by more than 0)
+    scores 0: a zero map and a warning that says so (``RegionTarget``).
     """
 
     def __init__(self, box: Sequence[float], class_index: int, min_iou: float = 0.0):
@@ -181,23 +234,37 @@ class DetectionTarget:
         self.class_index = int(class_index)
         self.min_iou = min_iou
 
-    def __call__(self, output: Sequence[Mapping[str, Tensor]]) -> Tensor:
+    def matches(self, output: Sequence[Mapping[str, Tensor]]) -> list[Optional[Tensor]]:
+        """Per image, the index (among its detections) of the best-overlapping box of the class, or None."""
         from torchvision.ops import box_iou
 
         if not isinstance(output, (list, tuple)) or not all(isinstance(item, Mapping) for item in output):
             raise ValueError("DetectionTarget needs a list of dicts with 'boxes', 'labels' and 'scores' per image.")
         boxes = self.box.expand(len(output), 4) if self.box.dim() == 1 else self.box
-        scores: list[Tensor] = []
+        found: list[Optional[Tensor]] = []
         for image, detections in enumerate(output):
-            candidates = detections["labels"] == self.class_index
-            if candidates.any():
-                overlaps = box_iou(boxes[image : image + 1].to(detections["boxes"]), detections["boxes"][candidates])[0]
-                best = overlaps.argmax()
-                if overlaps[best] >= self.min_iou and overlaps[best] > 0:
-                    scores.append(detections["scores"][candidates][best])
-                    continue
-            scores.append(detections["scores"].sum() * 0.0)  # no match: zero, still in the graph
+            candidates = (detections["labels"] == self.class_index).nonzero()[:, 0]
+            best: Optional[Tensor] = None
+            if len(candidates):
+                overlaps = box_iou(boxes[image : image + 1].to(detections["boxes"]),
+                                   detections["boxes"][candidates].detach())[0]
+                if overlaps.max() >= self.min_iou and overlaps.max() > 0:
+                    best = candidates[overlaps.argmax()]
+            found.append(best)
+        return found
+
+    def __call__(self, output: Sequence[Mapping[str, Tensor]]) -> Tensor:
+        scores = [detections["scores"][best] if best is not None else detections["scores"].sum() * 0.0
+                  for detections, best in zip(output, self.matches(output))]  # no match: zero, still in the graph
         return torch.stack(scores)
+
+    def empty_regions(self, output: Sequence[Mapping[str, Tensor]]) -> Tensor:
+        return torch.tensor([best is None for best in self.matches(output)])
+
+    def empty_region_advice(self) -> str:
+        return (f"no predicted box of class {self.class_index} overlaps the box {self.box.tolist()} (IoU > 0 and "
+                f"at least min_iou={self.min_iou}). Choose a class and a box that the model detects (each "
+                "output[n]['labels'] and ['boxes']), or lower min_iou")
 
     def __repr__(self) -> str:
         return f"DetectionTarget(box={self.box.tolist()}, class_index={self.class_index})"
@@ -207,8 +274,90 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, (Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _contains_names(target: Any) -> bool:
+    """Whether a class target names a class anywhere (a str, or a str inside a list or tuple)."""
+    if isinstance(target, str):
+        return True
+    if isinstance(target, np.ndarray):
+        return target.dtype.kind in "US"
+    return isinstance(target, (list, tuple)) and any(_contains_names(item) for item in target)
+
+
+def class_index(name: str, class_names: Optional[Sequence[str]]) -> int:
+    """The index of the class called ``name`` (case-insensitive) among ``class_names``.
+
+    A name matches a class's whole name, or one of its comma-separated synonyms (ImageNet's
+    "tabby, tabby cat" is found as "tabby" and as "tabby cat"). Raises ValueError for a name that
+    matches no class (with the closest names) or several, and when no class names are known.
+    """
+    if class_names is None:
+        raise ValueError(
+            f"target {name!r} is a class name, but the model's class names are not known: pass class_names= to "
+            "the explainer (one name per class, e.g. torchvision's weights.meta['categories']), or give the class "
+            "index as an int."
+        )
+    key = " ".join(name.lower().split())
+    whole = [" ".join(str(known).lower().split()) for known in class_names]
+    found = [index for index, known in enumerate(whole) if known == key]
+    if not found:
+        found = [index for index, known in enumerate(whole) if key in (part.strip() for part in known.split(","))]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        listed = ", ".join(f"{index} ({class_names[index]!r})" for index in found)
+        raise ValueError(f"the class name {name!r} matches {len(found)} classes: {listed}. Give the index instead.")
+    synonyms = {part.strip(): known for known in whole for part in [known, *known.split(",")]}
+    close = difflib.get_close_matches(key, list(synonyms), n=3, cutoff=0.6)
+    suggestions = [class_names[whole.index(synonyms[match])] for match in close]
+    hint = f" Did you mean {', '.join(repr(str(name)) for name in dict.fromkeys(suggestions))}?" if close else ""
+    raise ValueError(f"no class is called {name!r} among the model's {len(class_names)} class names.{hint}")
+
+
+def class_indices_for_names(target: Target, class_names: Optional[Sequence[str]]) -> Target:
+    """``target`` with every class name replaced by its index (``class_index``): a name, a list of
+    one name per image, or K names per image, mixed with ints as one likes. Other targets are
+    returned as they are."""
+    if not _contains_names(target):
+        return target
+
+    def indices(item: Any) -> Any:
+        if isinstance(item, str):
+            return class_index(item, class_names)
+        if isinstance(item, np.ndarray):
+            return indices(item.tolist())
+        if isinstance(item, (list, tuple)):
+            return [indices(part) for part in item]
+        return item
+
+    return indices(target)
+
+
+def model_class_names(model: nn.Module) -> Optional[list[str]]:
+    """The class names a model carries, or None: a HuggingFace model's ``config.id2label`` (not its
+    "LABEL_0" placeholders), a timm model's ``pretrained_cfg["label_names"]`` or, for a timm
+    ImageNet classifier, the ImageNet class descriptions ("tabby, tabby cat")."""
+    labels = getattr(getattr(model, "config", None), "id2label", None)
+    if isinstance(labels, Mapping) and labels:
+        hf_names = [str(labels[index]) for index in sorted(labels)]
+        if not all(name == f"LABEL_{index}" for index, name in enumerate(hf_names)):
+            return hf_names
+    pretrained_cfg = getattr(model, "pretrained_cfg", None)
+    if not isinstance(pretrained_cfg, Mapping) or not type(model).__module__.startswith("timm."):
+        return None
+    names = pretrained_cfg.get("label_names")
+    if names is None:
+        from timm.data import ImageNetInfo, infer_imagenet_subset
+
+        subset = infer_imagenet_subset(model)
+        names = None if subset is None else ImageNetInfo(subset).label_descriptions()
+    return [str(name) for name in names] if names is not None and len(names) == model.num_classes else None
+
+
 def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:
     """(N, K) indices from an int, a sequence of ints or a nested sequence; and whether K is kept."""
+    if _contains_names(target):
+        raise TypeError(f"target {target!r} names classes: here the target must be class indices. An explainer that "
+                        "knows the model's class names (Explainer(..., class_names=...)) turns names into indices.")
     if _is_integer(target):
         return torch.full((batch_size, 1), int(target), dtype=torch.long), False
     try:
@@ -260,7 +409,13 @@ def select_targets(
         keep = scores.dim() == 2
         scores = scores.reshape(scores.shape[0], -1)
         check_finite_scores(scores)
-        return SelectedTargets(scores, None, keep, target_function=target)
+        selected = SelectedTargets(scores, None, keep, target_function=target)
+        if isinstance(target, RegionTarget):
+            with torch.no_grad():
+                empty = target.empty_regions(output).to(scores.device, torch.bool)
+            selected.empty_region = empty.reshape(scores.shape[0], -1).expand_as(scores)
+            selected.empty_region_advice = target.empty_region_advice()
+        return selected
 
     if not isinstance(output, Tensor) or output.dim() != 2:
         returned = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__

@@ -198,7 +198,7 @@ def test_gradientshap_completeness_error_is_against_the_mean_score_of_each_image
     targets = [1, 3, 0]
     model = Conditioned().eval() if conditioned else SmallCNN().eval()
     conditions = torch.rand(3, 4) + 0.5
-    call = {"forward_args": (conditions,), "input_position": 1} if conditioned else {}
+    call = {"forward_args": (conditions,), "input_position": 1, "per_image": [0]} if conditioned else {}
 
     def score(image: int, inputs: Tensor) -> float:
         with torch.no_grad():

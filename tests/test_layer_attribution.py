@@ -351,10 +351,10 @@ def test_a_model_with_a_second_input_gets_each_images_own_rows_on_the_path(metho
     model = Conditioned().eval()
     images, conditions = torch.randn(2, 3, 8, 8), torch.rand(2, 4) + 0.5
     explainer = method(model, "conv", steps=5, batch_size=4)
-    both = explainer.explain(images, target=[0, 2], forward_args=(conditions,), input_position=1)
+    both = explainer.explain(images, target=[0, 2], forward_args=(conditions,), input_position=1, per_image=[0])
     for image in range(2):
         alone = explainer.explain(images[image : image + 1], target=[0, 2][image],
-                                  forward_args=(conditions[image : image + 1],), input_position=1)
+                                  forward_args=(conditions[image : image + 1],), input_position=1, per_image=[0])
         torch.testing.assert_close(both.attributions[image : image + 1], alone.attributions, rtol=1e-5, atol=1e-7)
 
 

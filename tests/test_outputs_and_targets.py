@@ -154,7 +154,7 @@ def test_a_model_with_several_inputs(name):
     with warnings.catch_warnings():  # Ablation-CAM cannot replay the tail here: the condition multiplies it
         warnings.simplefilter("ignore", RuntimeWarning)
         result = build(model, "conv").explain(images, target=[0, 2], forward_args=(conditions,),
-                                              input_position=1, forward_kwargs={"offset": 0.1})
+                                              input_position=1, forward_kwargs={"offset": 0.1}, per_image=[0])
     for i in range(2):  # each image alone, through a one-input model with its condition baked in
         alone = build(Conditioned(model, conditions[i : i + 1], 0.1), "two_inputs.conv").explain(
             images[i : i + 1], target=[0, 2][i])
@@ -162,7 +162,8 @@ def test_a_model_with_several_inputs(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         keyword = build(model, "conv").explain(images, target=[0, 2], input_position="image",
-                                               forward_kwargs={"condition": conditions, "offset": 0.1})
+                                               forward_kwargs={"condition": conditions, "offset": 0.1},
+                                               per_image=["condition"])
     torch.testing.assert_close(keyword.maps, result.maps)
 
 

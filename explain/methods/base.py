@@ -9,12 +9,27 @@ import textwrap
 import threading
 import warnings
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, Iterator, Optional, Sequence, TypedDict, TypeVar, overload
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Collection,
+    Generic,
+    Iterator,
+    Optional,
+    Sequence,
+    TypedDict,
+    TypeVar,
+    Union,
+    overload,
+)
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..capture import (
     ForwardArguments,
@@ -29,10 +44,22 @@ from ..explanation import Diagnostic, Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
 from ..scope import CallScope
-from ..targets import OutputSelector, SelectedTargets, Target, select_output
+from ..targets import (
+    OutputSelector,
+    SelectedTargets,
+    Target,
+    class_indices_for_names,
+    model_class_names,
+    select_output,
+)
 from ..units import bind_units
 
 NORMALIZATIONS = ("max", "minmax", None)
+
+
+PerImage = Collection[Union[int, str]]
+"""Which of a model's other arguments hold one row per image: positions in ``forward_args`` (int)
+and names in ``forward_kwargs`` (str)."""
 
 
 @dataclass
@@ -40,10 +67,10 @@ class ForwardCall:
     """The other arguments of a model's forward, for models with several inputs.
 
     args / kwargs: passed through; position: where the explained batch goes, an index into the
-    positional arguments or a keyword name; batch_size: N. Tensors whose first dimension is N
-    are per-image and follow the rows when a method runs copies of the images; which ones are is
-    decided once, on the explained batch, and kept by the copies' calls (a shared tensor whose
-    first dimension happens to equal a pass's row count stays shared).
+    positional arguments or a keyword name; batch_size: N. per_image: (positions, keyword names)
+    of the tensors that hold one row per image and follow the rows when a method runs copies of
+    the images (path points, noisy copies); the others are shared by every copy. None: not stated
+    by the caller, which is only accepted where it cannot be misread: no tensor argument has N rows.
     """
 
     args: tuple[Any, ...] = ()
@@ -51,7 +78,37 @@ class ForwardCall:
     position: int | str = 0
     batch_size: int = 0
     per_image: Optional[tuple[frozenset[int], frozenset[str]]] = None
-    """(positions, keyword names) of the per-image tensors; None: those of first dimension ``batch_size``."""
+
+    @classmethod
+    def stated(cls, args: tuple[Any, ...], kwargs: dict[str, Any], position: int | str, batch_size: int,
+               per_image: Optional[PerImage]) -> "ForwardCall":
+        """The call as ``explain`` receives it, with ``per_image`` checked against the arguments given."""
+        call = cls(args, kwargs, position, batch_size)
+        if per_image is None:
+            return call
+        if isinstance(per_image, (str, int)):
+            raise TypeError(f"per_image must be a collection of forward_args positions and forward_kwargs names "
+                            f"(e.g. per_image=[{per_image!r}]); got {per_image!r}.")
+        names = [item for item in per_image if isinstance(item, str)]
+        positions = [item for item in per_image if isinstance(item, int) and not isinstance(item, bool)]
+        unknown = [item for item in per_image if item not in names and item not in positions]
+        unknown += [name for name in names if name not in kwargs]
+        unknown += [index for index in positions if not -len(args) <= index < len(args)]
+        if unknown:
+            raise ValueError(f"per_image names {unknown!r}, which are not among the model's other inputs "
+                             f"(forward_args positions {list(range(len(args)))}, forward_kwargs names "
+                             f"{sorted(kwargs)}).")
+        positions = [index % len(args) for index in positions]
+        for where, value in [*((f"forward_args[{i}]", args[i]) for i in positions),
+                             *((f"forward_kwargs[{n!r}]", kwargs[n]) for n in names)]:
+            if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != batch_size:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"per_image says {where} holds one row per image, but it is {shape} for "
+                                 f"{batch_size} image{'s' if batch_size != 1 else ''}: a per-image tensor's first "
+                                 "dimension is the number of images. Leave it out of per_image if every image "
+                                 "shares it.")
+        call.per_image = frozenset(positions), frozenset(names)
+        return call
 
     def arguments(self, inputs: Tensor) -> ForwardArguments:
         """(args, kwargs) of one forward, with copies of the other tensors (the model may edit them in place)."""
@@ -63,15 +120,30 @@ class ForwardCall:
         return tuple(args), copy[1]
 
     def per_image_arguments(self) -> tuple[frozenset[int], frozenset[str]]:
-        """(positions, keyword names) of the arguments that hold one row per image."""
+        """(positions, keyword names) of the arguments that hold one row per image: as stated by the
+        caller, else none, after checking that no tensor argument could be per-image (N rows)."""
         if self.per_image is not None:
             return self.per_image
+        ambiguous: list[tuple[str, int | str]] = [(f"forward_args[{index}]", index)
+                                                  for index, value in enumerate(self.args)
+                                                  if self._has_image_rows(value)]
+        ambiguous += [(f"forward_kwargs[{name!r}]", name) for name, value in self.kwargs.items()
+                      if self._has_image_rows(value)]
+        if ambiguous:
+            wheres = " and ".join(where for where, _ in ambiguous)
+            example = ", ".join(repr(key) for _, key in ambiguous)
+            count = f"{self.batch_size} image{'s' if self.batch_size != 1 else ''}"
+            raise ValueError(
+                f"{wheres} {'has' if len(ambiguous) == 1 else 'have'} {self.batch_size} "
+                f"row{'s' if self.batch_size != 1 else ''}, as many as the {count} explained, and this method runs "
+                "copies of the images (path points, noisy copies), so it must know whether each copy takes its "
+                f"image's row or the whole tensor. Say which: per_image=[{example}] (one row per image, e.g. "
+                "a mask or a condition per image) or per_image=[] (shared by every image, e.g. CLIP's prompts)."
+            )
+        return frozenset(), frozenset()
 
-        def is_per_image(value: object) -> bool:
-            return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size
-
-        return (frozenset(index for index, value in enumerate(self.args) if is_per_image(value)),
-                frozenset(name for name, value in self.kwargs.items() if is_per_image(value)))
+    def _has_image_rows(self, value: object) -> bool:
+        return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size
 
     def for_rows(self, rows: Tensor) -> "ForwardCall":
         """The same call for a batch whose row r is a copy of image ``rows[r]``."""
@@ -171,6 +243,12 @@ def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
 
 Result = TypeVar("Result")
 
+PROGRESS_THRESHOLD = 8
+"""With ``progress=None`` a bar is shown when a call needs more passes through the model than this."""
+
+_progress_bars = threading.local()
+"""``open``: how many explainers' progress bars this thread has open (an inner call shows none)."""
+
 
 def out_of_memory_error(error: BaseException, method: str, device: torch.device, rows: int,
                         batch_size: Optional[int]) -> BaseException:
@@ -213,6 +291,7 @@ def check_finite_maps(raw_maps: Tensor, method: str) -> None:
 
 
 EMPTY_MAP_REASONS = {
+    "empty_region": "the target's region is empty in this image, so the score explained is 0: {region}",
     "disconnected": (
         "the score does not depend on {where} (autograd finds no path): a detached or constant target, or a "
         "model that runs that part under no_grad or detach() inside forward. Check the target and the layer"
@@ -232,24 +311,71 @@ EMPTY_MAP_REASONS = {
 
 
 def warn_about_empty_maps(raw_maps: Tensor, attribution: "Attribution", method: str) -> None:
-    """One RuntimeWarning naming the images and targets whose map is zero everywhere, and why."""
-    empty = raw_maps.flatten(2).eq(0).all(dim=2)  # (N, K)
-    if not empty.any():
+    """One RuntimeWarning naming the images and targets whose map is zero everywhere, and why; also
+    those whose target region (a ``RegionTarget``'s pixels or box) is empty, whatever their map."""
+    empty_map = raw_maps.flatten(2).eq(0).all(dim=2)  # (N, K)
+    empty_region = attribution.selected.empty_region
+    empty_region = torch.zeros_like(empty_map) if empty_region is None else empty_region.to(empty_map.device)
+    if not (empty_map | empty_region).any():
         return
     where = "the target layer's output" if attribution.low_res_maps is not None else "the input"
-    checks = [("disconnected", attribution.disconnected), ("zero_gradient", attribution.zero_gradient),
-              ("negative", attribution.negative_everywhere)]
+    checks = [("empty_region", empty_region), ("disconnected", attribution.disconnected),
+              ("zero_gradient", attribution.zero_gradient), ("negative", attribution.negative_everywhere)]
     groups: dict[str, list[str]] = {}
-    for n, k in empty.nonzero().tolist():
+    for n, k in (empty_map | empty_region).nonzero().tolist():
         reason = next((name for name, flags in checks if flags is not None and bool(flags[n, k])), "other")
         groups.setdefault(reason, []).append(f"({n}, {k})")
     lines = [
         f"(image, target) {', '.join(pairs[:8])}{' and more' if len(pairs) > 8 else ''}: "
-        + EMPTY_MAP_REASONS[reason].format(where=where) + "."
+        + EMPTY_MAP_REASONS[reason].format(where=where, region=attribution.selected.empty_region_advice) + "."
         for reason, pairs in groups.items()
     ]
-    warnings.warn(f"{method} returned maps that are zero everywhere. " + " ".join(lines), RuntimeWarning,
-                  stacklevel=3)
+    heading = ("returned maps that are zero everywhere" if bool(empty_map[empty_region].all())
+               else "explained targets whose region is empty")
+    warnings.warn(f"{method} {heading}. " + " ".join(lines), RuntimeWarning, stacklevel=3)
+
+
+REDUCED_PRECISIONS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` computes in on this device type in this thread, or None when it is off."""
+    try:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return dtype if enabled else None
+
+
+def reduced_precision(model: nn.Module, batch: Tensor) -> Optional[str]:
+    """How the model computes when it is not float32/float64: "bfloat16 (torch.autocast)", "float16 (the
+    model's dtype)", ...; None when it computes in full precision."""
+    autocast = autocast_dtype(batch.device.type)
+    if autocast in REDUCED_PRECISIONS:
+        return f"{REDUCED_PRECISIONS[autocast]} (torch.autocast)"
+    for dtype, where in ((model_dtype(model), "the model's dtype"), (batch.dtype, "the input's dtype")):
+        if dtype in REDUCED_PRECISIONS:
+            return f"{REDUCED_PRECISIONS[dtype]} ({where})"
+    return None
+
+
+def warn_about_precision(attribution: "Attribution", precision: Optional[str], method: str) -> None:
+    """One RuntimeWarning when maps made of per-pixel gradients (attributions at the input or at a layer's
+    units) were computed in reduced precision: those gradients carry its rounding, which no sum in
+    float32 can take back (CAMs average gradients over a layer and change by ≤ 0.02: no warning)."""
+    if precision is None or attribution.attributions is None:
+        return
+    warnings.warn(
+        f"{method} ran in {precision}: the model's forward and backward passes round to "
+        f"{8 if precision.startswith('bfloat16') else 11} significant bits, so per-pixel gradients, and maps "
+        "made of them, differ from the float32 model's (on the shipped demo CNN by up to 0.2 of the map's maximum "
+        "for saliency and guided backprop, 0.1 for Integrated Gradients and SmoothGrad, against ≤ 0.02 for "
+        "Grad-CAM). The sums over steps and samples are kept in float64 and the maps returned in float32. For "
+        "float32 maps, call explain outside torch.autocast, or on a float32 copy of the model (model.float()).",
+        RuntimeWarning, stacklevel=3)
 
 
 Value = TypeVar("Value")
@@ -287,6 +413,7 @@ class ExplainerOptions(TypedDict, total=False):
     normalize: Optional[str]
     class_names: Optional[Sequence[str]]
     output: OutputSelector
+    progress: Optional[bool]
 
 
 _ENTRY = re.compile(r"^    (\w+(?:, \w+)*): ", re.M)
@@ -371,6 +498,9 @@ class Explainer(ABC):
     class_names: names of the model's classes, for titles.
     output: which part of the model's output holds the scores when it is not a plain tensor
         (a key, an index or a callable); None picks it automatically (see ``select_output``).
+    progress: a progress bar for calls that run many passes through the model (path points, noisy
+        copies, perturbed inputs): True, False, or None (default: when a call needs more than
+        ``PROGRESS_THRESHOLD`` passes). A call made inside another's bar shows none of its own.
     """
 
     name: ClassVar[str] = ""
@@ -390,6 +520,7 @@ class Explainer(ABC):
         normalize: Optional[str] = "max",
         class_names: Optional[Sequence[str]] = None,
         output: OutputSelector = None,
+        progress: Optional[bool] = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
@@ -399,8 +530,11 @@ class Explainer(ABC):
         self.model = model
         self.preprocess = as_preprocess(preprocess)
         self.normalize = normalize
-        self.class_names = class_names
+        self.class_names = class_names if class_names is not None else model_class_names(model)
         self.output = output
+        if progress not in (None, True, False):
+            raise ValueError(f"progress must be True, False or None (on long calls); got {progress!r}.")
+        self.progress = progress
         self.rows_that_fit: dict[str, int] = {}
         """Per device, the rows per pass that fitted in memory after a pass ran out of it (see
         ``row_passes``); later calls start there."""
@@ -434,30 +568,46 @@ class Explainer(ABC):
         per_pass = rows_per_pass(batch_size, device)
         if batch_size is None:
             per_pass = min(per_pass, self.rows_that_fit.get(str(device), per_pass))
-        largest_fitted = 0
-        start = 0
-        while start < rows:
-            chunk = slice(start, min(start + per_pass, rows))
-            tried = chunk.stop - chunk.start
-            failed = False
-            try:
-                result = compute(chunk)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                if batch_size is not None or tried == 1:
-                    advised = out_of_memory_error(error, self.method_name, device, tried, batch_size)
-                    if advised is error:
+        with self.progress_bar(-(-rows // per_pass), rows, "row") as bar:
+            largest_fitted = 0
+            start = 0
+            while start < rows:
+                chunk = slice(start, min(start + per_pass, rows))
+                tried = chunk.stop - chunk.start
+                failed = False
+                try:
+                    result = compute(chunk)
+                except Exception as error:
+                    if not is_out_of_memory(error):
                         raise
-                    raise advised from error
-                failed = True  # run again below, once the error's frames (and their tensors) are released
-            if failed:
-                per_pass = tried // 2
-                self.rows_that_fit[str(device)] = max(per_pass, largest_fitted)
-                continue
-            largest_fitted = max(largest_fitted, tried)
-            yield chunk, result
-            start = chunk.stop
+                    if batch_size is not None or tried == 1:
+                        advised = out_of_memory_error(error, self.method_name, device, tried, batch_size)
+                        if advised is error:
+                            raise
+                        raise advised from error
+                    failed = True  # run again below, once the error's frames (and their tensors) are released
+                if failed:
+                    per_pass = tried // 2
+                    self.rows_that_fit[str(device)] = max(per_pass, largest_fitted)
+                    continue
+                largest_fitted = max(largest_fitted, tried)
+                bar.update(tried)
+                yield chunk, result
+                start = chunk.stop
+
+    @contextmanager
+    def progress_bar(self, passes: int, total: int, unit: str) -> Iterator[tqdm]:
+        """A tqdm bar of ``total`` units for a call of ``passes`` passes, shown as ``progress`` says
+        (None: when passes > ``PROGRESS_THRESHOLD``), never inside another explainer's bar in this thread."""
+        show = self.progress if self.progress is not None else passes > PROGRESS_THRESHOLD
+        nested = getattr(_progress_bars, "open", 0) > 0
+        _progress_bars.open = getattr(_progress_bars, "open", 0) + 1
+        try:
+            with tqdm(total=total, desc=self.method_name, unit=unit, disable=not show or nested,
+                      leave=False) as bar:
+                yield bar
+        finally:
+            _progress_bars.open -= 1
 
     def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
         """The model's scores for a batch: its forward pass (with the call's other arguments), then
@@ -488,6 +638,7 @@ class Explainer(ABC):
         forward_args: Sequence[Any] = (),
         forward_kwargs: Optional[dict[str, Any]] = None,
         input_position: int | str = 0,
+        per_image: Optional[PerImage] = None,
     ) -> Explanation:
         """Explain N images for one or K targets each.
 
@@ -499,7 +650,11 @@ class Explainer(ABC):
         topk: explain each image's k highest-scoring classes.
         forward_args, forward_kwargs: the model's other inputs, for models with several; the
             explained batch goes at ``input_position`` (an index among the positional arguments,
-            or a keyword name). Tensors of first dimension N are taken as per-image.
+            or a keyword name).
+        per_image: which of those inputs hold one row per image (positions in ``forward_args``,
+            names in ``forward_kwargs``): a method that runs copies of the images gives each copy
+            its image's row of these, and the whole of the others. ``[]``: all shared (CLIP's
+            prompts). Needed by such methods when a tensor input has N rows, where it could be either.
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
         scope = CallScope(self.model)
@@ -508,11 +663,12 @@ class Explainer(ABC):
                 scope.enter(torch.inference_mode(False))
             check_parameters_usable(self.model)
             prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
-            if forward_args or forward_kwargs or input_position != 0:
-                self.forward_call = ForwardCall(tuple(forward_args), dict(forward_kwargs or {}), input_position,
-                                                prepared.batch.shape[0])
+            if forward_args or forward_kwargs or input_position != 0 or per_image:
+                self.forward_call = ForwardCall.stated(tuple(forward_args), dict(forward_kwargs or {}), input_position,
+                                                       prepared.batch.shape[0], per_image)
                 scope.add_undo(self._forget_forward_call)
             scope.eval_mode(self.model)
+            target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
             copies_before = channels_last_copies()
             attribution: Optional[Attribution] = None
@@ -527,6 +683,7 @@ class Explainer(ABC):
             raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
             check_finite_maps(raw, self.method_name)
             warn_about_empty_maps(raw, attribution, self.method_name)
+            warn_about_precision(attribution, reduced_precision(self.model, prepared.batch), self.method_name)
             selected = attribution.selected
             return Explanation(
                 map_grid=normalize_maps(raw, self.normalize),

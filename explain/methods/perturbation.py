@@ -12,7 +12,6 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 from typing_extensions import Unpack
 
 from ..capture import ModelInputError
@@ -21,23 +20,17 @@ from ..targets import SelectedTargets
 from .base import register
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
 
-PROGRESS_THRESHOLD = 8
-"""With ``progress=None`` a bar is shown when a call needs more forward passes than this."""
-
 
 class PerturbationOptions(CAMOptions, total=False):
     """The keyword options of the perturbation CAMs (see ``PerturbationCAM``)."""
 
     batch_size: int
-    progress: Optional[bool]
 
 
 class PerturbationCAM(CAM):
     """Shared by Score-CAM and Ablation-CAM.
 
     batch_size: perturbed copies of the input per forward pass (bounds memory).
-    progress: show a progress bar: True, False, or None (when more than
-        PROGRESS_THRESHOLD forward passes are needed).
     """
 
     uses_gradients = False
@@ -48,23 +41,23 @@ class PerturbationCAM(CAM):
         layer: TargetLayers = None,
         *,
         batch_size: int = 32,
-        progress: Optional[bool] = None,
         **options: Unpack[CAMOptions],
     ):
         super().__init__(model, layer, **options)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
         self.batch_size = batch_size
-        self.progress = progress
 
     def _chunks(self, total: int, description: str, per_pass: Optional[int] = None) -> Iterator[slice]:
         """Slices of ``per_pass`` (default ``batch_size``) over ``total`` items, one per forward
         pass, with a progress bar when asked or when the run is long."""
         per_pass = per_pass or self.batch_size
         passes = -(-total // per_pass)
-        show = self.progress if self.progress is not None else passes > PROGRESS_THRESHOLD
-        for start in tqdm(range(0, total, per_pass), total=passes, desc=description, disable=not show, leave=False):
-            yield slice(start, min(start + per_pass, total))
+        with self.progress_bar(passes, passes, "pass") as bar:
+            bar.set_description(description)
+            for start in range(0, total, per_pass):
+                yield slice(start, min(start + per_pass, total))
+                bar.update()
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         maps = []

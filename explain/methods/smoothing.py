@@ -3,6 +3,7 @@ mean square or the variance of any method's attributions over noisy copies of th
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Optional, Union
 
 import torch
@@ -31,7 +32,8 @@ class SmoothGrad(Explainer):
         wrapped method's ``reduce`` (max |·| over colour channels by default); "maps": each copy's
         map is computed first and the maps are averaged (the default for CAMs and layer methods).
     seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
-        device, same map.
+        device, same map. None: new noise on every call, its seed drawn from torch's global
+        generator (``torch.manual_seed`` makes a run repeatable).
     batch_size: noisy copies (rows, one image's copy each) per pass of the wrapped method;
         None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
         ``ROWS_PER_PASS``).
@@ -51,7 +53,7 @@ class SmoothGrad(Explainer):
         noise: float = 0.15,
         noise_std: Optional[float] = None,
         average: Optional[str] = None,
-        seed: int = 0,
+        seed: Optional[int] = 0,
         batch_size: Optional[int] = None,
         **options: Unpack[GradientOptions],
     ):
@@ -67,8 +69,15 @@ class SmoothGrad(Explainer):
         shared: ExplainerOptions = options  # without "reduce", the wrapped method's own option
         super().__init__(explainer.model, **shared)
         checked_batch_size(batch_size)
-        if samples < 1 or noise < 0 or (noise_std is not None and noise_std < 0):
-            raise ValueError("samples must be at least 1 and noise / noise_std non-negative.")
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise ValueError(f"samples must be an int of at least 1 (noisy copies per image); got {samples!r}.")
+        for option, value in (("noise", noise), ("noise_std", noise_std)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{option} must be a finite number ≥ 0 (a standard deviation); got {value!r}.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int (the same noise on every call) or None (new noise on every "
+                             f"call, drawn from torch's global generator); got {seed!r}.")
         if average not in (None, *AVERAGES):
             raise ValueError(f"average must be one of {AVERAGES}; got {average!r}.")
         self.explainer = explainer
@@ -90,7 +99,8 @@ class SmoothGrad(Explainer):
         with torch.no_grad():
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
-        generator = torch.Generator(device=batch.device).manual_seed(self.seed)  # drawn where the batch is
+        seed = self.seed if self.seed is not None else int(torch.randint(2**62, ()).item())
+        generator = torch.Generator(device=batch.device).manual_seed(seed)  # drawn where the batch is
         state_before = {0: generator.get_state()}  # by sample: rows drawn again get the same noise
 
         def noise_of(samples: range) -> Tensor:

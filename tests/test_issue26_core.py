@@ -1,0 +1,268 @@
+"""Issue 26, the pipeline's part: which of a model's other inputs are per-image (item 1), reduced
+precision (item 10), the blur baseline on any image size (item 13), out-of-memory detection only in
+the error's own chain (item 17) and Integrated Gradients' progress bar (item 22)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import Tensor, nn
+
+import explain
+
+# ---------------------------------------------------------------- item 1: per-image inputs, stated
+
+
+def tiny_clip() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=16),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4),
+        projection_dim=16)
+    return transformers.CLIPModel._from_config(config, attn_implementation="eager").double().eval()
+
+
+def slow_integrated_gradients(score: "callable", x: Tensor, steps: int) -> Tensor:
+    """(x − 0) ⊙ mean over midpoints α of ∂score/∂x(αx), one point at a time: (C, H, W)."""
+    total = torch.zeros_like(x)
+    for step in range(steps):
+        point = ((step + 0.5) / steps * x).requires_grad_(True)
+        (gradient,) = torch.autograd.grad(score(point), point)
+        total += gradient
+    return x * total / steps
+
+
+def test_clip_prompts_stated_as_shared_score_the_right_prompt_on_every_path_point():
+    """2 images and 2 prompts: the prompts' first dimension equals N. Integrated Gradients must give
+    each path point both prompts, not the prompt of its image's row."""
+    clip = tiny_clip()
+    torch.manual_seed(1)
+    pixels, prompts = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.randint(0, 50, (2, 7))
+    explainer = explain.IntegratedGradients(clip, steps=4, output="logits_per_image", normalize=None)
+    call = dict(forward_kwargs={"input_ids": prompts}, input_position="pixel_values")
+    with pytest.raises(ValueError, match=r"forward_kwargs\['input_ids'\] has 2 rows.*per_image=\['input_ids'\].*"
+                                         r"per_image=\[\]"):
+        explainer.explain(pixels, target=[1, 0], **call)
+    shared = explainer.explain(pixels, target=[1, 0], per_image=[], **call)
+    for image, prompt in enumerate([1, 0]):
+        def score(point: Tensor, prompt: int = prompt) -> Tensor:
+            return clip(pixel_values=point[None], input_ids=prompts).logits_per_image[0, prompt]
+
+        expected = slow_integrated_gradients(score, pixels[image], steps=4)
+        torch.testing.assert_close(shared.attributions[image, 0], expected, rtol=1e-9, atol=1e-12)
+
+
+class Conditioned(nn.Module):
+    """A CNN whose features are scaled by a per-image condition row and shifted by a shared table."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, image: Tensor, condition: Tensor, table: Tensor) -> Tensor:
+        features = torch.tanh(self.conv(image) * condition[:, :, None, None]).mean(dim=(2, 3))
+        return self.head(features) + table.sum(0)[:3]
+
+
+@pytest.mark.parametrize("name", ["integratedgradients", "smoothgrad", "layerconductance", "scorecam"])
+def test_a_stated_per_image_input_follows_its_image_and_a_shared_one_stays_whole(name):
+    """Condition (2, 4) per image, table (2, 4) shared: each image's map equals that image explained
+    alone with the same inputs (one image: nothing to misread)."""
+    torch.manual_seed(0)
+    model = Conditioned().double().eval()
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    condition, table = torch.rand(2, 4, dtype=torch.float64) + 0.5, torch.randn(2, 4, dtype=torch.float64)
+    cls = explain.get_method(name)
+    options = {"integratedgradients": {"steps": 4}, "smoothgrad": {"samples": 3, "noise": 0.0},
+               "layerconductance": {"steps": 4},
+               "scorecam": {"progress": False}}[name]
+    explainer = cls(model, "conv", **options) if cls.needs_layer else cls(model, **options)
+    call = dict(forward_args=(condition,), forward_kwargs={"table": table}, input_position=0)
+    with pytest.raises(ValueError, match=r"forward_args\[0\] and forward_kwargs\['table'\] have 2 rows"):
+        explainer.explain(images, target=[0, 2], **call)
+    together = explainer.explain(images, target=[0, 2], per_image=[0], **call)
+    for image in range(2):
+        alone = explainer.explain(images[image : image + 1], target=[0, 2][image], forward_args=(condition[[image]],),
+                                  forward_kwargs={"table": table}, input_position=0, per_image=[0])
+        torch.testing.assert_close(together.raw_maps[image], alone.raw_maps[0], rtol=1e-9, atol=1e-12)
+
+
+def test_a_method_without_copies_needs_no_statement_and_per_image_is_checked():
+    torch.manual_seed(0)
+    model = Conditioned().eval()
+    images, condition, table = torch.randn(2, 3, 8, 8), torch.rand(2, 4) + 0.5, torch.randn(2, 4)
+    explain.GradCAM(model, "conv").explain(images, forward_args=(condition, table))  # nothing copied: no question
+    explainer = explain.IntegratedGradients(model, steps=2)
+    with pytest.raises(ValueError, match=r"per_image names \['mask'\], which are not among"):
+        explainer.explain(images, forward_args=(condition, table), per_image=["mask"])
+    with pytest.raises(ValueError, match=r"forward_args\[1\] holds one row per image, but it is \(3, 4\)"):
+        explainer.explain(images, forward_args=(condition, torch.randn(3, 4)), per_image=[0, 1])
+    with pytest.raises(TypeError, match=r"per_image=\['condition'\]"):
+        explainer.explain(images, forward_kwargs={"condition": condition}, per_image="condition")
+
+
+# ---------------------------------------------------------------- item 17: only the error's own chain
+
+
+class Refuses(nn.Module):
+    """A CNN for 8×8 inputs that raises a simulated CUDA out-of-memory error for batches of more than
+    ``rows`` rows, as its own error type wrapping torch's (``wrap=True``) or as torch's."""
+
+    class Wrapped(RuntimeError):
+        pass
+
+    def __init__(self, rows: int, wrap: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 3)
+        self.rows, self.wrap, self.batches = rows, wrap, []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.batches.append(x.shape[0])
+        if x.shape[0] > self.rows:
+            try:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            except torch.cuda.OutOfMemoryError:
+                if not self.wrap:
+                    raise
+                raise Refuses.Wrapped("the model's own error")  # noqa: B904 (implicitly chained to the OOM)
+        return self.head(self.conv(x).flatten(1))
+
+
+def test_a_wrong_input_inside_the_callers_own_out_of_memory_handler_is_reported_as_a_wrong_input():
+    model = Refuses(rows=1000)
+    explainer = explain.IntegratedGradients(model, steps=4)
+    try:
+        raise torch.cuda.OutOfMemoryError("the caller's own, earlier out-of-memory error")
+    except torch.cuda.OutOfMemoryError:
+        with pytest.raises(explain.ModelInputError, match=r"shape \(1, 3, 9, 9\).*pass a preprocess"):
+            explainer.explain(torch.randn(1, 3, 9, 9))  # 9×9: the head expects 8×8
+    assert explainer.rows_that_fit == {}  # not taken for a pass that ran out of memory
+    assert model.batches == [1]  # the failing forward ran once: no retries in halves
+
+
+def test_an_out_of_memory_error_the_model_wraps_is_still_found_and_retried_in_halves():
+    """The model's own error, implicitly chained to torch's OOM, inside the caller's unrelated handler:
+    still an out-of-memory failure, retried in passes of half the rows, with the result of passes that fit."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 8, 8)
+    explainer = explain.IntegratedGradients(Refuses(rows=4, wrap=True), steps=4, normalize=None)
+    try:
+        raise ValueError("the caller's own error, handled while explaining")
+    except ValueError:
+        retried = explainer.explain(x, target=[0, 1])
+    assert explainer.rows_that_fit == {"cpu": 4}
+    fitting = explain.IntegratedGradients(Refuses(rows=1000), steps=4, batch_size=4, normalize=None)
+    torch.testing.assert_close(retried.attributions, fitting.explain(x, target=[0, 1]).attributions)
+
+
+# ---------------------------------------------------------------- item 10: reduced precision, said
+
+
+def demo_and_resnet():
+    import torchvision
+
+    from explain.data import load_demo_model
+
+    torch.manual_seed(0)
+    return [load_demo_model().eval(), torchvision.models.resnet18(num_classes=10).eval()]
+
+
+def by_hand_saliency(model: nn.Module, x: Tensor, targets: list[int]) -> Tensor:
+    """max_c |∂y_t/∂x_c|, each map divided by its maximum, from the gradient as the caller's context computes it."""
+    x = x.clone().requires_grad_(True)
+    scores = model(x)[torch.arange(len(targets)), targets]
+    (gradient,) = torch.autograd.grad(scores.sum(), x)
+    maps = gradient.float().abs().amax(dim=1)
+    return maps / maps.flatten(1).amax(dim=1).view(-1, 1, 1)
+
+
+@pytest.mark.parametrize("model_index", [0, 1], ids=["demo", "resnet18"])
+def test_saliency_under_bf16_autocast_is_the_bf16_gradient_and_says_why_it_differs_from_float32(model_index):
+    model = demo_and_resnet()[model_index]
+    x = torch.randn(2, 3, 64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(RuntimeWarning, match=r"Saliency ran in bfloat16 \(torch.autocast\).*8 significant bits"
+                                                r".*call explain outside torch.autocast"):
+            mixed = explain.Saliency(model).explain(x, target=[1, 2]).maps
+        expected = by_hand_saliency(model, x, [1, 2])
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, expected, rtol=0, atol=1e-6)  # nothing lost beyond the model's rounding
+
+
+def test_integrated_gradients_of_a_float16_model_sums_its_gradients_in_float64_and_warns():
+    model = demo_and_resnet()[0].half()
+    x = torch.randn(1, 3, 32, 32).half()
+    with pytest.warns(RuntimeWarning, match=r"ran in float16 \(the model's dtype\).*11 significant bits.*model.float"):
+        result = explain.IntegratedGradients(model, steps=4, normalize=None).explain(x, target=3)
+    total = torch.zeros(3, 32, 32, dtype=torch.float64)
+    for step in range(4):
+        point = ((step + 0.5) / 4 * x).requires_grad_(True)
+        (gradient,) = torch.autograd.grad(model(point)[0, 3], point)
+        total += gradient[0].double() / 4
+    torch.testing.assert_close(result.attributions[0, 0], (x[0].double() * total).half(), rtol=0, atol=0)
+
+
+def test_cams_in_reduced_precision_do_not_warn_and_float32_never_warns(recwarn):
+    model = demo_and_resnet()[1]
+    x = torch.randn(1, 3, 64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explain.GradCAM(model, "layer4").explain(x, target=1)
+    explain.Saliency(model).explain(x, target=1)
+    assert not [w for w in recwarn if "significant bits" in str(w.message)]
+
+
+# ---------------------------------------------------------------- item 22: Integrated Gradients' progress bar
+
+
+def test_integrated_gradients_shows_a_progress_bar_on_long_calls_and_none_inside_another(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    explain.IntegratedGradients(model, steps=64, batch_size=8).explain(x)  # 16 passes > PROGRESS_THRESHOLD
+    shown = capsys.readouterr().err
+    assert "IntegratedGradients:" in shown and "/128 " in shown
+    explain.IntegratedGradients(model, steps=64, batch_size=8, progress=False).explain(x)
+    explain.IntegratedGradients(model, steps=8, batch_size=8).explain(x)  # 2 passes: quick, no bar
+    assert capsys.readouterr().err == ""
+    inner = explain.IntegratedGradients(model, steps=64, batch_size=8)
+    explain.SmoothGrad(inner, samples=9, batch_size=1).explain(x[:1])  # 9 passes of SmoothGrad, 8 of IG in each
+    shown = capsys.readouterr().err
+    assert "SmoothGrad(IntegratedGradients):" in shown and "/9 " in shown
+    assert "IntegratedGradients:" not in shown.replace("SmoothGrad(IntegratedGradients):", "")
+    with pytest.raises(ValueError, match=r"progress must be True, False or None"):
+        explain.IntegratedGradients(model, progress="yes")
+
+
+# ---------------------------------------------------------------- item 16: SmoothGrad's options
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"samples": 2.5}, r"samples must be an int of at least 1.*got 2.5"),
+    ({"samples": 0}, r"samples must be an int of at least 1.*got 0"),
+    ({"noise": float("inf")}, r"noise must be a finite number ≥ 0.*got inf"),
+    ({"noise_std": -0.1}, r"noise_std must be a finite number ≥ 0.*got -0.1"),
+    ({"seed": 1.5}, r"seed must be an int .* or None"),
+])
+def test_smoothgrad_options_are_checked_with_a_message_naming_the_option(options, message):
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
+    with pytest.raises(ValueError, match=message):
+        explain.SmoothGrad(model, **options)
+
+
+def test_smoothgrad_seed_none_draws_new_noise_each_call_from_torchs_generator():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    explainer = explain.SmoothGrad(model, samples=3, seed=None, normalize=None)
+    torch.manual_seed(5)
+    first, second = explainer.explain(x, target=0).raw_maps, explainer.explain(x, target=0).raw_maps
+    assert not torch.equal(first, second)
+    torch.manual_seed(5)
+    torch.testing.assert_close(explainer.explain(x, target=0).raw_maps, first, rtol=0, atol=0)
+    seeded = explain.SmoothGrad(model, samples=3, seed=7, normalize=None)
+    torch.testing.assert_close(seeded.explain(x, target=0).raw_maps, seeded.explain(x, target=0).raw_maps)

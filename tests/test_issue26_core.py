@@ -4,6 +4,8 @@ the error's own chain (item 17) and Integrated Gradients' progress bar (item 22)
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -266,3 +268,41 @@ def test_smoothgrad_seed_none_draws_new_noise_each_call_from_torchs_generator():
     torch.testing.assert_close(explainer.explain(x, target=0).raw_maps, first, rtol=0, atol=0)
     seeded = explain.SmoothGrad(model, samples=3, seed=7, normalize=None)
     torch.testing.assert_close(seeded.explain(x, target=0).raw_maps, seeded.explain(x, target=0).raw_maps)
+
+
+# ---------------------------------------------------------------- item 13: the blur baseline on any image size
+
+
+@pytest.mark.parametrize("height, width", [(64, 16), (64, 4), (1, 1), (4, 64)])
+def test_integrated_gradients_blur_baseline_on_thin_and_tiny_images_is_the_mirrored_gaussian(height, width):
+    """x' = x blurred by a Gaussian of σ = max(H, W) / 8 truncated at 3σ, mirrored at the edges (scipy's
+    mode="mirror", by hand); the attributions add up to y(x) − y(x')."""
+    import numpy as np
+    from scipy.ndimage import gaussian_filter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    model = model.double().eval()
+    x = torch.randn(1, 3, height, width, dtype=torch.float64)
+    sigma = max(height, width) / 8
+    radius = int(np.ceil(3 * sigma))
+    expected = np.stack([gaussian_filter(channel, sigma, mode="mirror", truncate=radius / sigma if sigma else 0)
+                         for channel in x[0].numpy()])
+    torch.testing.assert_close(explain.IntegratedGradients(model, baseline="blur").baseline_for(x)[0],
+                               torch.from_numpy(expected), rtol=1e-10, atol=1e-12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = explain.IntegratedGradients(model, baseline="blur", steps=64, normalize=None).explain(x, target=1)
+    said = " ".join(str(warning.message) for warning in caught)
+    assert ("the baseline equals the image, so the path from it has length 0" in said) == (height * width == 1)
+    with torch.no_grad():
+        change = model(x)[0, 1] - model(torch.from_numpy(expected)[None])[0, 1]
+    torch.testing.assert_close(result.attributions.sum(), change, rtol=1e-3, atol=1e-9)
+
+
+def test_a_non_finite_baseline_tensor_is_refused_by_name():
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)).eval()
+    baseline = torch.zeros(3, 8, 8)
+    baseline[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"the baseline .* holds NaN or inf .* index \(1, 2, 3\)"):
+        explain.IntegratedGradients(model, baseline=baseline).explain(torch.randn(1, 3, 8, 8))

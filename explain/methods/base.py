@@ -172,6 +172,7 @@ class Attribution:
     disconnected: (N, K) bool, where the score does not depend on the layer or input at all.
     negative_everywhere: (N, K) bool, where a map was ≤ 0 everywhere, and not all zero, before
         its ReLU (CAM methods).
+    baseline_is_input: (N,) bool, where a path method's baseline equals the image (a path of length 0).
     """
 
     maps: Tensor
@@ -183,6 +184,7 @@ class Attribution:
     zero_gradient: Optional[Tensor] = None
     disconnected: Optional[Tensor] = None
     negative_everywhere: Optional[Tensor] = None
+    baseline_is_input: Optional[Tensor] = None
 
 
 def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
@@ -292,6 +294,11 @@ def check_finite_maps(raw_maps: Tensor, method: str) -> None:
 
 EMPTY_MAP_REASONS = {
     "empty_region": "the target's region is empty in this image, so the score explained is 0: {region}",
+    "empty_path": (
+        "the baseline equals the image, so the path from it has length 0 and every attribution is 0 "
+        "(they add up to y(x) − y(x') = 0). Give a baseline that differs from the image (baseline='zeros', "
+        "'blur' on a larger image, or another tensor)"
+    ),
     "disconnected": (
         "the score does not depend on {where} (autograd finds no path): a detached or constant target, or a "
         "model that runs that part under no_grad or detach() inside forward. Check the target and the layer"
@@ -319,7 +326,9 @@ def warn_about_empty_maps(raw_maps: Tensor, attribution: "Attribution", method: 
     if not (empty_map | empty_region).any():
         return
     where = "the target layer's output" if attribution.low_res_maps is not None else "the input"
-    checks = [("empty_region", empty_region), ("disconnected", attribution.disconnected),
+    empty_path = attribution.baseline_is_input
+    empty_path = None if empty_path is None else empty_path.to(empty_map.device)[:, None].expand_as(empty_map)
+    checks = [("empty_region", empty_region), ("empty_path", empty_path), ("disconnected", attribution.disconnected),
               ("zero_gradient", attribution.zero_gradient), ("negative", attribution.negative_everywhere)]
     groups: dict[str, list[str]] = {}
     for n, k in (empty_map | empty_region).nonzero().tolist():

@@ -13,13 +13,16 @@ from typing_extensions import Unpack
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, checked_batch_size, register
 from .gradients import GradientExplainer, GradientOptions, all_zero
+from .options import bool_option, check_finite_reference, int_option, number_option, random_generator, seed_option
 
 
 def check_references(baselines: Optional[Tensor]) -> None:
-    """Refuse reference inputs that are not a (B, C, H, W) tensor with B ≥ 1 (None: the zero input)."""
+    """Refuse reference inputs that are not a finite (B, C, H, W) tensor with B ≥ 1 (None: the zero input)."""
     if baselines is not None and (not isinstance(baselines, Tensor) or baselines.dim() != 4 or len(baselines) < 1):
         shape = tuple(baselines.shape) if isinstance(baselines, Tensor) else type(baselines).__name__
         raise ValueError(f"baselines must be a (B, C, H, W) tensor of reference inputs, B ≥ 1, or None; got {shape}.")
+    if baselines is not None:
+        check_finite_reference(baselines, "baselines")
 
 
 def references_for(baselines: Optional[Tensor], batch: Tensor) -> Tensor:
@@ -29,7 +32,9 @@ def references_for(baselines: Optional[Tensor], batch: Tensor) -> Tensor:
     if baselines.shape[1:] != batch.shape[1:]:
         raise ValueError(f"the baselines are {tuple(baselines.shape[1:])} per image but the inputs are "
                          f"{tuple(batch.shape[1:])}; give baselines of the model input's shape.")
-    return baselines.to(batch.device, batch.dtype)
+    references = baselines.to(batch.device, batch.dtype)
+    check_finite_reference(references, f"baselines (cast to the model's {batch.dtype})")
+    return references
 
 
 @dataclass
@@ -56,7 +61,9 @@ class GradientShap(GradientExplainer):
         as expected gradients proper takes them; None (default): the zero input alone, which
         makes this a sampled Integrated Gradients from zero.
     samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
-        in model-input units (Captum's stdevs); seed: same seed and device, same draws.
+        in model-input units (Captum's stdevs).
+    seed: an int: same seed and device, same draws (default 0); None: fresh draws each call, seeded
+        from torch's global random state (``torch.manual_seed`` before the call repeats them).
     multiply_by_inputs: False gives the mean gradient itself.
     batch_size: samples per forward/backward pass; None (default): 16 on the CPU, 256 on a GPU (halved
         where memory runs out; ``ROWS_PER_PASS``).
@@ -72,23 +79,25 @@ class GradientShap(GradientExplainer):
     summary = "GradientSHAP / expected gradients: gradients at random points between the input and random references"
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
-                 noise_std: float = 0.0, seed: int = 0, multiply_by_inputs: bool = True,
+                 noise_std: float = 0.0, seed: Optional[int] = 0, multiply_by_inputs: bool = True,
                  batch_size: Optional[int] = None, check_completeness: bool = True, **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         check_references(baselines)
-        checked_batch_size(batch_size)
-        if samples < 1 or noise_std < 0:
-            raise ValueError("samples must be at least 1 and noise_std non-negative.")
-        self.baselines, self.samples, self.noise_std, self.seed = baselines, samples, noise_std, seed
-        self.multiply_by_inputs, self.batch_size = multiply_by_inputs, batch_size
-        self.check_completeness = check_completeness
+        self.baselines = baselines
+        self.samples = int_option("samples", samples, 1)
+        self.noise_std = number_option("noise_std", noise_std)
+        self.seed = seed_option(seed)
+        self.multiply_by_inputs = bool_option("multiply_by_inputs", multiply_by_inputs)
+        self.batch_size = checked_batch_size(batch_size)
+        self.check_completeness = bool_option("check_completeness", check_completeness)
 
     def draw(self, batch: Tensor) -> PathSamples:
         """The call's random draws, from a generator seeded with ``seed`` on the batch's device (drawing a
-        GPU batch's noise on the CPU would cost more than its gradients): same seed and device, same draws."""
+        GPU batch's noise on the CPU would cost more than its gradients): same seed and device, same draws
+        (``random_generator``: a fresh seed for None)."""
         rows = batch.shape[0] * self.samples
         device = batch.device
-        generator = torch.Generator(device=device).manual_seed(self.seed)
+        generator = random_generator(self.seed, device)
         baseline_index = torch.randint(1 if self.baselines is None else len(self.baselines), (rows,),
                                        generator=generator, device=device)
         alphas = torch.rand(rows, generator=generator, dtype=torch.float64, device=device)

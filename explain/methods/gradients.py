@@ -7,18 +7,18 @@ gradient), and reduces the channels to one map per image and target.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
-import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from ..blur import reflect_blur
 from ..explanation import Diagnostic
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, ExplainerOptions, PerThread, checked_batch_size, register
+from .options import check_finite_reference
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
 RULES = ("midpoint", "left", "right", "trapezoid", "gausslegendre")
@@ -120,9 +120,10 @@ class GradientExplainer(Explainer):
         return gradients, unreachable
 
     def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Tensor,
-                         **diagnostics: Diagnostic) -> Attribution:
+                         baseline_is_input: Optional[Tensor] = None, **diagnostics: Diagnostic) -> Attribution:
         """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
-        zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere."""
+        zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere;
+        baseline_is_input: (N,) bool, where a path method's baseline equals the image."""
         disconnected, self.disconnected = self.disconnected, None
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
@@ -131,6 +132,7 @@ class GradientExplainer(Explainer):
             diagnostics=diagnostics,
             zero_gradient=zero_gradient,
             disconnected=disconnected,
+            baseline_is_input=baseline_is_input,
         )
 
 
@@ -163,7 +165,8 @@ BASELINES = ("zeros", "blur")
 
 def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tensor:
     """The baseline x' for a (N, C, H, W) batch, same shape: "zeros" (zero model input), "blur"
-    (the input blurred by a Gaussian of σ = max(H, W) / 8) or a tensor broadcastable to the batch.
+    (the input blurred by a Gaussian of σ = max(H, W) / 8, reflected at the edges: any image size) or a
+    finite tensor broadcastable to the batch.
     With ``batch`` None, only checks the kind of baseline (and returns an empty tensor)."""
     if isinstance(baseline, str) and baseline not in BASELINES:
         raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
@@ -173,6 +176,7 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
         return torch.empty(0)
     if isinstance(baseline, Tensor):
         baseline = baseline.to(batch.device, batch.dtype)
+        check_finite_reference(baseline, f"the baseline (as {batch.dtype} model input)")
         try:
             return baseline.expand_as(batch)
         except RuntimeError:
@@ -183,9 +187,7 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
             ) from None
     if baseline == "zeros":
         return torch.zeros_like(batch)
-    sigma = max(batch.shape[-2:]) / 8
-    kernel = 2 * math.ceil(3 * sigma) + 1
-    return TF.gaussian_blur(batch, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
+    return reflect_blur(batch, max(batch.shape[-2:]) / 8)
 
 
 RULE_ALIASES = {"riemann": "midpoint", "riemann_middle": "midpoint", "riemann_left": "left",
@@ -292,6 +294,7 @@ class IntegratedGradients(GradientExplainer):
         attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
         self.disconnected = disconnected
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
+                                     baseline_is_input=difference.flatten(1).eq(0).all(dim=1),
                                      completeness_error=completeness_error.float(), score_change=score_change.float(),
                                      steps=torch.tensor(steps))
 

@@ -21,9 +21,11 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..blur import gaussian_blur
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, checked_batch_size, register
 from .gradients import GradientExplainer, all_zero, baseline_like, input_gradients
+from .options import bool_option, check_finite_reference, int_option, number_option
 
 CLOSE_ENOUGH = 1e-9
 """Relative and absolute tolerance at which a Guided IG step has reached its L1 target (PAIR's EPSILON)."""
@@ -48,12 +50,19 @@ def guided_ig_paths(
     the L1 target is reached; a feature never strays more than ``max_dist`` (in the path's relative
     position α ∈ [0, 1]) from the straight line: those that fall behind α − max_dist are
     pulled up to it. The gradient is taken once per step, at the step's starting point.
+    Each sub-step but a step's last puts at least one more feature at its bound, so a step ends
+    after at most D + 1 sub-steps. A row whose input equals its baseline stays there (attributions 0).
     Returns (R, D) float64 attributions: Σ over moves of (Δx ⊙ gradient).
+    Raises ValueError where an input or baseline holds NaN or inf (or their distance overflows).
     """
     rows, features = inputs.shape
     difference = inputs - baselines
     moves_toward_input = difference != 0
     l1_total = difference.abs().sum(dim=1)
+    if not bool(torch.isfinite(l1_total).all()):
+        bad = (~torch.isfinite(l1_total)).nonzero()[:, 0].tolist()
+        raise ValueError(f"Guided IG's path is undefined for rows {bad[:8]}: the input or the baseline holds NaN or "
+                         "inf, or the distance between them overflows. Give finite inputs and baselines.")
     rank_of_threshold = math.floor(fraction * (features - 1)) + 1  # numpy's quantile(..., method="lower")
     x = baselines.clone()
     attributions = torch.zeros_like(inputs)
@@ -66,7 +75,12 @@ def guided_ig_paths(
         x_max = baselines + difference * alpha_max
         l1_target = l1_total * (1 - (step + 1) / steps)
         moving = torch.ones(rows, dtype=torch.bool, device=inputs.device)
+        sub_steps = 0
         while bool(moving.any()):
+            sub_steps += 1
+            if sub_steps > features + 1:  # cannot happen (see above): a bug, not an endless loop
+                raise RuntimeError(f"Guided IG's step {step + 1} of {steps} did not reach its L1 target in "
+                                   f"{features + 1} sub-steps; please report this with the model and inputs.")
             x_old = x
             relative_position = torch.where(moves_toward_input, (x - baselines) / difference, alpha_max)
             x = torch.where((relative_position < alpha_min) & moving[:, None], x_min, x)
@@ -104,6 +118,8 @@ class GuidedIG(GradientExplainer):
         ``ROWS_PER_PASS``).
     Each image and target has its own path (the path follows the target's gradient); the
     gradient of every path is taken in one batched pass per step.
+    A baseline with NaN or inf is refused (ValueError); one equal to an image gives that image
+    zero attributions and a RuntimeWarning saying so.
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x')),
     "score_change" (N, K) y(x) − y(x').
     """
@@ -123,19 +139,22 @@ class GuidedIG(GradientExplainer):
         **options,
     ):
         super().__init__(model, **options)
-        baseline_like(baseline, None)  # validates
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
-        if not 0 < fraction <= 1:
+        baseline_like(baseline, None)  # validates its kind
+        if isinstance(baseline, Tensor):
+            check_finite_reference(baseline, "the baseline")
+        self.baseline = baseline
+        self.steps = int_option("steps", steps, 1)
+        if number_option("fraction", fraction) == 0 or fraction > 1:
             raise ValueError(f"fraction must be in (0, 1]; got {fraction!r}.")
-        if not 0 <= max_dist <= 1:
+        if number_option("max_dist", max_dist) > 1:
             raise ValueError(f"max_dist must be in [0, 1]; got {max_dist!r}.")
-        self.baseline, self.steps, self.fraction, self.max_dist = baseline, steps, fraction, max_dist
+        self.fraction, self.max_dist = float(fraction), float(max_dist)
         self.batch_size = checked_batch_size(batch_size)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         baseline = baseline_like(self.baseline, batch)
+        check_finite_reference(baseline, f"the baseline (as {batch.dtype} model input)")
         with torch.no_grad():
             selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
             baseline_scores = selected.scores_for(self.call_model(baseline),
@@ -144,6 +163,7 @@ class GuidedIG(GradientExplainer):
         image_of_row = torch.arange(count, device=batch.device).repeat_interleave(targets)  # row = (image, target)
         target_of_row = torch.arange(targets, device=batch.device).repeat(count)
         disconnected = torch.ones(len(image_of_row), dtype=torch.bool, device=batch.device)
+        zero_gradient = torch.ones(len(image_of_row), dtype=torch.bool, device=batch.device)  # all along the path
 
         def gradients_of(rows: slice, points: Tensor) -> tuple[Tensor, Tensor]:
             gradient, unreachable = self.row_gradients(points[rows].view(-1, *batch.shape[1:]).to(batch.dtype),
@@ -156,6 +176,7 @@ class GuidedIG(GradientExplainer):
                                                                  lambda rows: gradients_of(rows, points)):
                 gradients.append(gradient)
                 disconnected[rows] &= unreachable
+                zero_gradient[rows] &= gradient.eq(0).all(dim=1)
             return torch.cat(gradients)
 
         inputs, starts = batch.double().flatten(1)[image_of_row], baseline.double().flatten(1)[image_of_row]
@@ -164,7 +185,9 @@ class GuidedIG(GradientExplainer):
         score_change = selected.scores.detach().double() - baseline_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
         self.disconnected = disconnected.view(count, targets)
-        return self.attribution_from(attributions.to(batch.dtype), selected, zero_gradient=all_zero(attributions),
+        return self.attribution_from(attributions.to(batch.dtype), selected,
+                                     zero_gradient=zero_gradient.view(count, targets),
+                                     baseline_is_input=inputs[::targets].eq(starts[::targets]).all(dim=1),
                                      completeness_error=completeness_error.float(), score_change=score_change.float())
 
     def row_gradients(self, points: Tensor, selected: SelectedTargets, images: Tensor,
@@ -183,33 +206,6 @@ class GuidedIG(GradientExplainer):
         return gradients[:, 0], unreachable[:, 0]
 
 
-def gaussian_blur_matrices(size: int, sigmas: Tensor) -> Tensor:
-    """(S, size, size) matrices B_s such that B_s @ v blurs a signal v of length ``size`` with a
-    Gaussian of standard deviation ``sigmas[s]`` pixels, as ``scipy.ndimage.gaussian_filter1d(v, σ,
-    mode="constant")`` does: a kernel truncated at radius int(4σ + 0.5), normalised to sum 1 over
-    that radius, zeros outside the signal. σ = 0 gives the identity. dtype and device: the sigmas'."""
-    sigmas = sigmas.reshape(-1, 1, 1)
-    radii = torch.floor(4.0 * sigmas + 0.5)
-    safe = torch.where(sigmas > 0, sigmas, 1.0)
-    widest = int(radii.max().item()) if sigmas.numel() else 0
-    offsets = torch.arange(-widest, widest + 1, dtype=sigmas.dtype, device=sigmas.device).view(1, 1, -1)
-    normaliser = torch.where(offsets.abs() <= radii, torch.exp(-0.5 * offsets**2 / safe**2), 0.0).sum(-1, keepdim=True)
-    index = torch.arange(size, dtype=sigmas.dtype, device=sigmas.device)
-    distance = (index[:, None] - index[None, :]).unsqueeze(0)
-    weights = torch.where(distance.abs() <= radii, torch.exp(-0.5 * distance**2 / safe**2), 0.0) / normaliser
-    identity = torch.eye(size, dtype=sigmas.dtype, device=sigmas.device).expand_as(weights)
-    return torch.where(sigmas > 0, weights, identity)
-
-
-def gaussian_blur(images: Tensor, sigmas: Union[Tensor, list[float]]) -> Tensor:
-    """Blur each of R images (R, C, H, W) with its own σ (in pixels, along H and W, not across
-    channels), zeros outside the image (scipy's mode="constant"). Same shape and dtype."""
-    sigmas = torch.as_tensor(sigmas, dtype=images.dtype, device=images.device)
-    rows = gaussian_blur_matrices(images.shape[-2], sigmas)
-    columns = gaussian_blur_matrices(images.shape[-1], sigmas)
-    return torch.einsum("rhi,rcij,rwj->rchw", rows, images, columns)
-
-
 @register
 class BlurIG(GradientExplainer):
     """Blur Integrated Gradients (Xu et al. 2020): Integrated Gradients along the path of
@@ -221,7 +217,8 @@ class BlurIG(GradientExplainer):
     ∂x/∂σ ≈ (x(σ + grad_step) − x(σ)) / grad_step. The blur acts on the model input (after
     preprocessing), per channel, with zeros outside the image (scipy's mode="constant").
 
-    max_sigma: the largest blur, in pixels (default 50 as PAIR).
+    max_sigma: the largest blur, in pixels, finite and > 0 (default 50 as PAIR); a σ beyond the
+        image's size blurs it toward zero (zeros outside the image).
     steps: points on the path (default 100 as PAIR).
     grad_step: the finite-difference step in σ for ∂x/∂σ (default 0.01 as PAIR).
     sqrt: PAIR's square-root spacing, σ_i = √(i · max_sigma / steps) (the path then starts at
@@ -248,11 +245,10 @@ class BlurIG(GradientExplainer):
         **options,
     ):
         super().__init__(model, **options)
-        if not max_sigma > 0 or not grad_step > 0:
-            raise ValueError(f"max_sigma and grad_step must be positive; got {max_sigma!r} and {grad_step!r}.")
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
-        self.max_sigma, self.steps, self.grad_step, self.sqrt = float(max_sigma), steps, float(grad_step), sqrt
+        self.max_sigma = number_option("max_sigma", max_sigma, allow_minimum=False)
+        self.steps = int_option("steps", steps, 1)
+        self.grad_step = number_option("grad_step", grad_step, allow_minimum=False)
+        self.sqrt = bool_option("sqrt", sqrt)
         self.batch_size = checked_batch_size(batch_size)
 
     def sigmas(self) -> list[float]:

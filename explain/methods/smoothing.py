@@ -3,7 +3,6 @@ mean square or the variance of any method's attributions over noisy copies of th
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Optional, Union
 
 import torch
@@ -13,6 +12,7 @@ from typing_extensions import Unpack
 from ..targets import Target, select_targets
 from .base import Attribution, Explainer, ExplainerOptions, checked_batch_size, register
 from .gradients import GradientExplainer, GradientOptions, Saliency, reduce_channels
+from .options import int_option, number_option, random_generator, seed_option
 
 STATISTICS = ("mean", "mean_square", "variance")
 AVERAGES = ("attributions", "maps")
@@ -69,15 +69,11 @@ class SmoothGrad(Explainer):
         shared: ExplainerOptions = options  # without "reduce", the wrapped method's own option
         super().__init__(explainer.model, **shared)
         checked_batch_size(batch_size)
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-            raise ValueError(f"samples must be an int of at least 1 (noisy copies per image); got {samples!r}.")
-        for option, value in (("noise", noise), ("noise_std", noise_std)):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                      or not math.isfinite(value) or value < 0):
-                raise ValueError(f"{option} must be a finite number ≥ 0 (a standard deviation); got {value!r}.")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ValueError(f"seed must be an int (the same noise on every call) or None (new noise on every "
-                             f"call, drawn from torch's global generator); got {seed!r}.")
+        int_option("samples", samples, 1)
+        number_option("noise", noise)
+        if noise_std is not None:
+            number_option("noise_std", noise_std)
+        seed_option(seed)
         if average not in (None, *AVERAGES):
             raise ValueError(f"average must be one of {AVERAGES}; got {average!r}.")
         self.explainer = explainer
@@ -99,8 +95,7 @@ class SmoothGrad(Explainer):
         with torch.no_grad():
             clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
-        seed = self.seed if self.seed is not None else int(torch.randint(2**62, ()).item())
-        generator = torch.Generator(device=batch.device).manual_seed(seed)  # drawn where the batch is
+        generator = random_generator(self.seed, batch.device)  # drawn where the batch is
         state_before = {0: generator.get_state()}  # by sample: rows drawn again get the same noise
 
         def noise_of(samples: range) -> Tensor:

@@ -14,6 +14,9 @@ on the model's device.
 
 from __future__ import annotations
 
+import math
+import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 from ..targets import Target, select_targets
 from .base import Attribution, Explainer, checked_batch_size, register, upsample_maps
 from .gradients import REDUCTIONS, IntegratedGradients, baseline_like, reduce_channels
+from .options import check_finite_reference, int_option, number_option
 
 XRAI_REDUCTIONS = ("max", *REDUCTIONS)
 
@@ -67,10 +71,21 @@ class Felzenszwalb:
         value_range: tuple[float, float] = (-1.0, 1.0),
         dilation_radius: int = 5,
     ):
-        if not scales:
-            raise ValueError("scales must hold at least one Felzenszwalb scale.")
-        self.scales, self.sigma, self.min_size = tuple(scales), sigma, min_size
-        self.size, self.value_range, self.dilation_radius = size, value_range, dilation_radius
+        if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence) or not scales:
+            raise ValueError(f"scales must be a sequence of at least one Felzenszwalb scale; got {scales!r}.")
+        self.scales = tuple(number_option("each of scales", scale, allow_minimum=False) for scale in scales)
+        self.sigma = number_option("sigma", sigma)
+        self.min_size = int_option("min_size", min_size, 0)
+        if size is not None and (not isinstance(size, Sequence) or len(size) != 2):
+            raise ValueError(f"size must be None or a (height, width) pair of ints of at least 1; got {size!r}.")
+        self.size = None if size is None else (int_option("size[0]", size[0], 1), int_option("size[1]", size[1], 1))
+        ends = list(value_range) if isinstance(value_range, Sequence) else []
+        if not (len(ends) == 2 and all(isinstance(end, numbers.Real) and math.isfinite(end) for end in ends)
+                and ends[0] < ends[1]):
+            raise ValueError(f"value_range must be a (low, high) pair of finite numbers, low < high; "
+                             f"got {value_range!r}.")
+        self.value_range = (float(ends[0]), float(ends[1]))
+        self.dilation_radius = int_option("dilation_radius", dilation_radius, 0)
 
     def __call__(self, image: Tensor) -> Tensor:
         try:
@@ -108,6 +123,41 @@ class Felzenszwalb:
     def __repr__(self) -> str:
         return (f"Felzenszwalb(scales={self.scales}, sigma={self.sigma}, min_size={self.min_size}, size={self.size}, "
                 f"dilation_radius={self.dilation_radius})")
+
+
+def candidate_masks(segments: object, size: Sequence[int]) -> Tensor:
+    """A segmenter's output → (M, H, W) bool candidate regions at the image's ``size``.
+
+    Takes (M, H, W) masks (bool, or any dtype holding only 0 and 1; a tensor or a numpy array),
+    an (H, W) label map (integers, one region per distinct value, as scikit-image's segmenters
+    return) or a single (H, W) bool mask. Anything else is a ValueError saying what was given.
+    """
+    height, width = size
+    if not isinstance(segments, (Tensor, np.ndarray)):
+        raise TypeError(f"the segmenter must return (M, H, W) masks or an (H, W) label map as a tensor or a numpy "
+                        f"array; it returned {type(segments).__name__}.")
+    segments = torch.as_tensor(segments)
+    if segments.dim() not in (2, 3) or tuple(segments.shape[-2:]) != (height, width):
+        raise ValueError(f"the segmenter returned shape {tuple(segments.shape)} for a {height} × {width} image: it "
+                         f"must return (M, {height}, {width}) masks or a ({height}, {width}) label map, at the model "
+                         "input's size (resize its output back if it segments a resized image).")
+    if segments.dim() == 2:
+        if segments.dtype == torch.bool:
+            return segments[None]
+        if segments.is_floating_point() and not bool((segments == segments.round()).all()):
+            raise ValueError("the segmenter returned an (H, W) map of fractional values: a label map holds one whole "
+                             "number per region.")
+        labels = segments.long()
+        return labels[None] == labels.unique()[:, None, None]
+    if segments.shape[0] == 0:
+        raise ValueError("the segmenter returned no mask (shape (0, H, W)): XRAI needs at least one candidate region.")
+    if segments.dtype != torch.bool:
+        if not bool(((segments == 0) | (segments == 1)).all()):
+            raise ValueError(f"the segmenter returned (M, H, W) = {tuple(segments.shape)} values other than 0 and 1: "
+                             "masks are bool (True inside the region). A label map is (H, W), one whole number per "
+                             "pixel.")
+        segments = segments != 0
+    return segments
 
 
 @dataclass
@@ -192,10 +242,16 @@ class XRAI(Explainer):
     baselines: None (black and white), or a list of baselines as IntegratedGradients takes them.
     reduce: how the colour channels become one attribution per pixel: "max" (default, PAIR's
         signed maximum over channels), "maxabs", "sumabs" or "sum".
-    segmenter: (C, H, W) model input → (M, H, W) bool candidate regions, used as given;
-        default ``Felzenszwalb()`` (PAIR's scales, resize to 224 px and 5-pixel dilation).
+    segmenter: (C, H, W) model input → (M, H, W) bool candidate regions (overlapping or not), or
+        an (H, W) integer label map (one region per label, as scikit-image's segmenters return),
+        used as given (``candidate_masks``); default ``Felzenszwalb()`` (PAIR's scales, resize to
+        224 px and 5-pixel dilation).
     area_threshold: stop adding regions once this fraction of the image is covered (default 1.0).
-    min_pixel_diff: segments adding fewer new pixels than this are dropped (default 50 as PAIR).
+    min_pixel_diff: segments adding fewer new pixels than this are dropped (default 50 as PAIR,
+        meant for 224 px images: an image of fewer pixels is a ValueError, lower it).
+    A ranking of a single region (a constant map: no segment had ``min_pixel_diff`` pixels, or the
+    first one added covered the whole image, as the default's 5-pixel dilation does on tiny
+    images) comes with a RuntimeWarning naming the images, the cause and the fix.
     batch_size: interpolated inputs per forward/backward pass of Integrated Gradients;
         None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
         ``ROWS_PER_PASS``).
@@ -233,19 +289,27 @@ class XRAI(Explainer):
         super().__init__(model, **options)
         if reduce not in XRAI_REDUCTIONS:
             raise ValueError(f"reduce must be one of {XRAI_REDUCTIONS}; got {reduce!r}.")
-        checked_batch_size(batch_size)
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
-        if not 0 <= area_threshold <= 1:
+        self.batch_size = checked_batch_size(batch_size)
+        self.steps = int_option("steps", steps, 1)
+        if number_option("area_threshold", area_threshold) > 1:
             raise ValueError(f"area_threshold must be in [0, 1]; got {area_threshold!r}.")
+        self.area_threshold = float(area_threshold)
+        self.min_pixel_diff = int_option("min_pixel_diff", min_pixel_diff, 0)
         if baselines is not None:
-            if len(baselines) == 0:
-                raise ValueError("baselines must hold at least one baseline (or be None for black and white).")
-            for baseline in baselines:
-                baseline_like(baseline, None)  # validates
-        self.steps, self.baselines, self.reduce, self.batch_size = steps, baselines, reduce, batch_size
+            if not isinstance(baselines, (list, tuple)) or len(baselines) == 0:
+                given = (f"a tensor of shape {tuple(baselines.shape)}" if isinstance(baselines, Tensor)
+                         else repr(baselines))
+                raise ValueError(f"baselines must be a list of at least one baseline, each 'zeros', 'blur' or a tensor "
+                                 f"(e.g. baselines=[tensor]), or None for black and white; got {given}.")
+            for index, baseline in enumerate(baselines):
+                baseline_like(baseline, None)  # validates its kind
+                if isinstance(baseline, Tensor):
+                    check_finite_reference(baseline, f"baselines[{index}]")
+        if segmenter is not None and not callable(segmenter):
+            raise TypeError(f"segmenter must be a callable (C, H, W) image → (M, H, W) masks or an (H, W) label map; "
+                            f"got {type(segmenter).__name__}.")
+        self.baselines, self.reduce = baselines, reduce
         self.segmenter = segmenter if segmenter is not None else Felzenszwalb()
-        self.area_threshold, self.min_pixel_diff = area_threshold, min_pixel_diff
 
     @property
     def method_name(self) -> str:
@@ -292,6 +356,16 @@ class XRAI(Explainer):
         reduced = mean.amax(dim=2) if self.reduce == "max" else reduce_channels(mean, self.reduce)
         return reduced, flags
 
+    def single_region_cause(self, masks: Tensor) -> str:
+        """Why ``rank_regions`` found one region only in these (M, H, W) candidates, and what to do."""
+        largest = int(masks.flatten(1).sum(dim=1).max())
+        if largest < max(self.min_pixel_diff, 1):
+            return (f"no candidate segment has min_pixel_diff={self.min_pixel_diff} pixels (the largest has "
+                    f"{largest}). Pass a smaller min_pixel_diff, or a segmenter of larger regions.")
+        return ("the first segment added covers the whole image (Felzenszwalb's segments are dilated by "
+                "dilation_radius pixels, 5 by default, which covers a small image). Pass a segmenter of smaller "
+                "regions, e.g. segmenter=Felzenszwalb(dilation_radius=1), or explain a larger image.")
+
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         with torch.no_grad():
@@ -304,19 +378,32 @@ class XRAI(Explainer):
             raise ValueError(f"XRAI's attributions hold NaN or inf ({pairs}): a gradient overflowed inside the model. "
                              "Check the input's range.")
         targets = attributions.shape[1]
+        pixels = batch.shape[-2] * batch.shape[-1]
+        if self.min_pixel_diff > pixels:
+            raise ValueError(f"min_pixel_diff={self.min_pixel_diff} is more than the {batch.shape[-2]} × "
+                             f"{batch.shape[-1]} image's {pixels} pixels, so no region can be added and the map "
+                             f"would be constant. Pass a smaller min_pixel_diff (PAIR's 50 is meant for 224 px "
+                             f"images: about 1/1000 of the image, here min_pixel_diff={max(1, pixels // 1000)}).")
+        single_region: dict[str, list[str]] = {}
         maps = torch.zeros_like(attributions, dtype=torch.float32)
         gains = torch.zeros_like(attributions, dtype=torch.float32)
         ranks = torch.zeros(attributions.shape, dtype=torch.long, device=batch.device)
         for image in range(count):
-            masks = self.segmenter(batch[image].detach())
+            masks = candidate_masks(self.segmenter(batch[image].detach()), batch.shape[-2:]).to(batch.device)
             for column in range(targets):
                 if bool(attributions[image, column].eq(0).all()):
                     continue  # nothing to rank by: an empty map, and the base method says why
-                regions = rank_regions(attributions[image, column], masks.to(batch.device),
+                regions = rank_regions(attributions[image, column], masks,
                                        area_threshold=self.area_threshold, min_pixel_diff=self.min_pixel_diff)
+                if regions.masks.shape[0] == 1:
+                    single_region.setdefault(self.single_region_cause(masks), []).append(f"({image}, {column})")
                 maps[image, column] = regions.ranking_map().float()
                 gains[image, column] = regions.gain_map().float()
                 ranks[image, column] = regions.rank_map()
+        for cause, where in single_region.items():
+            warnings.warn(f"{self.method_name} ranked a single region, so the map is constant, for (image, target) "
+                          f"{', '.join(where[:8])}{' and more' if len(where) > 8 else ''}: {cause}", RuntimeWarning,
+                          stacklevel=3)
         return Attribution(
             maps=maps,
             selected=selected,

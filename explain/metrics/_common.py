@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,45 +19,125 @@ MapsLike = Union[Explanation, Tensor]
 """Maps to evaluate: an Explanation (one target per image) or a (N, H, W) / (H, W) tensor."""
 
 
+def short_repr(value: object) -> str:
+    """``value`` for an error message: a tensor or array by its shape and dtype (never its values),
+    anything else by a repr cut to 80 characters."""
+    if isinstance(value, (Tensor, np.ndarray)):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def as_tensor(values: object, expected: str) -> Tensor:
+    """A tensor, numpy array or nested list as a tensor; anything else a TypeError: "``expected``; got …"."""
+    try:
+        return torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{expected}; got {short_repr(values)}.") from None
+
+
+def check_finite(values: Tensor, what: str, advice: str) -> None:
+    """Refuse (N, ...) values with NaN or inf, naming ``what`` and the indices n that hold them."""
+    bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
+    if bool(bad.any()):
+        indices = bad.nonzero()[:, 0].tolist()
+        plural = len(indices) > 1
+        raise ValueError(f"{what}{'s' if plural else ''} {', '.join(map(str, indices[:8]))}"
+                         f"{' and more' if len(indices) > 8 else ''} hold{'' if plural else 's'} NaN or inf values: "
+                         f"{advice}")
+
+
+def check_count(count: int, what: str, expected: int, expected_what: str) -> None:
+    """Refuse ``count`` ``what`` where there are ``expected`` ``expected_what``: one each, no extra ignored."""
+    if count != expected:
+        raise ValueError(f"{count} {what} for {expected} {expected_what}: give exactly one per "
+                         f"{expected_what.rstrip('s')} (none is ignored, none repeated).")
+
+
 def as_maps(maps: MapsLike, size: Optional[Sequence[int]] = None) -> Tensor:
     """An Explanation (one target per image) or a (N, H, W) / (H, W) tensor → (N, H, W) float,
-    resized bilinearly to ``size`` when given."""
+    resized bilinearly to ``size`` when given. Maps with NaN or inf are refused, naming them."""
     if isinstance(maps, Explanation):
         if maps.keep_target_dim and maps.map_grid.shape[1] != 1:
             raise ValueError(
                 "this explanation has several targets per image; pass one target's maps, e.g. explanation.maps[:, k]."
             )
         maps = maps.map_grid[:, 0]
-    maps = torch.as_tensor(maps).detach().float()
+    maps = as_tensor(maps, "maps must be an Explanation or a (N, H, W) tensor").detach().float()
     if maps.dim() == 2:
         maps = maps[None]
-    if maps.dim() != 3:
-        raise ValueError(f"maps must be (N, H, W); got shape {tuple(maps.shape)}.")
+    if maps.dim() != 3 or maps.shape[0] == 0:
+        raise ValueError(f"maps must be (N, H, W) with N ≥ 1; got shape {tuple(maps.shape)}.")
+    check_finite(maps, "map", "such a map ranks no pixels and scores nothing. Check how it was computed (a "
+                 "method's maps are finite; torch.nan_to_num replaces NaN and inf).")
     if size is not None and tuple(maps.shape[-2:]) != tuple(size):
         maps = F.interpolate(maps[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
     return maps
 
 
+def check_boxes(boxes: Tensor, size: Sequence[int]) -> Tensor:
+    """(N, 4) boxes → the same as (N, 4) long, after refusing (naming the box) any that is not
+    whole-number inclusive pixel coordinates (x0, y0, x1, y1) with 0 ≤ x0 ≤ x1 ≤ W − 1 and
+    0 ≤ y0 ≤ y1 ≤ H − 1. Normalised coordinates (fractions in [0, 1]) are an error that says
+    to scale them: they are never guessed."""
+    height, width = size
+    for index, box in enumerate(boxes.tolist()):
+        shown = f"box {index} ({', '.join(f'{value:g}' for value in box)})"
+        if not all(math.isfinite(value) for value in box):
+            raise ValueError(f"{shown} holds NaN or inf.")
+        if any(value != round(value) for value in box):
+            if all(0 <= value <= 1 for value in box):
+                raise ValueError(f"{shown} looks normalised to [0, 1]: boxes are pixel coordinates (x0, y0, x1, y1), "
+                                 f"inclusive, of the {height} × {width} maps. Scale them, e.g. (boxes * "
+                                 f"torch.tensor([{width - 1}, {height - 1}, {width - 1}, {height - 1}])).round().")
+            raise ValueError(f"{shown} has fractional coordinates: boxes are whole pixel coordinates (x0, y0, x1, y1), "
+                             "inclusive. Round them to the pixels you mean, e.g. boxes.round().")
+        x0, y0, x1, y1 = box
+        if x1 < x0 or y1 < y0:
+            raise ValueError(f"{shown} is empty (x1 < x0 or y1 < y0): boxes are (x0, y0, x1, y1), the inclusive "
+                             "pixel coordinates of the top-left and bottom-right corners.")
+        if x0 < 0 or y0 < 0 or x1 > width - 1 or y1 > height - 1:
+            raise ValueError(f"{shown} reaches outside the {height} × {width} maps: coordinates are inclusive pixels, "
+                             f"0 ≤ x0 ≤ x1 ≤ {width - 1} and 0 ≤ y0 ≤ y1 ≤ {height - 1} (for an exclusive end, "
+                             "subtract 1 from x1 and y1; to keep the part inside, clamp the box).")
+    return boxes.round().long()
+
+
 def boxes_to_masks(boxes: Tensor, size: Sequence[int]) -> Tensor:
-    """(N, 4) boxes (x0, y0, x1, y1), inclusive pixel coordinates → (N, H, W) bool masks."""
-    boxes = torch.as_tensor(boxes).long()
+    """(N, 4) boxes (x0, y0, x1, y1), inclusive pixel coordinates inside the image (see
+    ``check_boxes``) → (N, H, W) bool masks."""
+    boxes = check_boxes(torch.as_tensor(boxes), size)
     rows = torch.arange(size[0], device=boxes.device).view(1, -1, 1)
     columns = torch.arange(size[1], device=boxes.device).view(1, 1, -1)
     x0, y0, x1, y1 = (boxes[:, i].view(-1, 1, 1) for i in range(4))
     return (columns >= x0) & (columns <= x1) & (rows >= y0) & (rows <= y1)
 
 
-def as_masks(masks_or_boxes: Tensor, size: Sequence[int]) -> Tensor:
-    """(N, H, W) masks (any dtype, non-zero = inside) or (N, 4) boxes → (N, H, W) bool masks."""
-    region = torch.as_tensor(masks_or_boxes)
+def as_masks(masks_or_boxes: Tensor, size: Sequence[int], count: int) -> Tensor:
+    """(N, H, W) masks (any dtype, non-zero = inside) or (N, 4) boxes (``check_boxes``) → (N, H, W)
+    bool masks, one for each of ``count`` maps. Refused, with what was wrong: another number of
+    masks than maps, masks of another size, NaN or inf, an empty mask or box, a box outside the
+    maps or not in whole pixel coordinates."""
+    region = as_tensor(masks_or_boxes, "masks_or_boxes must be (N, H, W) masks or (N, 4) boxes")
     if region.dim() == 2 and region.shape[1] == 4 and tuple(region.shape) != tuple(size):
+        check_count(region.shape[0], "boxes", count, "maps")
         return boxes_to_masks(region, size)
     if region.dim() == 2:
         region = region[None]
     if region.dim() != 3 or tuple(region.shape[-2:]) != tuple(size):
         raise ValueError(f"masks must be (N, H, W) at the maps' size {tuple(size)}, or (N, 4) boxes; "
                          f"got shape {tuple(region.shape)}.")
-    return region != 0
+    check_count(region.shape[0], "masks", count, "maps")
+    if region.is_floating_point() or region.is_complex():
+        check_finite(region, "mask", "a mask is non-zero inside the object, zero outside.")
+    masks = region != 0
+    empty = ~masks.flatten(1).any(dim=1)
+    if bool(empty.any()):
+        indices = empty.nonzero()[:, 0].tolist()
+        raise ValueError(f"mask{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices[:8]))} "
+                         f"{'is' if len(indices) == 1 else 'are'} empty: "
+                         "there is no object to point at. Leave those images out of the evaluation.")
+    return masks
 
 
 def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -> Tensor:

@@ -2,27 +2,33 @@
 
 Inputs are anything ``explain()`` accepts (made into model input by ``preprocess``,
 default ImageNet normalisation) or a model-ready (N, C, H, W) tensor; maps are
-an Explanation or (N, H, W) tensor, resized to the input. Pixels are removed or
-imputed in model-input space. The class scored is the explanation's, else
-``target``, else each image's top class.
+an Explanation or (N, H, W) tensor, one per image, resized to the input. Pixels are
+removed or imputed in model-input space. The class scored is the explanation's, else
+``target``, else each image's top class. Refused with a ValueError that says what was
+wrong: maps with NaN or inf (named), another number of maps than images (none is
+ignored), and every option outside what it takes (named, with its value).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 import torch
-import torchvision.transforms.functional as TF
 from torch import Tensor, nn
 
+from ..blur import reflect_blur
 from ..inputs import Inputs, PreprocessSpec
+from ..methods.options import int_option, number_option
 from ..targets import Target
-from ._common import MapsLike, as_maps, class_scores, fixed_classes, model_inputs, ranking
+from ._common import MapsLike, as_maps, check_count, class_scores, fixed_classes, model_inputs, ranking, short_repr
 
-Substrate = Union[str, Callable[[Tensor], Tensor]]
-"""What removed pixels become: "zeros", "blur", "noise" or a callable batch → tensor (see ``substrate_for``)."""
+Substrate = Union[str, Tensor, Callable[[Tensor], Tensor]]
+"""What removed pixels become: "zeros", "blur", "noise", a tensor or a callable batch → tensor
+(see ``substrate_for``)."""
+
+SUBSTRATES = ("zeros", "blur", "noise")
+SCORES = ("probability", "logit")
 
 
 @dataclass
@@ -35,34 +41,59 @@ class Curve:
     area: Tensor
 
 
+def check_substrate(substrate: object) -> None:
+    """Refuse a substrate that is not one of ``SUBSTRATES``, a tensor or a callable, naming it briefly."""
+    if isinstance(substrate, Tensor) or callable(substrate) or (isinstance(substrate, str) and substrate in SUBSTRATES):
+        return
+    raise ValueError(f"substrate must be 'zeros', 'blur', 'noise', a tensor in model-input space (broadcastable to "
+                     f"the (N, C, H, W) batch) or a callable batch → tensor; got {short_repr(substrate)}.")
+
+
 def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
-    """What removed pixels become: "zeros" (zero model input: the mean colour under ImageNet
-    normalisation), "blur" (Gaussian, σ = size / 16, as RISE's insertion), "noise" (uniform
-    in each image's value range, seeded) or a callable ``batch -> tensor`` of the same shape."""
-    if callable(substrate):
-        result = substrate(batch)
-        if not isinstance(result, Tensor) or result.shape != batch.shape:
-            raise ValueError("a substrate callable must return a tensor shaped like its input batch.")
-        return result.to(batch.dtype)
+    """What removed pixels become, (N, C, H, W) like the batch: "zeros" (zero model input: the mean
+    colour under ImageNet normalisation), "blur" (Gaussian, σ = max(H, W) / 16, kernel 2⌈3σ⌉ + 1,
+    reflected at the edges, as RISE's insertion; any image size, see ``explain.blur.reflect_blur``),
+    "noise" (uniform in each image's value range, seeded), a tensor broadcastable to the batch
+    (e.g. a (C, H, W) fill image in model-input space) or a callable ``batch -> tensor`` of the
+    same shape. NaN or inf in a given substrate is refused."""
+    check_substrate(substrate)
+    if isinstance(substrate, Tensor) or callable(substrate):
+        result = substrate if isinstance(substrate, Tensor) else substrate(batch)
+        where = "the substrate tensor" if isinstance(substrate, Tensor) else "the substrate callable's result"
+        if not isinstance(result, Tensor):
+            raise ValueError(f"a substrate callable must return a tensor shaped like its input batch "
+                             f"{tuple(batch.shape)}; it returned {short_repr(result)}.")
+        try:
+            result = result.to(batch.device, batch.dtype).expand_as(batch)
+        except RuntimeError:
+            raise ValueError(f"{where} has shape {tuple(result.shape)}, which does not broadcast to the batch "
+                             f"{tuple(batch.shape)}: give (C, H, W) or (N, C, H, W) in model-input space.") from None
+        if not bool(torch.isfinite(result).all()):
+            raise ValueError(f"{where} holds NaN or inf: removed pixels must become finite values.")
+        return result
     if substrate == "zeros":
         return torch.zeros_like(batch)
     if substrate == "blur":
-        sigma = max(batch.shape[-2:]) / 16
-        kernel = 2 * math.ceil(3 * sigma) + 1
-        return TF.gaussian_blur(batch, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
-    if substrate == "noise":
-        generator = torch.Generator().manual_seed(seed)
-        low = batch.amin(dim=(1, 2, 3), keepdim=True)
-        high = batch.amax(dim=(1, 2, 3), keepdim=True)
-        return low + (high - low) * torch.rand(batch.shape, generator=generator).to(batch.device, batch.dtype)
-    raise ValueError(f"substrate must be 'zeros', 'blur', 'noise' or a callable; got {substrate!r}.")
+        return reflect_blur(batch, max(batch.shape[-2:]) / 16)
+    generator = torch.Generator().manual_seed(seed)  # "noise"
+    low = batch.amin(dim=(1, 2, 3), keepdim=True)
+    high = batch.amax(dim=(1, 2, 3), keepdim=True)
+    return low + (high - low) * torch.rand(batch.shape, generator=generator).to(batch.device, batch.dtype)
+
+
+def check_score_options(score: object, batch_size: object) -> None:
+    """Refuse a ``score`` other than "probability" / "logit" or a ``batch_size`` that is not an int ≥ 1."""
+    if not isinstance(score, str) or score not in SCORES:
+        raise ValueError(f"score must be 'probability' or 'logit'; got {short_repr(score)}.")
+    int_option("batch_size", batch_size, 1)
 
 
 def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess: PreprocessSpec
               ) -> tuple[Tensor, Tensor, Tensor]:
-    """(model batch (N, C, H, W), maps resized to it (N, H, W), classes to score (N,))."""
+    """(model batch (N, C, H, W), maps resized to it (N, H, W), classes to score (N,)); one map per image."""
     batch = model_inputs(model, inputs, preprocess)
     heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
+    check_count(heat.shape[0], "maps", batch.shape[0], "images")
     return batch, heat, fixed_classes(model, batch, maps, target)
 
 
@@ -75,8 +106,6 @@ def _perturbation_curve(
     model: nn.Module, batch: Tensor, heat: Tensor, classes: Tensor, steps: int, start_from_substrate: bool,
     substrate: Substrate, score: str, batch_size: int,
 ) -> Curve:
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}.")
     count, _, height, width = batch.shape
     pixels = height * width
     fill = substrate_for(batch, substrate)
@@ -109,6 +138,9 @@ def deletion(
 ) -> Curve:
     """Deletion (Petsiuk et al. 2018): the score as the most relevant pixels are replaced by the
     substrate, in ``steps`` equal steps. Area in [0, 1] for probabilities; lower is better."""
+    int_option("steps", steps, 1)
+    check_substrate(substrate)
+    check_score_options(score, batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     return _perturbation_curve(model, batch, heat, classes, steps, False, substrate, score, batch_size)
 
@@ -126,7 +158,11 @@ def insertion(
     preprocess: PreprocessSpec = None,
 ) -> Curve:
     """Insertion (Petsiuk et al. 2018): the score as the most relevant pixels are put back into
-    the substrate (a blurred image by default). Area in [0, 1] for probabilities; higher is better."""
+    the substrate (a blurred image by default, any image size). Area in [0, 1] for probabilities;
+    higher is better."""
+    int_option("steps", steps, 1)
+    check_substrate(substrate)
+    check_score_options(score, batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     return _perturbation_curve(model, batch, heat, classes, steps, True, substrate, score, batch_size)
 
@@ -169,7 +205,9 @@ def noisy_linear_imputation(
         return (degree * values - neighbour_sum(values)) * unknown + 1e-7 * values
 
     right_side = neighbour_sum(image * known) * unknown
-    solution = (image * known + right_side / degree) * unknown  # start: mean of known neighbours
+    isolated = degree == 0  # a 1 × 1 image's pixel has no neighbour: it is imputed as 0
+    start = torch.where(isolated, 0.0, right_side / torch.where(isolated, 1.0, degree))
+    solution = (image * known + start) * unknown  # start: mean of known neighbours
     residual = right_side - operator(solution)
     direction = residual.clone()
     residual_norm = (residual * residual).sum(dim=(1, 2, 3), keepdim=True)
@@ -210,8 +248,13 @@ def road(
     "morf" most relevant first (lower area is better) or "lerf" least relevant first (higher is
     better), the removed pixels filled by noisy linear imputation so that the removal's shape
     does not leak class information. ``area`` is the mean score over the percentages."""
-    if order not in ("morf", "lerf"):
-        raise ValueError(f"order must be 'morf' or 'lerf'; got {order!r}.")
+    if not isinstance(order, str) or order not in ("morf", "lerf"):
+        raise ValueError(f"order must be 'morf' or 'lerf'; got {short_repr(order)}.")
+    shares = [number_option("each of percentages", share) for share in percentages]
+    if not shares or max(shares) > 1:
+        raise ValueError(f"percentages must be one or more shares in [0, 1]; got {short_repr(percentages)}.")
+    number_option("noise", noise)
+    check_score_options(score, batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
     pixels = heat.shape[-1] * heat.shape[-2]
@@ -247,6 +290,7 @@ def confidence_change(
 ) -> ConfidenceChange:
     """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
     what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""
+    check_score_options("probability", batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
     heat = heat.clamp(0, 1)
     original = class_scores(model, batch, classes, "probability", batch_size)

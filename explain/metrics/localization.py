@@ -1,8 +1,12 @@
 """Localisation: does the map point at the ground-truth object?
 
 Each function takes maps (an Explanation or a (N, H, W) tensor) and masks
-((N, H, W), non-zero inside) or boxes ((N, 4) x0, y0, x1, y1 inclusive), and
-returns one value per image, (N,) float in [0, 1], higher is better.
+((N, H, W), non-zero inside) or boxes ((N, 4) x0, y0, x1, y1: whole, inclusive pixel
+coordinates inside the maps), and returns one value per image, (N,) float in [0, 1],
+higher is better. Every function refuses, with a ValueError naming the map, mask or box:
+maps with NaN or inf; another number of masks or boxes than maps (none is ignored); an empty
+mask or box; a box reaching outside the maps; a box in normalised [0, 1] coordinates or with
+fractional ones (scale or round it to pixels: coordinates are never guessed).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import MapsLike, as_maps, as_masks, ranking
+from ..methods.options import number_option
+from ._common import MapsLike, as_maps, as_masks, boxes_to_masks, ranking
 
 
 def pointing_game(maps: MapsLike, masks_or_boxes: Tensor, tolerance: float = 0.0) -> Tensor:
@@ -21,7 +26,8 @@ def pointing_game(maps: MapsLike, masks_or_boxes: Tensor, tolerance: float = 0.0
     has no maximum and scores 0. Chance level: about the (dilated) object's area fraction.
     """
     heat = as_maps(maps)
-    region = as_masks(masks_or_boxes, heat.shape[-2:]).to(heat.device)
+    region = as_masks(masks_or_boxes, heat.shape[-2:], heat.shape[0]).to(heat.device)
+    tolerance = number_option("tolerance", tolerance)
     if tolerance > 0:
         radius = int(tolerance)
         offsets = torch.arange(-radius, radius + 1, device=heat.device, dtype=torch.float32)
@@ -45,28 +51,26 @@ def energy_pointing_game(maps: MapsLike, masks_or_boxes: Tensor) -> Tensor:
     """Share of the map's positive mass inside the object's bounding box (Wang et al. 2020).
     Masks are turned into their bounding boxes. Chance level: the box's area fraction."""
     heat = as_maps(maps)
-    region = as_masks(masks_or_boxes, heat.shape[-2:]).to(heat.device)
+    region = as_masks(masks_or_boxes, heat.shape[-2:], heat.shape[0]).to(heat.device)  # none empty
     boxes = []
     for mask in region:
         rows, columns = torch.nonzero(mask, as_tuple=True)
-        if len(rows) == 0:
-            raise ValueError("a mask is empty: there is no object to point at.")
         boxes.append(torch.stack([columns.min(), rows.min(), columns.max(), rows.max()]))
-    return _positive_mass_inside(heat, as_masks(torch.stack(boxes), heat.shape[-2:]))
+    return _positive_mass_inside(heat, boxes_to_masks(torch.stack(boxes), heat.shape[-2:]))
 
 
 def relevance_mass_accuracy(maps: MapsLike, masks_or_boxes: Tensor) -> Tensor:
     """Share of the map's positive relevance inside the mask (Arras et al. 2022).
     Chance level: the mask's area fraction."""
     heat = as_maps(maps)
-    return _positive_mass_inside(heat, as_masks(masks_or_boxes, heat.shape[-2:]).to(heat.device))
+    return _positive_mass_inside(heat, as_masks(masks_or_boxes, heat.shape[-2:], heat.shape[0]).to(heat.device))
 
 
 def relevance_rank_accuracy(maps: MapsLike, masks_or_boxes: Tensor) -> Tensor:
     """Of the K most relevant pixels, K the mask's size, the share inside the mask (Arras et al. 2022).
     Ties are broken at random (seeded). Chance level: the mask's area fraction."""
     heat = as_maps(maps)
-    region = as_masks(masks_or_boxes, heat.shape[-2:]).to(heat.device).reshape(heat.shape[0], -1)
+    region = as_masks(masks_or_boxes, heat.shape[-2:], heat.shape[0]).to(heat.device).reshape(heat.shape[0], -1)
     ranks = ranking(heat).reshape(heat.shape[0], -1)
     size = region.sum(dim=1, keepdim=True)
     top = ranks < size

@@ -1,0 +1,69 @@
+"""Checks of the options every method and metric takes: each error names the option, its value (a short
+repr) and what it accepts; and the random generators behind ``seed`` options."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SEED_RANGE = (-(2**63), 2**64)
+"""The seeds a torch generator takes: ints in [−2⁶³, 2⁶⁴)."""
+
+
+def int_option(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int option of at least ``minimum`` (numpy ints too; not a bool or a float such
+    as 2.5), else a ValueError naming the option, its value and what it takes."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int of at least {minimum}; got {value!r}.")
+    return int(value)
+
+
+def number_option(name: str, value: object, *, minimum: float = 0.0, allow_minimum: bool = True) -> float:
+    """``value`` as a finite real option ≥ ``minimum`` (> it when not ``allow_minimum``), else a
+    ValueError naming the option, its value and what it takes."""
+    bound = f"≥ {minimum:g}" if allow_minimum else f"> {minimum:g}"
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < minimum or (value == minimum and not allow_minimum)):
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}.")
+    return float(value)
+
+
+def bool_option(name: str, value: object) -> bool:
+    """``value`` as a True/False option, else a TypeError naming it."""
+    if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+        raise TypeError(f"{name} must be True or False; got {value!r}.")
+    return bool(value)
+
+
+def seed_option(seed: object) -> Optional[int]:
+    """A random seed as the methods take it: an int in ``SEED_RANGE``, or None (a fresh draw each call,
+    see ``random_generator``); else a ValueError naming the option."""
+    if seed is None:
+        return None
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and SEED_RANGE[0] <= int(seed) < SEED_RANGE[1]:
+        return int(seed)
+    raise ValueError(f"seed must be an int (same seed, same draws) or None (fresh draws each call, from torch's "
+                     f"global random state); got {seed!r}.")
+
+
+def random_generator(seed: Optional[int], device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``; for None, seeded with a number drawn from torch's
+    global (CPU) generator: every call draws afresh, and ``torch.manual_seed`` before it makes it repeat."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def check_finite_reference(values: Tensor, name: str) -> None:
+    """Refuse a baseline or reference tensor that holds NaN or inf, naming it and the first such value:
+    a path from it, and so every attribution along it, would be undefined."""
+    bad = ~torch.isfinite(values.detach())
+    if bool(bad.any()):
+        first = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name} holds NaN or inf ({int(bad.sum())} of its {values.numel()} values, the first at "
+                         f"index {first}: {values[first].item()}); a path from it is undefined. Give finite values "
+                         "in the model's input space (after preprocessing).")

@@ -10,8 +10,13 @@ Output folder layout:
     OUT/skipped.csv          files that could not be read as images, with the reason
     OUT/index.rank<R>.csv    each process's rows when run under torchrun (merged into index.csv)
 
-An image is done when its K rows (k = 0 … K−1, ``targets`` = K) are in an index: a rerun
-skips it, so an interrupted run resumes where it stopped. Writes are ordered so that a kill
+Hidden files and folders (names starting with ".", such as ``.ipynb_checkpoints/``) are not
+explained. An image is done when its K rows (k = 0 … K−1, ``targets`` = K) are in an index: a
+rerun skips it, so an interrupted run resumes where it stopped, also after the index was opened
+and saved by another program (CRLF or LF line endings, a UTF-8 byte-order mark: rows are
+appended in the file's own line ending). A full disk stops the run with an ``OSError`` that says
+so; the index then holds exactly the images whose files were written, and the same run after
+freeing space finishes the rest. Writes are ordered so that a kill
 at any moment leaves a consistent folder: map and overlay files are written to a temporary
 name and renamed into place before the image's rows, an image's rows go to the index in one
 write, and a resumed run first cuts an index back to its last complete image (a kill can tear
@@ -22,14 +27,16 @@ plus a short hash of that path, so that ``cat.png`` and ``cat.jpg``, or ``a/b.pn
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import hashlib
 import io
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TextIO, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -41,11 +48,13 @@ from . import render
 from .capture import ModelInputError
 from .explanation import Explanation
 from .inputs import load_image
-from .methods.base import Explainer
+from .methods.base import Explainer, progress_shown_by_caller
 from .targets import Target
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 FIELDS = ["id", "image", "target", "k", "targets", "class_name", "score", "probability", "map"]
+BYTE_ORDER_MARK = b"\xef\xbb\xbf"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 SKIPPED_FIELDS = ["image", "reason"]
 
 LoaderBatch = Union[Tensor, tuple[Any, ...], list[Any]]
@@ -101,8 +110,9 @@ def item_id(path: Path, folder: Path) -> str:
 
 
 def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = None) -> list[Path]:
-    """Every image file under ``folder`` (recursively), sorted; files under ``exclude`` (the output
-    folder, when it lies inside the input folder) are left out."""
+    """Every image file under ``folder`` (recursively), sorted; hidden files and files in hidden
+    folders (a name starting with ".": ``.ipynb_checkpoints/``, ``.git/``) and files under
+    ``exclude`` (the output folder, when it lies inside the input folder) are left out."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
@@ -111,6 +121,8 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     for path in folder.rglob("*"):
         if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             continue
+        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+            continue
         if excluded is not None and path.resolve().is_relative_to(excluded):
             continue
         files.append(path)
@@ -118,29 +130,53 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
 
 
 def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temporary)`` then rename into place: a kill leaves the old file or the new one."""
+    """``write(temporary)`` then rename into place: a kill leaves the old file or the new one, a
+    failed write (a full disk) the old one and no temporary file."""
     temporary = path.with_name(f".{path.name}.part")
-    write(temporary)
-    os.replace(temporary, path)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def index_line_ending(index: Path) -> str:
+    """The line ending of an index's header ("\r\n", as written by explain, or "\n"), so that rows
+    are appended in the file's own. An index that does not exist yet gets "\r\n"."""
+    if not index.exists():
+        return "\r\n"
+    with open(index, "rb") as file:
+        first = file.readline()
+    return "\r\n" if first.endswith(b"\r\n") or not first.endswith(b"\n") else "\n"
+
+
+def _is_header(line: bytes) -> bool:
+    """Whether a line is the index header: the FIELDS, whatever the line ending or byte-order mark."""
+    if not line.endswith(b"\n"):
+        return False  # torn, or old Mac "\r" line endings, which would make the whole file one line
+    text = line.removeprefix(BYTE_ORDER_MARK).decode("utf-8", "replace")
+    return next(csv.reader([text]), []) == FIELDS
 
 
 def _complete_rows(index: Path) -> list[dict[str, str]]:
     """The rows of an index that form complete images, after cutting the file back to the end of
     its last complete image (a kill while appending can leave a torn line or part of an image's
-    rows). Creates the index, with its header, when it does not exist."""
+    rows). Creates the index, with its header, when it does not exist. The header is compared by
+    its fields: CRLF or LF line endings and a UTF-8 byte-order mark are accepted."""
     header = (",".join(FIELDS) + "\r\n").encode()
     if not index.exists():
         _write_atomically(index, lambda temporary: temporary.write_bytes(header))
         return []
     lines = index.read_bytes().splitlines(keepends=True)
-    if not lines or lines[0] != header:
+    if not lines or not _is_header(lines[0]):
         raise ValueError(
-            f"{display_name(index)} is not an index of this version of explain (it does not start with the "
-            f"header {header.decode().strip()!r}); move it away or choose another output folder."
+            f"{display_name(index)} is not an index of this version of explain (its first line is not the "
+            f"header {header.decode().strip()!r}, ending in CRLF or LF); move it away or choose another output folder."
         )
     rows: list[dict[str, str]] = []
     pending: list[dict[str, str]] = []
-    position = end = len(header)
+    position = end = len(lines[0])
     for line in lines[1:]:
         position += len(line)
         if not line.endswith(b"\n"):
@@ -167,7 +203,7 @@ def _done_ids(out: Path, own_index: Path) -> set[str]:
     done = {row["id"] for row in _complete_rows(own_index)}
     for index in out.glob("index*.csv"):
         if index != own_index:
-            with open(index, newline="", encoding="utf-8", errors="replace") as file:
+            with open(index, newline="", encoding="utf-8-sig", errors="replace") as file:
                 rows = list(csv.DictReader(file))
             counts: dict[str, int] = {}
             for row in rows:
@@ -215,8 +251,10 @@ def run(
         (batch, labels) pairs, e.g. a DataLoader without shuffling, so that a rerun sees the
         same order). target / topk: as in ``explain``, applied to every batch.
     Images already in the index are skipped; files that cannot be read as images are skipped
-    and listed in OUT/skipped.csv with the reason (a rerun tries them again). An output folder
-    inside the input folder is not explained. Memory stays that of one batch. Under torchrun
+    and listed in OUT/skipped.csv with the reason (a rerun tries them again). Hidden files and
+    folders (".ipynb_checkpoints/") and an output folder inside the input folder are not
+    explained. A full disk raises an OSError saying so, with the index consistent (the same run
+    resumes after space is freed). Memory stays that of one batch. Under torchrun
     each process takes every world_size-th image. on_batch(done) is called after each batch
     with the number of images written so far. Returns a RunSummary.
     """
@@ -225,13 +263,23 @@ def run(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"the output {display_name(out)!r} is a file; give a folder (it is created if missing).")
-    (out / "maps").mkdir(parents=True, exist_ok=True)
-    if overlays:
-        (out / "overlays").mkdir(exist_ok=True)
     shard = shard or Shard.from_environment()
     index_path = out / ("index.csv" if shard.world_size == 1 else f"index.rank{shard.rank}.csv")
     summary = RunSummary(index_path, skipped_file=out / "skipped.csv")
-    done = _done_ids(out, index_path)
+    with _stop_when_disk_full(out, summary):
+        _run(explainer, data, out, summary, shard, target, topk, batch_size, overlays, progress, on_batch)
+    return summary
+
+
+def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], out: Path, summary: RunSummary,
+         shard: Shard, target: Target, topk: Optional[int], batch_size: int, overlays: bool, progress: bool,
+         on_batch: Optional[Callable[[int], None]]) -> None:
+    """The body of ``run``, recording what it did in ``summary``."""
+    (out / "maps").mkdir(parents=True, exist_ok=True)
+    if overlays:
+        (out / "overlays").mkdir(exist_ok=True)
+    done = _done_ids(out, summary.index)
+    line_ending = index_line_ending(summary.index)
     if isinstance(data, (str, Path)):
         folder = Path(data)
         files = image_files(folder, exclude=out)[shard.rank :: shard.world_size]
@@ -240,7 +288,7 @@ def run(
     else:
         total = None
         batches = _batches_of_loader(data, shard)
-    with open(index_path, "a", newline="", encoding="utf-8") as index_file, tqdm(
+    with open(summary.index, "ab", buffering=0) as index_file, progress_shown_by_caller(), tqdm(
         total=total, disable=not progress, desc=f"explain {explainer.method_name}", unit="image"
     ) as bar:
         for ids, inputs, names in batches:
@@ -260,13 +308,28 @@ def run(
                     _write_skipped(summary)
                     continue
                 for row, position in enumerate(readable):
-                    _write_result(out, index_file, explanation, row, ids[position], names[position], overlays)
-                summary.explained += len(readable)
+                    rows = _write_result(out, explanation, row, ids[position], names[position], overlays, line_ending)
+                    _append(index_file, rows)
+                    summary.explained += 1
             bar.update(len(todo))
             if on_batch is not None:
                 on_batch(summary.explained)
     _write_skipped(summary)
-    return summary
+
+
+@contextlib.contextmanager
+def _stop_when_disk_full(out: Path, summary: RunSummary) -> Iterator[None]:
+    """A full disk (or quota) while writing: an OSError that says what was kept and what to do."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            raise
+        raise OSError(error.errno, (
+            f"no space left to write the results in {display_name(out)} ({error.strerror}): the run stopped. "
+            f"The index holds every image whose files were written ({summary.explained} by this run); free some "
+            "space and run the same command again: it goes on with the images still to do."
+        )) from error
 
 
 def _explainable_groups(inputs: Union[list[Path], Tensor], todo: list[int], names: list[str], summary: RunSummary
@@ -309,9 +372,10 @@ def _write_skipped(summary: RunSummary) -> None:
     _write_atomically(summary.skipped_file, write)
 
 
-def _write_result(out: Path, index_file: TextIO, explanation: Explanation, row: int, item: str, name: str,
-                  overlays: bool) -> None:
-    """The image's map (and overlay) files, renamed into place, then its K rows in one write."""
+def _write_result(out: Path, explanation: Explanation, row: int, item: str, name: str, overlays: bool,
+                  line_ending: str) -> bytes:
+    """Write the image's map (and overlay) files, renamed into place; return its K index rows
+    (for ``_append``, which adds them in one write)."""
     maps = explanation.map_grid[row].detach().float().cpu()  # (K, H, W)
     map_file = Path("maps") / f"{item}.npy"
     _write_atomically(out / map_file, lambda temporary: _save_array(temporary, maps.numpy().astype(np.float16)))
@@ -320,7 +384,7 @@ def _write_result(out: Path, index_file: TextIO, explanation: Explanation, row: 
         _write_atomically(out / "overlays" / f"{item}.png",
                           lambda temporary: Image.fromarray(tiles).save(temporary, format="PNG"))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator=line_ending)
     targets = maps.shape[0]
     for k in range(targets):
         index = None if explanation.class_indices is None else int(explanation.class_indices[row, k])
@@ -337,9 +401,30 @@ def _write_result(out: Path, index_file: TextIO, explanation: Explanation, row: 
             else f"{float(explanation.probabilities[row, k]):.6g}",
             "map": map_file.as_posix(),
         })
-    index_file.write(buffer.getvalue())
-    index_file.flush()
-    os.fsync(index_file.fileno())
+    return buffer.getvalue().encode("utf-8")
+
+
+def _append(index_file: BinaryIO, rows: bytes) -> None:
+    """Add an image's rows to the index and sync; a write that fails (a full disk) or is
+    interrupted is undone, so that the index still ends with a complete image."""
+    descriptor = index_file.fileno()
+    size = os.fstat(descriptor).st_size
+    try:
+        _write_all(descriptor, rows)
+        os.fsync(descriptor)
+    except BaseException:
+        try:
+            os.ftruncate(descriptor, size)
+        except OSError:
+            pass  # a resumed run cuts the index back to its last complete image
+        raise
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    """os.write until every byte is written (a write may take part of them)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view):]
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:
@@ -359,9 +444,11 @@ def merge_shard_indexes(out: Union[str, Path]) -> Path:
     for shard_index in shards:
         rows.extend(row for row in _complete_rows(shard_index) if row["id"] not in present)
 
+    line_ending = index_line_ending(index_path)
+
     def write(temporary: Path) -> None:
         with open(temporary, "w", newline="", encoding="utf-8") as file:
-            writer = csv.DictWriter(file, fieldnames=FIELDS)
+            writer = csv.DictWriter(file, fieldnames=FIELDS, lineterminator=line_ending)
             writer.writeheader()
             writer.writerows(existing + sorted(rows, key=lambda row: (row["id"], int(row["k"]))))
 

@@ -9,14 +9,22 @@
                                                    # under torchrun, sharded across processes
 
 MODEL: demo, demo-vit, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
-holding a whole model (with --allow-pickle); see ``explain.models``.
+holding a whole model (with --allow-pickle); see ``explain.models``. A torchvision or timm
+architecture needs --weights (DEFAULT, pretrained, a file, or random): without, its weights would
+be random and its maps meaningless.
+
+Each image's overlays go to ``OUT/<image>_<method>_<model>[_<weights>][_<layer>][_<target>]
+[_<options>][_<digest>].png``, so that runs with other settings never share a file; the PNG records
+the settings that made it, and a file there from other settings is kept (the new one is numbered).
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import difflib
+import hashlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -30,7 +38,8 @@ from .explanation import Explanation
 from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
 from .methods.base import parameter_docs
-from .models import LoadedModel, WeightsUnavailableError, load_model
+from .models import LoadedModel, WeightsUnavailableError, load_model, names_an_architecture, weights_choices
+from .targets import SegmentationTarget, Target
 
 DEMO_SEED = 2024
 
@@ -187,6 +196,170 @@ def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]) -> O
     raise ValueError(f"--target {text!r} is neither a class index nor a known class name.")
 
 
+def command_line_target(arguments: argparse.Namespace, loaded: LoadedModel) -> Target:
+    """--target / --topk for the loaded model: a class index for a classifier; for a segmentation
+    model, a SegmentationTarget (the class's logits summed over the pixels predicted as it)."""
+    index = parse_target(arguments.target, loaded.class_names)
+    if loaded.task == "detection":
+        raise ValueError(f"{loaded.name} is a detection model: the command line explains classes and segmentation "
+                         "classes only. Explain a detection in Python with explain.DetectionTarget(box, class_index) "
+                         "(see 'Detection, segmentation and embeddings' in the docs).")
+    if loaded.task == "segmentation":
+        if arguments.topk is not None:
+            raise ValueError(f"--topk ranks the classes of a classifier; {loaded.name} is a segmentation model: give "
+                             "--target CLASS (a class index or name).")
+        if index is None:
+            raise ValueError(f"{loaded.name} is a segmentation model: give --target CLASS (a class index or name); the "
+                             "map explains that class's logits summed over the pixels predicted as it.")
+        return SegmentationTarget(index)
+    return index
+
+
+def check_takes_images_alone(loaded: LoadedModel) -> None:
+    """The command line gives a model images only: refuse one whose forward needs text as well
+    (CLIP's input_ids), saying how to explain it."""
+    parameters = list(inspect.signature(loaded.model.forward).parameters)
+    if not parameters or parameters[0] == "pixel_values" or "pixel_values" not in parameters:
+        return
+    architecture = type(loaded.model).__name__
+    tower = architecture.removesuffix("Model") + "VisionModelWithProjection"
+    raise ValueError(
+        f"{loaded.name} is a {architecture}: every output of its forward needs {parameters[0]} (text prompts) "
+        f"besides the images{f' ({loaded.output} scores images against prompts)' if loaded.output else ''}, and the "
+        "command line gives images only. Explain it in Python with the prompts: explainer.explain(image, "
+        f"forward_kwargs=dict({parameters[0]}=...), input_position='pixel_values', per_image=[]) (see 'Transformers "
+        f"and CLIP' in the docs); or, for its image embedding alone, save the image tower once, "
+        f"transformers.{tower}.from_pretrained(DIR).save_pretrained(DIR2), and use --model hf:DIR2 --output "
+        "image_embeds."
+    )
+
+
+RANDOM_MARK = " [random weights]"
+
+
+def warn_if_random(loaded: LoadedModel) -> str:
+    """A warning on stderr when the weights are random (--weights random); the mark for printed results."""
+    if not loaded.random_weights:
+        return ""
+    print(f"explain: warning: {loaded.name} has random weights (--weights random): the classes, scores and maps "
+          "below mean nothing.", file=sys.stderr)
+    return RANDOM_MARK
+
+
+def _slug(text: str) -> str:
+    """Text as part of a file name: letters, digits and . _ = - kept, any other run as one '-'."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-.")
+
+
+def _model_label(source: str) -> str:
+    """--model as a readable file-name part: resnet50, timm-vit_small_patch16_224, hf-my-vit, a file's stem."""
+    if source.startswith("hf:"):
+        identifier = source.removeprefix("hf:")
+        local = Path(identifier).expanduser()
+        return "hf-" + _slug(local.resolve().name if local.is_dir() else identifier)
+    if source.startswith("timm:"):
+        return "timm-" + _slug(source.removeprefix("timm:"))
+    if Path(source).expanduser().is_file():
+        return _slug(Path(source).stem)
+    return _slug(source.removeprefix("torchvision:"))
+
+
+def _resolved(text: Optional[str]) -> Optional[str]:
+    """A path given on the command line as an absolute path (a name such as DEFAULT as it is)."""
+    if text is None:
+        return None
+    path = Path(text.removeprefix("hf:")).expanduser()
+    if not path.exists():
+        return text
+    return ("hf:" if text.startswith("hf:") else "") + str(path.resolve())
+
+
+def run_settings(arguments: argparse.Namespace, image: str) -> dict[str, Any]:
+    """Everything of a command that decides an output picture (recorded in it): the image, model,
+    weights, method, layer, target, options, preprocessing and rendering."""
+    return {"image": str(Path(image).resolve()), "model": _resolved(arguments.model),
+            "weights": _resolved(arguments.weights), "num_classes": arguments.num_classes,
+            "output": arguments.output, "class_names": _resolved(arguments.class_names),
+            "size": arguments.size, "mean": arguments.mean, "std": arguments.std,
+            "method": get_method(arguments.method).name, "layer": arguments.layer, "target": arguments.target,
+            "topk": arguments.topk, "options": sorted(arguments.option), "alpha": arguments.alpha,
+            "cmap": arguments.cmap}
+
+
+def output_file_name(arguments: argparse.Namespace, stem: str) -> str:
+    """``<stem>_<method>_<model>[_<weights>][_<layer>][_t<target>|_top<k>][_<options>][_<digest>].png``:
+    what changes a map is in the name, readable (the output and preprocessing settings, and
+    options longer than 40 characters, as a 6-digit digest), file-name safe."""
+    weights = arguments.weights
+    parts = [stem, get_method(arguments.method).name, _model_label(arguments.model)]
+    if weights is not None:
+        parts.append(_slug(Path(weights).stem if Path(weights).expanduser().is_file() else weights))
+    if arguments.layer is not None:
+        parts.append(_slug(arguments.layer))
+    if arguments.target is not None:
+        parts.append("t" + _slug(arguments.target))
+    if arguments.topk is not None:
+        parts.append(f"top{arguments.topk}")
+    options = _slug("_".join(sorted(arguments.option)))
+    readable_options = len(options) <= 40
+    if readable_options:
+        parts.append(options)
+    extras = [[] if readable_options else sorted(arguments.option), arguments.output, arguments.size, arguments.mean,
+              arguments.std, arguments.num_classes]
+    if any(extra for extra in extras):
+        parts.append(hashlib.sha1(json.dumps(extras).encode()).hexdigest()[:6])
+    name = "_".join(part for part in parts if part)
+    if len(name) > 200:  # file systems allow 255 bytes
+        name = f"{name[:190]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return name + ".png"
+
+
+SETTINGS_KEY = "explain-settings"
+"""The PNG text chunk in which the command records the settings that made a picture."""
+
+
+def _recorded_settings(path: Path) -> Optional[str]:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return getattr(image, "text", {}).get(SETTINGS_KEY)
+    except Exception:  # not an image, unreadable: not ours
+        return None
+
+
+def write_overlays(explanation: Explanation, destination: Path, settings: dict[str, Any], alpha: float,
+                   cmap: str) -> tuple[Path, str]:
+    """Save an explanation's overlays as a PNG recording its settings. A file already at
+    ``destination`` from other settings (or not written by explain) is kept and the new one is
+    numbered (``-2``, ``-3``, ...); one from the same settings is replaced. Returns the path
+    written and a note saying which of these happened ("" for a new file)."""
+    from PIL import Image, PngImagePlugin
+
+    recorded = json.dumps(settings, sort_keys=True)
+    path, number = destination, 1
+    while path.exists() and _recorded_settings(path) != recorded:
+        number += 1
+        path = destination.with_name(f"{destination.stem}-{number}{destination.suffix}")
+    done = "replaced the earlier result of the same settings" if path.exists() else ""
+    if path != destination:
+        note = f" ({destination.name} holds another run's result: kept; {done or 'this one numbered'})"
+    else:
+        note = f" ({done})" if done else ""
+    temporary = path.with_name(f".{path.stem}.part.png")
+    try:
+        explanation.save(temporary, alpha=alpha, cmap=cmap)
+        with Image.open(temporary) as written:
+            picture = written.copy()
+        information = PngImagePlugin.PngInfo()
+        information.add_text(SETTINGS_KEY, recorded)
+        picture.save(temporary, format="PNG", pnginfo=information)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path, note
+
+
 def _describe(explanation: Explanation, image_index: int, target_index: int) -> str:
     text = explanation.title(image_index, target_index)
     if explanation.probabilities is not None:
@@ -201,17 +374,18 @@ def run_images(arguments: argparse.Namespace) -> int:
     loaded = load_from_arguments(arguments)
     loaded.model.to(device)
     explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
-    target = parse_target(arguments.target, loaded.class_names)
+    target = command_line_target(arguments, loaded)
+    topk = None if loaded.task == "segmentation" else arguments.topk
+    mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
-    method = get_method(arguments.method).name
-    for path, name in zip(arguments.images, output_names(arguments.images)):
-        explanation = explainer.explain(path, target=target, topk=arguments.topk)
-        destination = out / f"{name}_{method}.png"
-        explanation.save(destination, alpha=arguments.alpha, cmap=arguments.cmap)
+    for path, stem in zip(arguments.images, output_names(arguments.images)):
+        explanation = explainer.explain(path, target=target, topk=topk)
+        destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
+                                           run_settings(arguments, path), arguments.alpha, arguments.cmap)
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
         layer = f" [{explanation.description()}]" if explanation.layer is not None else ""
-        print(f"{path}: {described}{layer} -> {destination}")
+        print(f"{path}: {described}{mark}{layer} -> {destination}{note}")
     return 0
 
 
@@ -297,8 +471,10 @@ def run_batch(argv: Sequence[str]) -> int:
         loaded = load_from_arguments(arguments)
         loaded.model.to(device)
         explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
-        target = parse_target(arguments.target, loaded.class_names)
-        summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
+        target = command_line_target(arguments, loaded)
+        topk = None if loaded.task == "segmentation" else arguments.topk
+        mark = warn_if_random(loaded)
+        summary = run(explainer, arguments.folder, arguments.out, target=target, topk=topk,
                       batch_size=arguments.batch_size, overlays=arguments.overlays,
                       progress=not arguments.no_progress, shard=shard)
         index = summary.index
@@ -310,7 +486,7 @@ def run_batch(argv: Sequence[str]) -> int:
         skipped = (f"; {len(summary.skipped)} file(s) skipped, listed with the reason in {summary.skipped_file}"
                    if summary.skipped else "")
         print(f"rank {shard.rank}: " if shard.world_size > 1 else "", end="")
-        print(f"{summary.explained} image(s) explained, {summary.already_done} already done{skipped}; "
+        print(f"{summary.explained} image(s) explained{mark}, {summary.already_done} already done{skipped}; "
               f"results in {arguments.out}, index {index}")
     finally:
         if distributed:
@@ -323,13 +499,15 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", required=True,
                        help="demo, demo-vit, a torchvision name (resnet50), timm:NAME (timm:vit_small_patch16_224), "
                        "hf:ID_OR_DIRECTORY (a HuggingFace model), or a file holding a whole model (--allow-pickle)")
-    model.add_argument("--weights", help="a state-dict file (.pt, .pth, .bin, .safetensors), or a pretrained name: "
-                       "DEFAULT or a torchvision weights name (IMAGENET1K_V2); 'pretrained' for timm")
+    model.add_argument("--weights", help="needed by a torchvision or timm architecture: a pretrained name (DEFAULT or "
+                       "a torchvision weights name such as IMAGENET1K_V2; 'pretrained' for timm), a state-dict file "
+                       "(.pt, .pth, .bin, .safetensors), or 'random' (random weights, to try the command)")
     model.add_argument("--num-classes", type=positive_int, help="classes of a fine-tuned head (with --weights FILE)")
     model.add_argument("--output", help="which output to explain when the model's is not a tensor of class scores "
                        "(a key such as pooler_output; an index)")
     model.add_argument("--allow-pickle", action="store_true",
-                       help="load a whole pickled model from --model FILE (runs code from the file: trust it)")
+                       help="load a whole pickled model from --model FILE, or an hf: directory's pickled weights "
+                       "(pytorch_model.bin) (unpickling can run code from the file: trust it)")
     model.add_argument("--class-names", metavar="FILE", help="class names: one per line, or a JSON list")
     model.add_argument("--size", type=positive_int, nargs="+", metavar="S",
                        help="input size instead of the model's own: S (shorter side to S, centre crop S×S) or H W")
@@ -353,9 +531,15 @@ def load_from_arguments(arguments: argparse.Namespace) -> LoadedModel:
         output = int(output)
     if arguments.size is not None and len(arguments.size) > 2:
         raise ValueError(f"--size takes S or H W; got {len(arguments.size)} numbers.")
-    return load_model(arguments.model, arguments.weights, num_classes=arguments.num_classes, output=output,
-                      allow_pickle=arguments.allow_pickle, class_names=arguments.class_names, size=arguments.size,
-                      mean=arguments.mean, std=arguments.std)
+    if arguments.weights is None and names_an_architecture(arguments.model):
+        raise ValueError(f"--model {arguments.model} is an architecture: without --weights its weights would be "
+                         "random, and its classes and maps would mean nothing (another class each run). Say which "
+                         f"weights: {weights_choices(arguments.model)}.")
+    loaded = load_model(arguments.model, arguments.weights, num_classes=arguments.num_classes, output=output,
+                        allow_pickle=arguments.allow_pickle, class_names=arguments.class_names, size=arguments.size,
+                        mean=arguments.mean, std=arguments.std)
+    check_takes_images_alone(loaded)
+    return loaded
 
 
 def _image_parser() -> argparse.ArgumentParser:
@@ -410,10 +594,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(format_layers(list_layers(loaded.model, size)))
             return 0
         return run_images(_image_parser().parse_args(argv))
-    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, WeightsUnavailableError,
-            LayerNotRunError, ModelInputError) as error:
+    except (ValueError, TypeError, WeightsUnavailableError, LayerNotRunError, ModelInputError) as error:
         print(f"explain: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a missing file or folder, a full disk, no permission to write
+        print(f"explain: error: {_os_error_text(error)}", file=sys.stderr)
+        return 2
+
+
+def _os_error_text(error: OSError) -> str:
+    """An OSError as a sentence: its message, and the file it is about (no "[Errno 28]")."""
+    if error.strerror is None:
+        return str(error)
+    text = error.strerror
+    if error.filename is not None:
+        text += f": {os.fsdecode(error.filename)!r}"
+    return text
 
 
 if __name__ == "__main__":

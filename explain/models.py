@@ -5,17 +5,23 @@ Sources:
 - ``"demo"``, ``"demo-vit"``: the shipped CNN and transformer (no network);
 - a torchvision model name (``"resnet50"``, also ``"torchvision:resnet50"``);
 - ``"timm:NAME"``: a timm model (``timm.create_model``);
-- ``"hf:ID_OR_DIRECTORY"``: a HuggingFace transformers model, through the Auto classes: an image
-  classifier, or any other model (a bare backbone, CLIP) whose output to explain ``output=`` names;
+- ``"hf:ID_OR_DIRECTORY"``: a HuggingFace transformers model, the class its config names (else the
+  Auto classes): an image classifier, a segmenter, or any other model (a bare backbone, CLIP)
+  whose output to explain ``output=`` names;
 - a file: a whole pickled model (only with ``allow_pickle=True``: unpickling runs code from the
   file); TorchScript files are refused (hooks do not run inside them).
 
-Weights (``weights=``): None (random weights, or the directory's own for ``hf:``), a state-dict
-file for the named architecture (``.pt``, ``.pth``, ``.bin``, ``.safetensors``; wrappers such
-as ``{"state_dict": ...}`` and prefixes such as ``module.`` are handled; ``num_classes=`` for a
-fine-tuned head), or a pretrained name (``"DEFAULT"``, a torchvision weights name, or
-``"pretrained"`` for timm), downloaded by its library. A download that fails says so and how to
-pass a local file instead.
+Weights (``weights=``): None or ``"random"`` (random weights; the shipped models, a file and an
+``hf:`` directory bring their own), a state-dict file for the named architecture (``.pt``,
+``.pth``, ``.bin``, ``.safetensors``; wrappers such as ``{"state_dict": ...}`` and prefixes such
+as ``module.`` are handled; ``num_classes=`` for a fine-tuned head), or a pretrained name
+(``"DEFAULT"``, a torchvision weights name, or ``"pretrained"`` for timm), downloaded by its
+library. A download that fails says so and how to pass a local file instead. The command line
+asks for ``--weights`` where the architecture alone would be random (torchvision, timm).
+Torchvision segmentation and detection models are built without their backbone's pretrained
+weights unless pretrained weights are named (no download). An ``hf:`` directory whose weights
+are pickled (``pytorch_model.bin``) is loaded only with ``allow_pickle=True``; the class that
+its config's ``architectures`` names is built (a segmenter keeps its decode head).
 
 Each model comes with its own preprocessing (torchvision ``weights.transforms()``, timm's data
 config, the HF image processor) and class names (the weights' metadata, the timm or HF config's
@@ -25,6 +31,7 @@ labels), both of which can be overridden.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import pickle
 import zipfile
@@ -45,6 +52,9 @@ from .targets import OutputSelector
 STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module", "net", "ema")
 PREFIXES = ("module.", "model.", "_orig_mod.")
 PRETRAINED_NAMES = ("DEFAULT", "pretrained")
+RANDOM_WEIGHTS = "random"
+PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+HF_TASK_HEADS = ("ForImageClassification", "ForSemanticSegmentation", "ForObjectDetection")
 SOURCES_TEXT = ("'demo', 'demo-vit', a torchvision model name (resnet50), 'timm:NAME' (timm:vit_small_patch16_224), "
                 "'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a whole model")
 
@@ -71,6 +81,11 @@ class LoadedModel:
     output: OutputSelector = None
     input_size: Optional[tuple[int, int, int]] = None
     default_layer: Optional[str] = None
+    task: str = "classification"
+    """"classification", "segmentation" ((N, classes, H, W) logits), "detection" (a list of
+    dicts per image) or "other" (a backbone or embedding model whose ``output`` is explained)."""
+    random_weights: bool = False
+    """Whether the model's weights are random: an architecture loaded without weights."""
 
 
 def load_model(
@@ -87,10 +102,12 @@ def load_model(
 ) -> LoadedModel:
     """Load a model from any source (see the module's docstring), in eval mode.
 
-    weights: None, a state-dict file, or a pretrained name ("DEFAULT", "pretrained", a torchvision
-        weights name). num_classes: the number of classes of a fine-tuned head (torchvision, timm).
+    weights: None or "random" (random weights), a state-dict file, or a pretrained name ("DEFAULT",
+        "pretrained", a torchvision weights name). num_classes: the number of classes of a
+        fine-tuned head (torchvision, timm).
     output: which part of the output to explain (an HF backbone's "pooler_output", ...).
-    allow_pickle: load a whole pickled model from a file (runs code from the file: trusted files only).
+    allow_pickle: load a whole pickled model from a file, or an hf: directory's pickled weights
+        (pytorch_model.bin) (unpickling can run code from the file: trusted files only).
     class_names: a list of names, or a text file (one name per line, or a JSON list).
     size: (S,) resize the shorter side to S and centre-crop S × S, or (H, W) resize to exactly
         H × W; mean, std: per-channel normalisation. Each replaces the model's own.
@@ -98,12 +115,15 @@ def load_model(
     """
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes must be at least 1; got {num_classes}.")
+    if weights == RANDOM_WEIGHTS and source.startswith("hf:"):
+        raise ValueError(f"weights={RANDOM_WEIGHTS!r} is for an architecture (a torchvision or timm name); "
+                         f"{source!r} brings its own weights.")
     if source in ("demo", "demo-vit"):
         loaded = _load_demo(source, weights)
     elif source.startswith("timm:"):
         loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes)
     elif source.startswith("hf:"):
-        loaded = _load_huggingface(source.removeprefix("hf:"), weights, output)
+        loaded = _load_huggingface(source.removeprefix("hf:"), weights, output, allow_pickle)
     elif source.startswith("torchvision:") or source in torchvision.models.list_models():
         loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes)
     elif Path(source).expanduser().is_file():
@@ -124,6 +144,36 @@ def load_model(
     return loaded
 
 
+def names_an_architecture(source: str) -> bool:
+    """Whether a source names a known torchvision or timm architecture, whose weights are random
+    unless weights are given (the shipped models, ``hf:`` models and model files bring their own)."""
+    if source.startswith("timm:"):
+        try:
+            import timm
+        except ImportError:
+            return False
+        name = source.removeprefix("timm:")
+        return name in timm.list_models() or name.split(".")[0] in timm.list_models()
+    return source.removeprefix("torchvision:") in torchvision.models.list_models()
+
+
+def weights_choices(source: str) -> str:
+    """The ``--weights`` values an architecture takes, as a sentence: its pretrained names, a file, random."""
+    name = source.removeprefix("torchvision:").removeprefix("timm:")
+    choices = []
+    if source.startswith("timm:"):
+        choices.append("--weights pretrained (timm's trained weights, downloaded from the HuggingFace hub)")
+    else:
+        enum = _weights_enum(name)
+        if enum is not None:
+            names = ", ".join(member.name for member in enum)
+            choices.append(f"--weights DEFAULT (torchvision's trained weights, downloaded; or a weights name: {names})")
+    choices.append("--weights FILE (your state dict: .pt, .pth, .bin, .safetensors)")
+    choices.append(f"--weights {RANDOM_WEIGHTS} (random weights: the maps and classes mean nothing; to try the "
+                   "command)")
+    return "; ".join(choices)
+
+
 # ---------------------------------------------------------------- sources
 
 
@@ -132,11 +182,13 @@ def _load_demo(name: str, weights: Optional[str]) -> LoadedModel:
     model: nn.Module
     if weights is None:
         model = load_demo_vit() if name == "demo-vit" else load_demo_model()
+    elif weights == RANDOM_WEIGHTS:
+        model = architecture()
     else:
         model = architecture()
         load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
     return LoadedModel(model, Normalize(), list(CLASS_NAMES), name, input_size=(3, 64, 64),
-                       default_layer="layer4" if name == "demo" else None)
+                       default_layer="layer4" if name == "demo" else None, random_weights=weights == RANDOM_WEIGHTS)
 
 
 def _weights_enum(name: str) -> Any:
@@ -166,8 +218,13 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
         raise ValueError(_unknown_source_message(name))
     enum = _weights_enum(name)
     chosen = enum.DEFAULT if enum is not None else None  # its transforms and categories
-    head = {} if num_classes is None else {"num_classes": num_classes}
+    head: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+    weights = None if weights == RANDOM_WEIGHTS else weights
     if weights is None or _is_weights_file(weights):
+        # segmentation and detection builders download their backbone's ImageNet weights by default
+        parameters = inspect.signature(torchvision.models.get_model_builder(name)).parameters
+        if "weights_backbone" in parameters:
+            head["weights_backbone"] = None
         model = torchvision.models.get_model(name, weights=None, **head)
         if weights is not None:
             load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
@@ -194,7 +251,10 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
         preprocess = Normalize()
     crop = getattr(chosen.transforms(), "crop_size", None) if chosen is not None else None
     size = (3, int(crop[0]), int(crop[0])) if crop else None
-    return LoadedModel(model, preprocess, names, name, input_size=size)
+    task = ("segmentation" if name in torchvision.models.list_models(module=torchvision.models.segmentation)
+            else "detection" if name in torchvision.models.list_models(module=torchvision.models.detection)
+            else "classification")
+    return LoadedModel(model, preprocess, names, name, input_size=size, task=task, random_weights=weights is None)
 
 
 def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) -> LoadedModel:
@@ -209,6 +269,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
         raise ValueError(f"timm has no model named {name!r}.{hint}")
     head: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
     pretrained = weights in PRETRAINED_NAMES
+    weights = None if weights == RANDOM_WEIGHTS else weights
     if weights is not None and not pretrained and not _is_weights_file(weights):
         raise ValueError(f"--weights {weights!r} for a timm model: give a state-dict file, or 'pretrained' "
                          "(downloaded by timm from the HuggingFace hub).")
@@ -228,7 +289,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
     config = timm.data.resolve_model_data_config(model)
     preprocess = TransformPreprocess(timm.data.create_transform(**config), config["mean"], config["std"])
     return LoadedModel(model, preprocess, _timm_class_names(model), f"timm:{name}",
-                       input_size=tuple(config["input_size"]))
+                       input_size=tuple(config["input_size"]), random_weights=weights is None)
 
 
 def _timm_class_names(model: nn.Module) -> Optional[list[str]]:
@@ -241,7 +302,8 @@ def _timm_class_names(model: nn.Module) -> Optional[list[str]]:
     return list(names) if len(names) == count_outputs(model) else None
 
 
-def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSelector) -> LoadedModel:
+def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSelector,
+                      allow_pickle: bool = False) -> LoadedModel:
     try:
         import transformers
     except ImportError:
@@ -251,23 +313,41 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
                          "torchvision and timm architectures.")
     local = Path(identifier).expanduser()
     where = str(local) if local.is_dir() else identifier
+    if local.is_dir() and not allow_pickle:
+        _refuse_pickled_weights(local)
     try:
         config = transformers.AutoConfig.from_pretrained(where)
-        architectures = list(getattr(config, "architectures", None) or [])
-        classifier = not architectures or any(a.endswith("ForImageClassification") for a in architectures)
-        auto = transformers.AutoModelForImageClassification if classifier else transformers.AutoModel
-        model = auto.from_pretrained(where)
+        model_class = _huggingface_model_class(transformers, config)
+        # pickled weights (pytorch_model.bin) only when trusted; a hub id offering only those then fails
+        model = model_class.from_pretrained(where, use_safetensors=None if allow_pickle else True)
     except OSError as error:
+        first = str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        if local.is_dir():
+            raise WeightsUnavailableError(
+                f"could not load the HuggingFace model in {str(local)!r} ({first}). The directory should hold what "
+                "model.save_pretrained(DIR) writes (config.json and model.safetensors): save it again."
+            ) from error
         raise WeightsUnavailableError(
-            f"could not load the HuggingFace model {identifier!r} ({str(error).splitlines()[0][:200]}). A hub id "
-            "needs the network: on a machine that has it, save the model and its processor with "
-            "model.save_pretrained(DIR) and processor.save_pretrained(DIR), copy DIR here and pass --model hf:DIR."
+            f"could not load the HuggingFace model {identifier!r} ({first}). A hub id needs the network: on a "
+            "machine that has it, save the model and its processor with model.save_pretrained(DIR) and "
+            "processor.save_pretrained(DIR), copy DIR here and pass --model hf:DIR. A model whose hub weights are "
+            "only pickled (pytorch_model.bin) is loaded with --allow-pickle (allow_pickle=True) if you trust it."
         ) from error
     except ValueError as error:  # an architecture the Auto classes do not know
         raise ValueError(f"transformers cannot build {identifier!r} with its Auto classes: {error}") from None
-    if not classifier and output is None:
+    except Exception as error:  # a damaged weights file: safetensors' SafetensorError, a torch.load error
+        if type(error).__name__ != "SafetensorError" and not isinstance(error, (pickle.UnpicklingError, EOFError)):
+            raise
+        raise WeightsUnavailableError(
+            f"could not read the weights of the HuggingFace model {identifier!r} ({_first_line(error)}): the file "
+            "is damaged or incomplete (an interrupted download or copy?). Save or download the model again."
+        ) from error
+    architecture = type(model).__name__
+    tasks = dict(zip(HF_TASK_HEADS, ("classification", "segmentation", "detection")))
+    task = next((name for suffix, name in tasks.items() if architecture.endswith(suffix)), "other")
+    if task == "other" and output is None:
         raise ValueError(
-            f"{identifier!r} is a {type(model).__name__}, not an image classifier: say which output to explain, "
+            f"{identifier!r} is a {architecture}, not an image classifier: say which output to explain, "
             "e.g. --output pooler_output (an embedding; --target is then a feature index) or --output "
             "image_embeds; in Python, use explain.EmbeddingSimilarity as the target."
         )
@@ -279,10 +359,49 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
     except (OSError, ValueError):  # no preprocessor_config.json: the config's size, ImageNet statistics
         preprocess = Normalize() if size is None else resizing_preprocess(Normalize(), (size, size), None, None)
     labels = getattr(model.config, "id2label", None) or {}
-    names = [str(labels[index]) for index in sorted(labels)] if classifier else None
+    names = [str(labels[index]) for index in sorted(labels)] if task in ("classification", "segmentation") else None
     if names is not None and all(name == f"LABEL_{index}" for index, name in enumerate(names)):
         names = None  # transformers' placeholders, not class names
-    return LoadedModel(model, preprocess, names, f"hf:{identifier}", output=output, input_size=input_size)
+    return LoadedModel(model, preprocess, names, f"hf:{identifier}", output=output, input_size=input_size,
+                       task=task)
+
+
+def _huggingface_model_class(transformers: Any, config: Any) -> Any:
+    """The class that the config's ``architectures`` names, so that the model is the one saved
+    (AutoModel would drop a segmenter's decode head, or CLIPVisionModelWithProjection's
+    projection); else that task's Auto class for a classifier, segmenter or detector transformers
+    does not know; AutoModelForImageClassification when none is named; AutoModel otherwise."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        return transformers.AutoModelForImageClassification
+    for architecture in architectures:
+        model_class = getattr(transformers, architecture, None)
+        if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+            return model_class
+    for architecture in architectures:
+        for head in HF_TASK_HEADS:
+            if architecture.endswith(head):
+                return getattr(transformers, f"AutoModel{head}")
+    return transformers.AutoModel
+
+
+def _refuse_pickled_weights(directory: Path) -> None:
+    """Refuse an hf: directory whose weights are pickled only (pytorch_model.bin): unpickling can run code."""
+    files = [path for path in directory.iterdir() if path.is_file()]
+    if any(path.suffix == ".safetensors" for path in files):
+        return
+    pickled = sorted(path.name for path in files if path.suffix in PICKLED_WEIGHT_SUFFIXES)
+    if pickled:
+        raise ValueError(
+            f"the HuggingFace model in {str(directory)!r} holds its weights as a pickle ({', '.join(pickled)}): "
+            "unpickling can run code from the file, so it is loaded only when you trust it: add --allow-pickle "
+            "(allow_pickle=True). Or convert it once: model.save_pretrained(DIR) writes model.safetensors."
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def _load_whole_model(path: Path, allow_pickle: bool) -> LoadedModel:
@@ -355,9 +474,17 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise TypeError(f"{str(path)!r} is a TorchScript archive, not a state dict: forward hooks do not run inside "
                         "TorchScript. Save the original model's state dict: torch.save(model.state_dict(), path).")
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        state: Any = load_file(str(path))
+        try:
+            state: Any = load_file(str(path))
+        except (SafetensorError, OSError) as error:
+            raise WeightsUnavailableError(
+                f"could not read weights from {str(path)!r} ({_first_line(error)}): it is not a complete safetensors "
+                "file (an interrupted download or copy?). Download or save it again: "
+                "safetensors.torch.save_file(model.state_dict(), path)."
+            ) from error
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -368,9 +495,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
                 "it, or save a state dict: torch.save(model.state_dict(), path)."
             ) from error
         except Exception as error:  # zip, format and encoding errors of any kind
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise WeightsUnavailableError(
-                f"could not read weights from {str(path)!r} ({type(error).__name__}: {first[:200]}): give a state "
+                f"could not read weights from {str(path)!r} ({_first_line(error)}): give a state "
                 "dict saved with torch.save(model.state_dict(), path)."
             ) from error
     for _ in range(3):  # {"state_dict": {...}}, {"model": {"state_dict": ...}}
@@ -459,5 +585,6 @@ def _size_pair(size: Sequence[int]) -> tuple[int, int]:
     return (int(size[0]), int(size[0])) if len(size) == 1 else (int(size[0]), int(size[1]))
 
 
-__all__ = ["LoadedModel", "WeightsUnavailableError", "load_model", "read_class_names", "read_state_dict"]
+__all__ = ["LoadedModel", "WeightsUnavailableError", "names_an_architecture", "load_model", "read_class_names",
+           "read_state_dict", "weights_choices"]
 

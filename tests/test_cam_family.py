@@ -327,7 +327,7 @@ def test_every_registered_method_runs_from_the_command_line(name, tmp_path, caps
         warnings.simplefilter("error")  # no fallback, no zero-gradient warning on the demo model
         model = "demo-vit" if getattr(explain.get_method(name), "needs_attention", False) else "demo"
         assert main([str(image), "--model", model, "--method", name, "--out", str(tmp_path)]) == 0
-    written = np.asarray(Image.open(tmp_path / f"shape_{name}.png"))
+    written = np.asarray(Image.open(tmp_path / f"shape_{name}_{model}.png"))
     assert written.shape == (64, 64, 3) and written.std() > 1
     assert "p=" in capsys.readouterr().out
 

@@ -56,7 +56,7 @@ def test_cli_writes_an_overlay_per_image_and_prints_the_class(tmp_path, capsys):
     assert main([*map(str, paths), "--model", "demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     for path, label, line in zip(paths, data.labels, printed):
-        written = out / f"{path.stem}_gradcam.png"
+        written = out / f"{path.stem}_gradcam_demo.png"
         assert np.asarray(Image.open(written)).shape == (64, 64, 3)
         assert line.startswith(str(path)) and CLASS_NAMES[label] in line and "p=" in line
     assert main([str(paths[0]), "--model", "demo", "--target", "cross", "--out", str(out)]) == 0
@@ -70,16 +70,19 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys):
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(image)
     assert main([str(image), "--model", "demo", "--layer", "layer9"]) == 2
     assert "'layer4'" in capsys.readouterr().err
-    assert main([str(image), "--model", "resnet18", "--out", str(tmp_path)]) == 0  # the layer is chosen
+    assert main([str(image), "--model", "resnet18", "--weights", "random", "--out", str(tmp_path)]) == 0  # layer chosen
     assert "GradCAM @ layer4" in capsys.readouterr().out
 
 
 def test_cli_on_a_torchvision_model_with_random_weights(tmp_path, capsys):
     image = tmp_path / "x.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (80, 80, 3), dtype=np.uint8)).save(image)
-    assert main([str(image), "--model", "resnet18", "--layer", "layer4", "--topk", "2", "--out", str(tmp_path)]) == 0
-    assert np.asarray(Image.open(tmp_path / "x_gradcam.png")).shape == (2 * 224, 224, 3)
-    assert capsys.readouterr().out.count("p=") == 2
+    assert main([str(image), "--model", "resnet18", "--weights", "random", "--layer", "layer4", "--topk", "2",
+                 "--out", str(tmp_path)]) == 0
+    assert np.asarray(Image.open(tmp_path / "x_gradcam_resnet18_random_layer4_top2.png")).shape == (2 * 224, 224, 3)
+    printed = capsys.readouterr()
+    assert printed.out.count("p=") == 2 and printed.out.count("[random weights]") == 1
+    assert "random weights" in printed.err
 
 
 def test_weights_that_cannot_be_downloaded_say_how_to_pass_a_file(monkeypatch, tmp_path):

@@ -306,3 +306,16 @@ def test_a_non_finite_baseline_tensor_is_refused_by_name():
     baseline[1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"the baseline .* holds NaN or inf .* index \(1, 2, 3\)"):
         explain.IntegratedGradients(model, baseline=baseline).explain(torch.randn(1, 3, 8, 8))
+
+
+def test_a_dataset_run_shows_its_own_bar_and_none_of_each_calls(tmp_path, capsys):
+    from PIL import Image
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).eval()
+    for index in range(2):
+        Image.fromarray((torch.rand(8, 8, 3) * 255).byte().numpy()).save(tmp_path / f"image{index}.png")
+    explainer = explain.IntegratedGradients(model, steps=64, batch_size=8, progress=True)
+    explain.run(explainer, tmp_path, tmp_path / "out")
+    shown = capsys.readouterr().err
+    assert "explain IntegratedGradients" in shown and "row/s" not in shown and "/128" not in shown

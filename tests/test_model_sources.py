@@ -33,7 +33,9 @@ def photo(tmp_path):
 
 
 def written_overlay(folder, stem: str, method: str = "gradcam") -> np.ndarray:
-    return np.asarray(Image.open(folder / f"{stem}_{method}.png"))
+    """The overlay the command line wrote last for an image and method (named <stem>_<method>_<model>...)."""
+    written = max(folder.glob(f"{stem}_{method}_*.png"), key=lambda path: path.stat().st_mtime_ns)
+    return np.asarray(Image.open(written))
 
 
 def python_overlay(explanation: explain.Explanation) -> np.ndarray:
@@ -62,7 +64,8 @@ def test_timm_resnet18_by_name_with_its_own_preprocessing_and_class_names(photo,
 
 def test_timm_vit_small_by_name(photo, tmp_path, capsys):
     torch.manual_seed(1)
-    assert main([str(photo), "--model", "timm:vit_small_patch16_224", "--out", str(tmp_path)]) == 0
+    assert main([str(photo), "--model", "timm:vit_small_patch16_224", "--weights", "random", "--out",
+                 str(tmp_path)]) == 0
     torch.manual_seed(1)
     reference = timm.create_model("vit_small_patch16_224", pretrained=False).eval()
     config = timm.data.resolve_model_data_config(reference)

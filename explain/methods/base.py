@@ -610,13 +610,9 @@ class Explainer(ABC):
         (None: when passes > ``PROGRESS_THRESHOLD``), never inside another explainer's bar in this thread."""
         show = self.progress if self.progress is not None else passes > PROGRESS_THRESHOLD
         nested = getattr(_progress_bars, "open", 0) > 0
-        _progress_bars.open = getattr(_progress_bars, "open", 0) + 1
-        try:
-            with tqdm(total=total, desc=self.method_name, unit=unit, disable=not show or nested,
-                      leave=False) as bar:
-                yield bar
-        finally:
-            _progress_bars.open -= 1
+        with progress_shown_by_caller(), tqdm(total=total, desc=self.method_name, unit=unit,
+                                              disable=not show or nested, leave=False) as bar:
+            yield bar
 
     def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
         """The model's scores for a batch: its forward pass (with the call's other arguments), then
@@ -717,6 +713,17 @@ class Explainer(ABC):
     @abstractmethod
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         """The method itself: a prepared (N, C, H, W) batch → raw (N, K, h, w) maps."""
+
+
+@contextmanager
+def progress_shown_by_caller() -> Iterator[None]:
+    """Inside: explainers called by this thread show no progress bar of their own (the caller shows one,
+    such as an explainer wrapping another, or ``explain.run`` over a dataset)."""
+    _progress_bars.open = getattr(_progress_bars, "open", 0) + 1
+    try:
+        yield
+    finally:
+        _progress_bars.open -= 1
 
 
 class MethodRegistry(dict[str, type[Explainer]]):

@@ -12,7 +12,8 @@ inside the autograd graph, so that both A and ∂y/∂A are available, whatever 
   key-padding and attention masks, ``bias_k``/``bias_v``, ``add_zero_attn`` and separate
   projection weights;
 - eager implementations (timm ``fused_attn=False``, HuggingFace ``eager``): a softmax over the
-  last dimension of (N, heads, T_q, T_k) scores, recorded as computed.
+  last dimension of (N, heads, T_q, T_k) scores computed from a product QKᵀ of two activations,
+  recorded as computed; a softmax of anything else (a CNN's feature map) is not attention.
 
 The recording is a call-scoped rule (``explain.rules``). The model's output with recording on
 equals its fused output to float rounding. Only
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import TypeIs
 
-from .capture import LayerSpec, find_layers
+from .capture import LayerSpec, eager_model, find_layers
 from .rules import CallRules, Rule
 from .scope import CallScope
 
@@ -244,6 +245,9 @@ negative from the end, ``slice(-4, None)`` for the last four); or modules (names
 or a module type, see ``find_layers``) inside which the attention is computed."""
 
 _SOFTMAX: frozenset[Callable[..., Any]] = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
+_PRODUCTS: frozenset[Callable[..., Any]] = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
+                                                      Tensor.bmm, torch.baddbmm, Tensor.baddbmm, torch.einsum})
+"""Products of two tensors: the scores QKᵀ of eager attention are one (``q @ k.transpose(-2, -1)``)."""
 
 
 def _is_positions(blocks: BlockSpec) -> TypeIs[Positions]:
@@ -253,18 +257,53 @@ def _is_positions(blocks: BlockSpec) -> TypeIs[Positions]:
         isinstance(item, int) and not isinstance(item, bool) for item in blocks)
 
 
+def _scores_key(shape: Sequence[int]) -> tuple[int, int, int]:
+    """What ties a softmax's input to the product QKᵀ it was computed from (scaled, masked, a
+    position bias added, reshaped to heads): its number of elements and its last two sizes."""
+    return math.prod(shape), shape[-2], shape[-1]
+
+
+def _within(name: str, container: str) -> bool:
+    """Whether module ``name`` is ``container`` or inside it ("" is the model)."""
+    return not container or name == container or name.startswith(container + ".")
+
+
+@dataclass(frozen=True)
+class SkippedSoftmax:
+    """A softmax inside the model that is not recorded as attention: the module that computed it,
+    the shape of its input, the dimension it normalised and why it is not attention."""
+
+    module: str
+    shape: tuple[int, ...]
+    dim: Any
+    reason: str
+
+    def __str__(self) -> str:
+        where = repr(self.module) if self.module else "the model"
+        return f"a softmax over dim={self.dim} of a {self.shape} tensor in {where} ({self.reason})"
+
+
 class AttentionRecorder(Rule):
     """The rule behind ``capture_attention``: computes attention step by step inside ``model``
-    (or inside the selected modules of it) and records the probabilities."""
+    (or inside the selected modules of it) and records the probabilities.
+
+    Eager attention is a softmax over the last dimension of (N, heads, T_q, T_k) scores that a
+    module computed from a product of two activations, QKᵀ (``q @ k.transpose(-2, -1)``,
+    ``torch.matmul``, ``bmm``, ``einsum``), scaled, masked or biased after it. Any other
+    softmax (a CNN's softmax over the last axis of a feature map) is not attention: it is listed
+    in ``skipped`` instead."""
 
     functions: ClassVar[frozenset[Callable[..., Any]]] = _SOFTMAX.union(
-        {F.scaled_dot_product_attention, F.multi_head_attention_forward})
+        _PRODUCTS, {F.scaled_dot_product_attention, F.multi_head_attention_forward})
 
     def __init__(self, model: nn.Module, modules: Optional[Sequence[str]] = None, *, softmax: bool = True):
         self.names = {id(module): name for name, module in model.named_modules()}
         self.selected = None if modules is None else set(modules)
         self.softmax = softmax
         self.records: list[AttentionRecord] = []
+        self.skipped: list[SkippedSoftmax] = []
+        self.scores: dict[tuple[int, int, int], set[str]] = {}
+        """Per ``_scores_key`` of a product of two activations, the modules that computed one."""
         self.on_record: Optional[Callable[[AttentionRecord], None]] = None
 
     def _module(self) -> Optional[str]:
@@ -285,6 +324,8 @@ class AttentionRecorder(Rule):
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in _SOFTMAX:
             return self._softmax(func, args, kwargs)
+        if func in _PRODUCTS:
+            return self._product(func, args, kwargs)
         module = self._module()
         if module is None:
             return func(*args, **kwargs)
@@ -295,13 +336,45 @@ class AttentionRecorder(Rule):
         return multi_head_attention(lambda probabilities: self._record(
             module, probabilities, "multi_head_attention_forward"), *args, **kwargs)
 
+    def _product(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A product, computed as it is; one of two activations (both batched, ≥ 3 dimensions: not a
+        weight matrix) with a square or rectangular (…, T_q, T_k) result is remembered as scores."""
+        result = func(*args, **kwargs)
+        operands = [value for value in (*args, *kwargs.values()) if isinstance(value, Tensor)]
+        if self.softmax and isinstance(result, Tensor) and result.dim() >= 3 and len(operands) >= 2 and all(
+                operand.dim() >= 3 for operand in operands[-2:]):
+            module = self._module()
+            if module is not None:
+                self.scores.setdefault(_scores_key(result.shape), set()).add(module)
+        return result
+
+    def _from_scores(self, module: str, shape: Sequence[int]) -> bool:
+        """Whether a softmax of this shape in ``module`` normalises scores computed as a product in the
+        same attention layer: in a module that contains it, or inside its parent (the module itself, or
+        one beside it: Swin's softmax is a module next to the code that computes the scores)."""
+        parent = module.rpartition(".")[0]
+        return any(_within(parent, computed_in) or _within(computed_in, parent)
+                   for computed_in in self.scores.get(_scores_key(shape), ()))
+
     def _softmax(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         result = func(*args, **kwargs)
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if self.softmax and result.dim() == 4 and dim in (-1, 3):
-            module = self._module()
-            if module is not None:
-                self._record(module, result, "softmax")
+        if not self.softmax or not isinstance(result, Tensor):
+            return result
+        module = self._module()
+        if module is None:
+            return result
+        shape = tuple(result.shape)
+        if result.dim() < 3:  # a classifier's probabilities: not worth a mention
+            return result
+        if result.dim() != 4 or dim not in (-1, 3):
+            self.skipped.append(SkippedSoftmax(module, shape, dim, "attention is a softmax over the last "
+                                               "dimension of 4-dimensional (N, heads, T, T) scores"))
+        elif not self._from_scores(module, shape):
+            self.skipped.append(SkippedSoftmax(module, shape, dim, "its input is not a product of queries and "
+                                               "keys, QKᵀ, computed in that module"))
+        else:
+            self._record(module, result, "softmax")
         return result
 
 
@@ -310,6 +383,7 @@ class CapturedAttention:
 
     ``records`` (AttentionRecord each), ``probabilities`` (N, heads, T_q, T_k) each, ``grads``
     (same shapes, after a backward pass inside the block; None before), ``modules`` (names);
+    ``skipped``: the softmaxes seen that are not attention;
     indexing and iteration go over ``records``.
     """
 
@@ -342,6 +416,12 @@ class CapturedAttention:
     @property
     def modules(self) -> list[str]:
         return [record.module for record in self.records]
+
+    @property
+    def skipped(self) -> list[SkippedSoftmax]:
+        """The softmaxes over 3 or more dimensions inside the model that are not attention (not
+        over the last dimension of (N, heads, T, T) scores computed as QKᵀ), in call order."""
+        return list(self._recorder.skipped)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -399,16 +479,25 @@ def capture_attention(
         last backward's, for several).
     detach: True stores detached tensors; False keeps them in the autograd graph, so that
         ``torch.autograd.grad(score, captured.probabilities)`` works.
-    softmax: also record eager attention (a softmax over the last dimension of 4-D scores).
+    softmax: also record eager attention: a softmax over the last dimension of (N, heads, T_q,
+        T_k) scores that the module computed as a product QKᵀ of two activations; other softmaxes
+        are not attention (``attention.skipped`` lists them).
 
     ``with capture_attention(...) as attention`` gives a ``CapturedAttention``. It works in
     this thread only, on every forward pass inside the block; nothing stays on the model when
-    the block ends, also on an exception or an interrupt::
+    the block ends, also on an exception or an interrupt. A torch.compile'd model is refused
+    (``eager_model``)::
 
         with explain.capture_attention(vit, slice(-4, None), grads=True) as attention:
             vit(x)[0, 3].backward()
         attention.probabilities[-1], attention.grads[-1]     # (N, heads, T, T) each
     """
+    if eager_model(model, "capture_attention") is not model:
+        raise TypeError(
+            "capture_attention cannot record inside code that torch.compile runs (compiled code runs no "
+            "call-scoped rule): pass the original module, compiled._orig_mod (the same weights), and run that "
+            "inside the block."
+        )
     positions: Optional[Positions] = None
     modules: Optional[list[str]] = None
     if _is_positions(blocks):

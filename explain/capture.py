@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence, Union, cast, overload
 
@@ -174,6 +175,8 @@ def find_layers(
     name_of = {id(module): name for name, module in named.items()}
     found: dict[str, nn.Module] = {}
     for spec in layers:
+        while isinstance(spec, str) and spec not in named and spec.startswith(COMPILED_PREFIX):
+            spec = spec[len(COMPILED_PREFIX):]  # a name inside torch.compile(model): the wrapped module's
         if isinstance(spec, str):
             if spec in named:
                 matches = [spec]
@@ -217,6 +220,49 @@ def check_hookable(model: nn.Module) -> None:
             "nn.Module, before torch.jit.script / torch.jit.trace (load its state dict into the "
             "model's Python class)."
         )
+
+
+def _compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile(module)`` wrapper (an ``OptimizedModule``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs torch.compile'd code: a ``torch.compile`` wrapper or a module
+    compiled in place (``module.compile()``)."""
+    return _compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def eager_model(model: nn.Module, what: str) -> nn.Module:
+    """The module that runs ``model``'s forward eagerly, for methods that record what the forward
+    computes: ``model`` itself, or for ``torch.compile(model)`` the original module it wraps
+    (``_orig_mod``: the same module, parameters and buffers; its output equals the compiled one's to
+    float rounding, and the compiled wrapper and its caches are left untouched). Raises TypeError,
+    naming torch.compile and the fix, where compiled code would still run: a module compiled in
+    place (``module.compile()``) or a compiled submodule. Compiled code runs neither module hooks
+    nor call-scoped rules, and the gradients of what it records come out zero."""
+    while _compile_wrapper(model):
+        wrapped = getattr(model, "_orig_mod", None)
+        if not isinstance(wrapped, nn.Module):
+            break
+        model = wrapped
+    compiled = [name or "the model" for name, module in model.named_modules() if _compiled(module)]
+    if compiled:
+        listed = ", ".join(repr(name) for name in compiled[:3]) + (" and others" if len(compiled) > 3 else "")
+        raise TypeError(
+            f"{what} cannot look inside code that torch.compile runs: {listed} is compiled in place "
+            "(Module.compile()) or wrapped by torch.compile, and compiled code runs neither the hooks nor the "
+            "rules that record what the forward computes (gradients come out zero). Explain an uncompiled "
+            "model: pass compiled._orig_mod for a compiled = torch.compile(model) (the same weights; a "
+            "compiled model passed whole is unwrapped so), or a module on which .compile() was not called."
+        )
+    return model
+
+
+COMPILED_PREFIX = "_orig_mod."
+"""How ``torch.compile(model)``'s module names start: explainers run the module it wraps, whose names lack it."""
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -223,7 +223,7 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
             runs[name].calls += 1
             return
         main = _main_tensor(output)
-        layout = None if main is None else _map_layout(main, modules[name], count, input_size)
+        layout = None if main is None else _map_layout(main, modules[name], count, input_size, model)
         runs[name] = _ModuleRun(
             name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
@@ -326,14 +326,15 @@ def _main_tensor(output: object) -> Optional[Tensor]:
     return first if isinstance(first, Tensor) else None
 
 
-def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int]) -> Optional[str]:
-    """The layout kind (as a CAM would read the module's output ``tensor``) when the tensor has
-    ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
+def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int],
+                model: nn.Module) -> Optional[str]:
+    """The layout kind (as a CAM would read the module's output ``tensor`` of ``model``) when the tensor
+    has ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
     if (tensor.dim() not in (3, 4) or tensor.shape[0] != count or not tensor.is_floating_point()
             or tensor.layout != torch.strided):
         return None
     try:
-        layout = infer_layout(tensor, input_size, module=module)
+        layout = infer_layout(tensor, input_size, module=module, model=model)
     except ValueError:
         return None
     if layout.kind == "tokens":

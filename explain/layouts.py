@@ -3,17 +3,22 @@
 - (N, C, h, w), channels first (CNNs): as it is;
 - (N, h, w, C), channels last (Swin, timm ConvNeXt blocks): permuted;
 - (N, T, D) tokens (ViT, DeiT, with class, distillation or register tokens in front): the
-  prefix tokens are dropped and the rest laid out on the h × w patch grid, inferred from the
-  token count and the input's aspect ratio (so any input size works, not only 224 px).
+  prefix tokens are dropped and the rest laid out on the h × w patch grid (so any input size
+  works, not only 224 px). The prefix tokens and the patch grid are read from the model where it
+  states them (``model_tokens``: timm, torchvision, HuggingFace, CLIP), else inferred from the
+  token count and the input's aspect ratio (``token_grid``). CAMs and attention methods read
+  tokens through the same ``token_layout``.
 
 ``reshape=`` overrides the guess: "channels_first", "channels_last", an (h, w) grid for tokens
-(the last h·w tokens are the patches), or a callable tensor → (N, C, h, w).
+(the last h·w tokens are the patches; checked against the token count), or a callable
+tensor → (N, C, h, w).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from torch import Tensor, nn
@@ -28,12 +33,17 @@ SPATIAL_FIT = 0.2
 @dataclass(frozen=True)
 class Layout:
     """How a layer's output maps to (N, C, h, w). kind: "channels_first", "channels_last",
-    "tokens" or "callable"; prefix: tokens before the patches; grid: (h, w) for tokens."""
+    "tokens" or "callable"; for tokens: prefix, the tokens before the patches (class,
+    distillation, register); grid, the patches' (h, w); class_token, whether token 0 is a class
+    token; readout, what the model's head reads: "class" (the class token) or "mean" (the
+    average of the patch tokens)."""
 
     kind: str
     prefix: int = 0
     grid: Optional[tuple[int, int]] = None
     function: Optional[Callable[[Tensor], Tensor]] = None
+    class_token: bool = False
+    readout: str = "mean"
 
     @property
     def channel_dim(self) -> int:
@@ -54,22 +64,203 @@ class Layout:
         return tensor[:, self.prefix :, :].reshape(tensor.shape[0], height, width, -1).permute(0, 3, 1, 2)
 
 
+# ------------------------------------------------------------------ what a transformer says about its tokens
+
+CLASS_TOKENS = ("cls_token", "class_token", "class_embedding")
+"""Attribute names of a class token's embedding: timm and HuggingFace, torchvision, CLIP (HF, open_clip)."""
+DISTILLATION_TOKENS = ("dist_token", "distillation_token")
+REGISTER_TOKENS = ("reg_token", "register_tokens")
+MEAN_READOUTS = ("avg", "avgmax", "max", "map", "avg_all", "gap")
+"""Pooling names (timm's ``global_pool``, open_clip's ``pool_type``) of a head that reads the patch tokens."""
+
+
+@dataclass(frozen=True)
+class ModelTokens:
+    """What a transformer's own attributes say about its tokens: ``prefix`` tokens in front of
+    the patches (class, distillation and register tokens), whether the first is a class token,
+    what the head reads ("class" or "mean", see ``Layout``), the (h, w) patch grid of an
+    (H, W) input where the patch embedding tells it, and the module read (``source``)."""
+
+    prefix: int
+    class_token: bool
+    readout: str
+    source: str
+    patch_grid: Optional[Callable[[Sequence[int]], tuple[int, int]]] = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        kind = "class, distillation or register" if self.class_token else "register"
+        where = f"module {self.source!r}" if self.source else "the model"
+        return f"{self.prefix} {kind} token(s) before the patches (as {where} states)"
+
+
+def _token_count(value: object, registers: bool) -> int:
+    """How many tokens an embedding parameter holds: (1, n, D) register tokens hold n, any other 1;
+    0 for a missing one (None, or not a tensor)."""
+    if not isinstance(value, Tensor):
+        return 0
+    return int(value.shape[-2]) if registers and value.dim() >= 2 else 1
+
+
+def _patch_grid(module: nn.Module) -> Optional[Callable[[Sequence[int]], tuple[int, int]]]:
+    """(H, W) → (h, w) from a patch embedding that is one convolution with stride = kernel = patch
+    size (timm's ``patch_embed.dynamic_feat_size``, padding included); None for other stems (a conv
+    stem, a hybrid's backbone), whose grid the token count tells."""
+    timm_embed = getattr(module, "patch_embed", None)
+    if hasattr(timm_embed, "dynamic_feat_size") and not hasattr(timm_embed, "backbone"):
+        return lambda size: tuple(timm_embed.dynamic_feat_size((int(size[0]), int(size[1]))))  # type: ignore
+    convolutions = [leaf for leaf in module.modules() if isinstance(leaf, nn.Conv2d)]
+    if len(convolutions) != 1:
+        return None
+    patchify = convolutions[0]
+    kernel, stride, padding = patchify.kernel_size, patchify.stride, patchify.padding
+    if kernel != stride or padding not in ((0, 0), "valid") or min(kernel) < 2:
+        return None
+    return lambda size: (int(size[0]) // kernel[0], int(size[1]) // kernel[1])
+
+
+def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
+    """The token layout a vision transformer states in its attributes (timm's ``num_prefix_tokens``,
+    ``cls_token``, ``reg_token``, ``dist_token``, ``global_pool``; torchvision's ``class_token``;
+    HuggingFace's ``cls_token``, ``distillation_token``, ``register_tokens``; CLIP's
+    ``class_embedding``; the head's pooling: timm's ``global_pool``, open_clip's ``pool_type``,
+    HuggingFace's ``config.use_mean_pooling``), from the outermost module that has them; None when
+    no module does."""
+    if model is None:
+        return None
+    for name, module in model.named_modules():
+        classes = sum(_token_count(getattr(module, attribute, None), False) for attribute in CLASS_TOKENS)
+        distillation = sum(_token_count(getattr(module, attribute, None), False) for attribute in DISTILLATION_TOKENS)
+        registers = sum(_token_count(getattr(module, attribute, None), True) for attribute in REGISTER_TOKENS)
+        stated = getattr(module, "num_prefix_tokens", None)
+        if not (classes or distillation or registers or isinstance(stated, int)):
+            continue
+        counted = classes + distillation + registers
+        prefix = stated if isinstance(stated, int) and not isinstance(stated, bool) else counted
+        pooling = getattr(module, "global_pool", getattr(module, "pool_type", None))
+        mean_pooling = getattr(getattr(model, "config", None), "use_mean_pooling", False) is True  # HF BEiT
+        reads_patches = not classes or mean_pooling or (isinstance(pooling, str) and pooling in MEAN_READOUTS)
+        return ModelTokens(prefix=prefix, class_token=classes > 0, readout="mean" if reads_patches else "class",
+                           source=name, patch_grid=_patch_grid(module))
+    return None
+
+
+# ------------------------------------------------------------------ tokens on the patch grid
+
+
+def _grid_of(patches: int, input_size: Sequence[int]) -> Optional[tuple[int, int]]:
+    """(h, w) with h·w = patches, h, w ≥ 2 and h : w the input's aspect ratio; None when none fits."""
+    height, width = input_size
+    if patches < 4:
+        return None
+    rows = round(math.sqrt(patches * height / width))
+    for candidate in (rows, rows - 1, rows + 1):
+        if candidate >= 2 and patches % candidate == 0:
+            columns = patches // candidate
+            tolerance = max(height, width) / max(candidate, columns)
+            if columns >= 2 and abs(candidate * width - columns * height) <= tolerance:
+                return candidate, columns
+    return None
+
+
 def token_grid(tokens: int, input_size: Sequence[int]) -> tuple[int, tuple[int, int]]:
     """(prefix tokens, (h, w)) such that prefix + h·w = tokens, h, w ≥ 2 and h : w matches the
-    input's aspect ratio; the fewest prefix tokens win. Raises ValueError when no grid fits."""
-    height, width = input_size
+    input's aspect ratio, from the token count alone; the fewest prefix tokens win. Raises
+    ValueError when no grid fits. ``token_layout`` also reads what the model states."""
     for prefix in range(0, min(MAX_PREFIX_TOKENS, tokens - 1) + 1):
-        patches = tokens - prefix
-        rows = round(math.sqrt(patches * height / width))
-        for candidate in (rows, rows - 1, rows + 1):
-            if candidate >= 2 and patches % candidate == 0:
-                columns = patches // candidate
-                if columns >= 2 and abs(candidate * width - columns * height) <= max(height, width) / max(
-                    candidate, columns
-                ):
-                    return prefix, (candidate, columns)
+        grid = _grid_of(tokens - prefix, input_size)
+        if grid is not None:
+            return prefix, grid
     raise ValueError(
-        f"cannot lay {tokens} tokens out on a patch grid for a {height}×{width} input; "
+        f"cannot lay {tokens} tokens out on a patch grid for a {input_size[0]}×{input_size[1]} input; "
+        "pass reshape=(h, w) (the last h·w tokens are the patches) or a callable."
+    )
+
+
+def _prefixes(tokens: int, known: Optional[ModelTokens], whole_sequence: bool = False) -> list[int]:
+    """The counts of tokens before the patches that a tensor of ``tokens`` tokens may have: the
+    model's prefix, or none (a tensor of patch tokens only, unless ``whole_sequence``: the tokens
+    are the model's whole sequence, as in its attention); 0 to MAX_PREFIX_TOKENS when the model
+    states nothing."""
+    if known is None:
+        candidates: Sequence[int] = range(MAX_PREFIX_TOKENS + 1)
+    else:
+        candidates = [known.prefix] if whole_sequence else [known.prefix, 0]
+    return [prefix for prefix in dict.fromkeys(candidates) if prefix < tokens]
+
+
+def _fitting_grids(tokens: int, prefixes: Sequence[int], input_size: Sequence[int], most: int = 6) -> str:
+    """The (h, w) grids with h·w = tokens − prefix, h, w ≥ 2, closest to the input's aspect ratio first."""
+    found = []
+    for prefix in prefixes:
+        patches = tokens - prefix
+        for rows in range(2, patches // 2 + 1):
+            if patches % rows == 0:
+                misfit = abs(math.log(rows * input_size[1] / (patches // rows * input_size[0])))
+                found.append((misfit, prefix, (rows, patches // rows)))
+    if not found:
+        return "none"
+    return ", ".join(f"{grid} after {prefix} prefix token(s)" for _, prefix, grid in sorted(found)[:most])
+
+
+def _token_layout_of(prefix: int, grid: tuple[int, int], known: Optional[ModelTokens]) -> Layout:
+    if prefix == 0:
+        return Layout("tokens", prefix=0, grid=grid, class_token=False, readout="mean")
+    if known is not None:
+        return Layout("tokens", prefix=prefix, grid=grid, class_token=known.class_token, readout=known.readout)
+    return Layout("tokens", prefix=prefix, grid=grid, class_token=True, readout="class")
+
+
+def checked_grid(reshape: Sequence[int], tokens: int, input_size: Sequence[int], known: Optional[ModelTokens] = None,
+                 what: str = "the layer", whole_sequence: bool = False) -> Layout:
+    """The token Layout for ``reshape=(h, w)``: the last h·w of ``tokens`` tokens are the patches.
+    Raises ValueError, naming the token count and the grids that fit, unless the tokens before
+    them are the model's prefix tokens, or none (or, when the model states nothing, at most
+    MAX_PREFIX_TOKENS)."""
+    try:
+        values = tuple(operator.index(value) for value in reshape)
+    except TypeError:
+        values = ()
+    if len(values) != 2 or min(values) < 1:
+        raise ValueError(f"reshape=(h, w) takes two positive ints, the patch grid; got {reshape!r}.")
+    height, width = values
+    prefixes = _prefixes(tokens, known, whole_sequence)
+    prefix = tokens - height * width
+    if prefix not in prefixes:
+        stated = known.describe() if known is not None else f"at most {MAX_PREFIX_TOKENS} prefix tokens"
+        raise ValueError(
+            f"reshape={values} does not fit {what}: its {tokens} tokens are {stated} followed by the h·w patches, "
+            f"so h·w must be {' or '.join(str(tokens - p) for p in prefixes) or 'positive'}, not {height * width}. "
+            f"Grids that fit: {_fitting_grids(tokens, prefixes, input_size)}."
+        )
+    return _token_layout_of(prefix, (height, width), known)
+
+
+def token_layout(tokens: int, input_size: Sequence[int], reshape: Optional[Sequence[int]] = None,
+                 model: Optional[nn.Module] = None, what: str = "the layer", whole_sequence: bool = False) -> Layout:
+    """The Layout of (N, ``tokens``, D) tokens for an (H, W) input, read the same way by every
+    method (CAMs, attention methods). ``reshape=(h, w)``: that grid, checked (``checked_grid``).
+    Otherwise, when ``model`` states its tokens (``model_tokens``): its prefix tokens (or none, as in
+    a patch embedding's output; not when ``whole_sequence``, as for attention over every token) and
+    its patch grid where the patch embedding tells it, else the grid with the input's aspect ratio;
+    from the token count alone for other models (``token_grid``). Raises ValueError when no grid fits."""
+    known = model_tokens(model)
+    if reshape is not None:
+        return checked_grid(reshape, tokens, input_size, known, what, whole_sequence)
+    if known is None:
+        return _token_layout_of(*token_grid(tokens, input_size), None)
+    prefixes = _prefixes(tokens, known, whole_sequence)
+    if known.patch_grid is not None:
+        height, width = known.patch_grid(input_size)
+        for prefix in prefixes:
+            if prefix + height * width == tokens and min(height, width) >= 1:
+                return _token_layout_of(prefix, (height, width), known)
+    for prefix in prefixes:
+        grid = _grid_of(tokens - prefix, input_size)
+        if grid is not None:
+            return _token_layout_of(prefix, grid, known)
+    raise ValueError(
+        f"cannot lay the {tokens} tokens of {what} out on a patch grid for a {input_size[0]}×{input_size[1]} input: "
+        f"the model has {known.describe()}. Grids that fit: {_fitting_grids(tokens, prefixes, input_size)}; "
         "pass reshape=(h, w) (the last h·w tokens are the patches) or a callable."
     )
 
@@ -133,9 +324,10 @@ def _four_dimensional_layout(shape: Sequence[int], input_size: Sequence[int], mo
 
 
 def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = None, name: str = "",
-                 module: Optional[nn.Module] = None) -> Layout:
+                 module: Optional[nn.Module] = None, model: Optional[nn.Module] = None) -> Layout:
     """The Layout of a layer's output for an input of ``input_size`` (H, W); ``module``, the layer,
-    settles a 4-dimensional output whose shape reads both ways."""
+    settles a 4-dimensional output whose shape reads both ways; ``model``, the whole model, states
+    its prefix tokens and patch grid (``token_layout``)."""
     if callable(reshape):
         return Layout("callable", function=reshape)
     if isinstance(reshape, str):
@@ -148,17 +340,13 @@ def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = N
                 f"reshape={reshape!r} needs a 4-dimensional output; layer {name!r} gives {tuple(tensor.shape)}."
             )
         return Layout(reshape)
-    if reshape is not None:
-        height, width = (int(value) for value in reshape)
-        if tensor.dim() != 3 or tensor.shape[1] < height * width:
-            raise ValueError(f"reshape={tuple(reshape)} needs (N, T, D) tokens with T ≥ {height * width}; "
-                             f"layer {name!r} gives {tuple(tensor.shape)}.")
-        return Layout("tokens", prefix=tensor.shape[1] - height * width, grid=(height, width))
+    if reshape is not None and tensor.dim() != 3:
+        raise ValueError(f"reshape={tuple(reshape)} needs (N, T, D) tokens; layer {name!r} gives "
+                         f"{tuple(tensor.shape)}.")
     if tensor.dim() == 4:
         return Layout(_four_dimensional_layout(tensor.shape, input_size, module, name))
     if tensor.dim() == 3:
-        prefix, grid = token_grid(tensor.shape[1], input_size)
-        return Layout("tokens", prefix=prefix, grid=grid)
+        return token_layout(tensor.shape[1], input_size, reshape, model, f"layer {name!r}")
     raise ValueError(
         f"layer {name!r} outputs a tensor of shape {tuple(tensor.shape)}; CAM methods need feature maps "
         "(N, C, h, w), (N, h, w, C) or tokens (N, T, D). Choose another layer (`explain layers MODEL` lists "

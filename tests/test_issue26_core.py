@@ -319,3 +319,209 @@ def test_a_dataset_run_shows_its_own_bar_and_none_of_each_calls(tmp_path, capsys
     explain.run(explainer, tmp_path, tmp_path / "out")
     shown = capsys.readouterr().err
     assert "explain IntegratedGradients" in shown and "row/s" not in shown and "/128" not in shown
+
+
+# ---------------------------------------------------------------- found by attacking the above
+
+
+class TwoInputs(nn.Module):
+    """forward(first, second): only ``second`` reaches the output through a convolution."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 2, 3, padding=1), nn.Linear(2, 3)
+
+    def forward(self, first: Tensor, second: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.conv(second)).mean(dim=(2, 3))) + 0.0 * first.sum()
+
+
+def test_input_position_minus_one_is_the_last_place_and_nonsense_positions_are_refused():
+    model, other, x = TwoInputs().eval(), torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8)
+    explainer = explain.Saliency(model, normalize=None)
+    last = explainer.explain(x, target=0, forward_args=(other,), input_position=-1)
+    by_index = explainer.explain(x, target=0, forward_args=(other,), input_position=1)
+    torch.testing.assert_close(last.raw_maps, by_index.raw_maps, rtol=0, atol=0)
+    assert last.raw_maps.abs().sum() > 0  # the images went to `second`, the input that matters
+    for position in (5, -3, True, 1.0):
+        with pytest.raises(ValueError, match=r"input_position must be .* 0 to 1 \(or −1 for the last\)"):
+            explainer.explain(x, forward_args=(other,), input_position=position)
+    with pytest.raises(ValueError, match=r"forward_kwargs holds 'second' too"):
+        explainer.explain(x, forward_kwargs={"first": other, "second": other}, input_position="second")
+    with pytest.raises(TypeError, match=r"forward_args must be a tuple or list .* got Tensor"):
+        explainer.explain(x, forward_args=other, input_position=1)
+
+
+def test_tensors_nested_in_an_argument_are_checked_and_follow_their_image_when_stated():
+    class DictInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Conditioned()
+
+        def forward(self, image: Tensor, extra: dict) -> Tensor:
+            return self.inner(image, extra["condition"], extra["table"][0])
+
+    torch.manual_seed(0)
+    model = DictInput().double().eval()
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    condition = torch.rand(2, 4, dtype=torch.float64) + 0.5
+    table = torch.randn(1, 2, 4, dtype=torch.float64)  # (1, ...): shared
+    explainer = explain.IntegratedGradients(model, steps=4, normalize=None)
+    with pytest.raises(ValueError, match=r"forward_kwargs\['extra'\] has 2 rows"):
+        explainer.explain(images, target=[0, 2], forward_kwargs={"extra": {"condition": condition, "table": table}})
+    with pytest.raises(ValueError, match=r"dict of tensors \[\(2, 4\), \(1, 2, 4\)\]"):
+        explainer.explain(images, forward_kwargs={"extra": {"condition": condition, "table": table}},
+                          per_image=["extra"])
+    extra = {"condition": condition, "table": table.expand(2, 2, 4)}
+    together = explainer.explain(images, target=[0, 2], forward_kwargs={"extra": extra}, per_image=["extra"])
+    for image in range(2):
+        alone = {"condition": condition[[image]], "table": table}
+        expected = explainer.explain(images[[image]], target=[0, 2][image], forward_kwargs={"extra": alone},
+                                     per_image=["extra"])
+        torch.testing.assert_close(together.raw_maps[image], expected.raw_maps[0], rtol=1e-9, atol=1e-12)
+
+
+def test_an_explainer_called_inside_its_own_target_keeps_the_outer_calls_inputs():
+    model, other = TwoInputs().eval(), torch.randn(1, 3, 8, 8)
+    explainer = explain.Saliency(model, normalize=None)
+    inner_maps = []
+
+    def target(output: Tensor) -> Tensor:  # explains another image without extra inputs midway
+        if not inner_maps:
+            inner_maps.append(explain.Saliency(nn.Sequential(nn.Flatten(), nn.Linear(192, 2))).explain(
+                torch.randn(1, 3, 8, 8)))
+            inner_maps.append(explainer.explain(torch.randn(1, 3, 8, 8), target=0,
+                                                forward_args=(other,), input_position=1))
+        return output[:, 0]
+
+    x = torch.randn(1, 3, 8, 8)
+    nested = explainer.explain(x, target=target, forward_args=(other,), input_position=1)
+    plain = explainer.explain(x, target=0, forward_args=(other,), input_position=1)
+    torch.testing.assert_close(nested.raw_maps, plain.raw_maps)
+    assert explainer.forward_call is None
+
+
+def test_the_precision_warning_covers_fullgrad_xrai_and_a_model_partly_in_bf16():
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for explainer in (explain.FullGrad(model), explain.XRAI(model, steps=2)):
+            with pytest.warns(RuntimeWarning, match=rf"{explainer.method_name} ran in bfloat16 \(torch.autocast\)"):
+                explainer.explain(x, target=1)
+    model.layer4.to(torch.bfloat16)  # the first layers in float32, the last in bf16
+    partly = nn.Sequential(model.conv1, model.bn1, model.relu, model.layer1, model.layer2, model.layer3,
+                           ToBF16(), model.layer4, model.avgpool, nn.Flatten(), ToFloat(), model.fc)
+    with pytest.warns(RuntimeWarning, match=r"Saliency ran in bfloat16 \(the model's dtype\)"):
+        explain.Saliency(partly).explain(x, target=1)
+
+
+class ToBF16(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to(torch.bfloat16)
+
+
+class ToFloat(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.float()
+
+
+def test_smoothgrad_takes_a_numpy_seed_as_its_int():
+    import numpy as np
+
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    numpy_seeded = explain.SmoothGrad(model, samples=2, seed=np.int64(3)).explain(x, target=0).raw_maps
+    torch.testing.assert_close(numpy_seeded, explain.SmoothGrad(model, samples=2, seed=3).explain(x, target=0).raw_maps)
+
+
+def test_a_thin_maps_box_or_mask_is_never_guessed():
+    import explain.metrics as metrics
+
+    maps = torch.tensor([[[0.0, 0.1, 0.9, 0.2]]])  # one 1×4 map
+    with pytest.raises(ValueError, match=r"could be boxes or one mask.*boxes_to_masks"):
+        metrics.pointing_game(maps, torch.tensor([[0, 0, 3, 0]]))
+    whole = metrics.boxes_to_masks(torch.tensor([[0, 0, 3, 0]]), (1, 4))
+    assert metrics.pointing_game(maps, whole).tolist() == [1.0]
+    assert metrics.relevance_mass_accuracy(maps, whole).tolist() == [1.0]
+    left = metrics.boxes_to_masks(torch.tensor([[0, 0, 1, 0]]), (1, 4))
+    torch.testing.assert_close(metrics.relevance_mass_accuracy(maps, left), torch.tensor([0.1 / 1.2]))
+
+
+def test_pointing_game_tolerance_beyond_the_maps_diagonal_is_the_whole_map_and_cheap():
+    import time
+
+    import explain.metrics as metrics
+
+    maps = torch.zeros(1, 8, 8)
+    maps[0, 7, 7] = 1.0
+    mask = torch.zeros(1, 8, 8, dtype=torch.bool)
+    mask[0, 0, 0] = True
+    started = time.perf_counter()
+    assert metrics.pointing_game(maps, mask, tolerance=1e9).tolist() == [1.0]  # every pixel within 1e9 px
+    assert time.perf_counter() - started < 5  # was a (2·10⁹ + 1)² disk
+    assert metrics.pointing_game(maps, mask, tolerance=9.8).tolist() == [0.0]  # 7·√2 ≈ 9.9 px away
+    assert metrics.pointing_game(maps, mask, tolerance=9.9).tolist() == [1.0]
+
+
+def test_faithfulness_metrics_score_a_huggingface_classifier_output():
+    import explain.metrics as metrics
+
+    config = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(config).eval()
+    x, heat = torch.randn(1, 3, 16, 16), torch.rand(1, 16, 16)
+    curve = metrics.deletion(model, x, heat, target=2, steps=2)
+    ranks = heat.flatten().argsort(descending=True)
+    expected = []
+    for count in (0, 128, 256):
+        removed = torch.zeros(256, dtype=torch.bool)
+        removed[ranks[:count]] = True
+        image = torch.where(removed.view(1, 1, 16, 16), torch.zeros_like(x), x)
+        with torch.no_grad():
+            expected.append(model(pixel_values=image).logits.softmax(dim=1)[0, 2])
+    torch.testing.assert_close(curve.curves[0], torch.stack(expected), rtol=1e-5, atol=1e-6)
+    dropped = metrics.confidence_change(model, x, heat, target=2, output="logits")
+    with torch.no_grad():
+        before = model(pixel_values=x).logits.softmax(dim=1)[0, 2]
+        after = model(pixel_values=x * heat[:, None]).logits.softmax(dim=1)[0, 2]
+    torch.testing.assert_close(dropped.drop, ((before - after).clamp_min(0) / before)[None], rtol=1e-5, atol=1e-6)
+
+
+def test_integrated_gradients_with_a_tolerance_gives_each_image_what_it_gets_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double().eval()
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    images[0] *= 6  # a curved path for image 0: more steps than image 1 needs
+    explainer = explain.IntegratedGradients(model, steps=2, tolerance=1e-3, normalize=None)
+    together = explainer.explain(images, target=[0, 1])
+    steps = together.diagnostics["steps"].tolist()
+    assert steps[0] > steps[1]
+    for image in range(2):
+        alone = explainer.explain(images[image : image + 1], target=[0, 1][image])
+        assert alone.diagnostics["steps"].tolist() == [steps[image]]
+        torch.testing.assert_close(together.attributions[image], alone.attributions[0], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(together[image].raw_maps, alone.raw_maps)
+
+
+def test_gradient_shap_with_references_equal_to_the_image_names_the_empty_path():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match=r"\(0, 0\): the baseline equals the image"):
+        result = explain.GradientShap(model, baselines=x.clone(), samples=3).explain(x, target=1)
+    assert result.attributions.eq(0).all()
+
+
+def test_xrai_shows_one_bar_of_its_own_and_none_of_its_integrated_gradients(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 16 * 16, 3)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    explain.XRAI(model, steps=4, progress=True).explain(x, target=0)
+    shown = capsys.readouterr().err
+    assert "XRAI:" in shown and "/2 " in shown and "IntegratedGradients" not in shown
+    explain.XRAI(model, steps=200, batch_size=8, progress=False).explain(x, target=0)  # 50 passes: still quiet
+    assert capsys.readouterr().err == ""

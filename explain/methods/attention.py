@@ -4,13 +4,19 @@ Both read each block's attention probabilities A (N, heads, T, T) through
 ``explain.attention.capture_attention``, whatever computes them (fused
 ``scaled_dot_product_attention``, ``nn.MultiheadAttention``, eager softmax), roll them out
 across the blocks into a (T, T) relevance matrix R per image, and read one row of R over the
-patch tokens, laid out on the patch grid inferred from the token count and the input size
-(``explain.layouts``).
+patch tokens, laid out on the patch grid as the CAMs lay tokens out (``explain.layouts``: the
+class, distillation and register tokens and the patch grid as the model states them, else
+inferred from the token count and the input size).
 
-The row is the class token's (the first token) when the tokens start with class,
-distillation or register tokens; a model with patch tokens only (global average pooling)
-has no class token, and the row is then the mean of all rows of R (each token's share of
-the average the head reads). ``row="class"`` or ``"mean"`` chooses explicitly.
+The row is what the model's head reads: the class token's row when the head reads the class
+token; the mean of the patch tokens' rows when it averages the patch tokens (global average
+pooling: timm ``global_pool="avg"``, with or without register tokens, and models with patch
+tokens only), each patch token's share of that average. ``row="class"`` or ``"mean"``
+chooses explicitly.
+
+A ``torch.compile``'d model is explained through the module it wraps (``_orig_mod``, the same
+weights), since compiled code runs no call-scoped rule; a module compiled in place is refused
+(``explain.attention.eager_model``).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..attention import BlockSpec, capture_attention
-from ..layouts import token_grid
+from ..attention import BlockSpec, CapturedAttention, capture_attention
+from ..layouts import Layout, token_layout
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, ExplainerOptions, register
 
@@ -48,10 +54,13 @@ class AttentionExplainer(Explainer):
         modules computing it (a name such as ``"vision_model"`` for CLIP's image tower, a glob,
         a module or a module type; see ``explain.capture_attention``).
     start_block: the first block rolled out (an index among the recorded blocks; negative from
-        the end). row: "auto" (the class token's row when there is one, else the mean over
-        tokens), "class" or "mean". reshape: (h, w), the patch grid, when the guess from the
-        token count and the input's aspect ratio is wrong (the last h·w tokens are the patches).
-    Other keyword arguments: see ``Explainer``.
+        the end). row: "auto" (what the head reads: the class token's row, or for a head that
+        averages the patch tokens the mean of their rows), "class" or "mean" (over the patch
+        tokens' rows). reshape: (h, w), the patch grid, when the guess is wrong (the last h·w
+        tokens are the patches; the tokens before them must be the model's class, distillation
+        and register tokens, else a ValueError lists the grids that fit).
+    A ``torch.compile``'d model is run through the module it wraps (``model._orig_mod``), which
+    becomes ``self.model``. Other keyword arguments: see ``Explainer``.
     """
 
     needs_attention: ClassVar[bool] = True
@@ -68,13 +77,13 @@ class AttentionExplainer(Explainer):
         reshape: Optional[Sequence[int]] = None,
         **options: Unpack[ExplainerOptions],
     ):
-        super().__init__(model, **options)
+        super().__init__(model, **options)  # a torch.compile(model) is explained through the module it wraps
         if row not in ROWS:
             raise ValueError(f"row must be one of {ROWS}; got {row!r}.")
         self.blocks = blocks
         self.start_block = start_block
         self.row = row
-        self.reshape = None if reshape is None else tuple(int(size) for size in reshape)
+        self.reshape = reshape
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
@@ -82,12 +91,13 @@ class AttentionExplainer(Explainer):
             with capture_attention(self.model, self.blocks, detach=not self.uses_gradients) as attention:
                 output = self.call_model(batch)
             selected = select_targets(output, target, topk, batch_size=count)
-            probabilities = self._checked(attention.probabilities, count)
+            probabilities = self._checked(attention, count)
+            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
+                                  "the attention", whole_sequence=True)
             first = self._first_block(len(probabilities))
             relevance, zero_gradient, disconnected = self.relevance(probabilities[first:], selected)
         selected.scores = selected.scores.detach()
-        prefix, (height, width) = self._layout(relevance.shape[-1], batch.shape[-2:])
-        maps = self._token_row(relevance.detach(), prefix)[..., prefix:].reshape(count, -1, height, width)
+        maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
         return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
                            disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
 
@@ -103,13 +113,19 @@ class AttentionExplainer(Explainer):
                              "block(s).")
         return self.start_block % blocks
 
-    def _checked(self, probabilities: list[Tensor], count: int) -> list[Tensor]:
+    def _checked(self, attention: CapturedAttention, count: int) -> list[Tensor]:
         """The recorded probabilities, or an error saying why this model's attention cannot be rolled out."""
+        probabilities = attention.probabilities
         if not probabilities:
+            seen = [str(softmax) for softmax in attention.skipped]
+            if len(seen) > 3:
+                seen[3:] = [f"{len(seen) - 3} more"]
+            saw = f"It saw only {'; '.join(seen)}, which is not attention. " if seen else ""
             raise ValueError(
-                f"{type(self).__name__} found no attention in the model's forward pass (it looks for "
-                "F.scaled_dot_product_attention, nn.MultiheadAttention and softmax over the last dimension of "
-                "(N, heads, T, T) scores). Attention methods need a transformer; for other models use GradCAM."
+                f"{type(self).__name__} found no attention in the model's forward pass: it looks for "
+                "F.scaled_dot_product_attention, nn.MultiheadAttention, and a softmax over the last dimension of "
+                f"(N, heads, T, T) scores computed as a product of queries and keys, QKᵀ. {saw}Attention methods "
+                "need a transformer; for other models use GradCAM."
             )
         if any(p.shape[0] != count and p.shape[0] % count == 0 for p in probabilities):
             raise ValueError(
@@ -130,19 +146,15 @@ class AttentionExplainer(Explainer):
             )
         return probabilities
 
-    def _layout(self, tokens: int, input_size: Sequence[int]) -> tuple[int, tuple[int, int]]:
-        if self.reshape is not None:
-            height, width = self.reshape
-            if height * width > tokens:
-                raise ValueError(f"reshape={self.reshape} needs at least {height * width} tokens; the attention "
-                                 f"has {tokens}.")
-            return tokens - height * width, (height, width)
-        return token_grid(tokens, input_size)
-
-    def _token_row(self, relevance: Tensor, prefix: int) -> Tensor:
-        """(N, K, T, T) → (N, K, T): the class token's row, or the mean of the rows."""
-        use_class = self.row == "class" or (self.row == "auto" and prefix > 0)
-        return relevance[:, :, 0] if use_class else relevance.mean(dim=2)
+    def _token_row(self, relevance: Tensor, layout: Layout) -> Tensor:
+        """(N, K, T, T) → (N, K, T): the class token's row, or the mean of the patch tokens' rows."""
+        row = layout.readout if self.row == "auto" else self.row
+        if row == "class":
+            if not layout.class_token:
+                raise ValueError(f"row='class' needs a class token; this model has none ({layout.prefix} token(s) "
+                                 "before the patches, none a class token). Use row='mean' (or 'auto').")
+            return relevance[:, :, 0]
+        return relevance[:, :, layout.prefix :].mean(dim=2)
 
 
 @register
@@ -190,7 +202,7 @@ class AttentionRollout(AttentionExplainer):
 class GradientAttentionRollout(AttentionExplainer):
     """Gradient-weighted attention rollout (Chefer, Gur & Wolf 2021, "Generic attention-model
     explainability"): per block Ā = mean over heads of (∂y/∂A ⊙ A)⁺, and R ← R + Ā·R from R = I,
-    block after block; the map is the class token's row of R over the patch tokens.
+    block after block; the map is the row of R that the head reads (see ``row``) over the patch tokens.
 
     Class-specific: one backward pass per target (K targets per image), each giving every
     image of the batch its own gradient. Other options: see ``AttentionExplainer``.

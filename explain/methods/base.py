@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..capture import (
     ForwardArguments,
     check_hookable,
+    eager_model,
     is_out_of_memory,
     map_tensors,
     model_device,
@@ -62,6 +63,13 @@ PerImage = Collection[Union[int, str]]
 and names in ``forward_kwargs`` (str)."""
 
 
+def tensor_shapes(value: object) -> list[tuple[int, ...]]:
+    """The shapes of the tensors a (nested tuple / list / dict) argument holds."""
+    shapes: list[tuple[int, ...]] = []
+    map_tensors(value, lambda tensor: shapes.append(tuple(tensor.shape)))
+    return shapes
+
+
 @dataclass
 class ForwardCall:
     """The other arguments of a model's forward, for models with several inputs.
@@ -80,10 +88,28 @@ class ForwardCall:
     per_image: Optional[tuple[frozenset[int], frozenset[str]]] = None
 
     @classmethod
-    def stated(cls, args: tuple[Any, ...], kwargs: dict[str, Any], position: int | str, batch_size: int,
+    def stated(cls, args: object, kwargs: object, position: object, batch_size: int,
                per_image: Optional[PerImage]) -> "ForwardCall":
-        """The call as ``explain`` receives it, with ``per_image`` checked against the arguments given."""
-        call = cls(args, kwargs, position, batch_size)
+        """The call as ``explain`` receives it, each part checked: ``args`` a tuple or list, ``kwargs`` a
+        dict, ``position`` where the batch goes among the positional arguments (0 … len(args); −1 is the
+        last place) or a keyword that ``kwargs`` does not hold, ``per_image`` naming arguments given."""
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"forward_args must be a tuple or list of the model's other positional inputs (e.g. "
+                            f"forward_args=(text,)); got {type(args).__name__}.")
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"forward_kwargs must be a dict of the model's other keyword inputs; got "
+                            f"{type(kwargs).__name__}.")
+        if isinstance(position, str):
+            if position in kwargs:
+                raise ValueError(f"input_position={position!r} names the keyword where the images go, and "
+                                 f"forward_kwargs holds {position!r} too: leave it out of forward_kwargs.")
+        elif isinstance(position, int) and not isinstance(position, bool) and -len(args) - 1 <= position <= len(args):
+            position = position if position >= 0 else position + len(args) + 1
+        else:
+            raise ValueError(f"input_position must be a keyword name or the images' place among the model's "
+                             f"{len(args) + 1} positional inputs, 0 to {len(args)} (or −1 for the last); got "
+                             f"{position!r}.")
+        call = cls(tuple(args), dict(kwargs), position, batch_size)
         if per_image is None:
             return call
         if isinstance(per_image, (str, int)):
@@ -101,12 +127,13 @@ class ForwardCall:
         positions = [index % len(args) for index in positions]
         for where, value in [*((f"forward_args[{i}]", args[i]) for i in positions),
                              *((f"forward_kwargs[{n!r}]", kwargs[n]) for n in names)]:
-            if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != batch_size:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"per_image says {where} holds one row per image, but it is {shape} for "
+            shapes = tensor_shapes(value)
+            if not shapes or any(not shape or shape[0] != batch_size for shape in shapes):
+                shown = shapes[0] if isinstance(value, Tensor) else f"{type(value).__name__} of tensors {shapes}"
+                raise ValueError(f"per_image says {where} holds one row per image, but it is {shown} for "
                                  f"{batch_size} image{'s' if batch_size != 1 else ''}: a per-image tensor's first "
-                                 "dimension is the number of images. Leave it out of per_image if every image "
-                                 "shares it.")
+                                 "dimension (of every tensor, in a list or dict) is the number of images. Leave it "
+                                 "out of per_image if every image shares it.")
         call.per_image = frozenset(positions), frozenset(names)
         return call
 
@@ -143,14 +170,15 @@ class ForwardCall:
         return frozenset(), frozenset()
 
     def _has_image_rows(self, value: object) -> bool:
-        return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.batch_size
+        """Whether the argument is, or holds, a tensor of N rows (which could be one row per image)."""
+        return any(shape and shape[0] == self.batch_size for shape in tensor_shapes(value))
 
     def for_rows(self, rows: Tensor) -> "ForwardCall":
         """The same call for a batch whose row r is a copy of image ``rows[r]``."""
         positions, names = self.per_image_arguments()
 
-        def select(value: Tensor) -> Tensor:
-            return value[rows.to(value.device)]
+        def select(value: Any) -> Any:
+            return map_tensors(value, lambda tensor: tensor[rows.to(tensor.device)])
 
         args = tuple(select(value) if index in positions else value for index, value in enumerate(self.args))
         kwargs = {name: select(value) if name in names else value for name, value in self.kwargs.items()}
@@ -365,18 +393,21 @@ def reduced_precision(model: nn.Module, batch: Tensor) -> Optional[str]:
     autocast = autocast_dtype(batch.device.type)
     if autocast in REDUCED_PRECISIONS:
         return f"{REDUCED_PRECISIONS[autocast]} (torch.autocast)"
-    for dtype, where in ((model_dtype(model), "the model's dtype"), (batch.dtype, "the input's dtype")):
-        if dtype in REDUCED_PRECISIONS:
-            return f"{REDUCED_PRECISIONS[dtype]} ({where})"
+    for parameter in model.parameters():
+        if parameter.dtype in REDUCED_PRECISIONS:
+            return f"{REDUCED_PRECISIONS[parameter.dtype]} (the model's dtype)"
+    if batch.dtype in REDUCED_PRECISIONS:
+        return f"{REDUCED_PRECISIONS[batch.dtype]} (the input's dtype)"
     return None
 
 
-def warn_about_precision(attribution: "Attribution", precision: Optional[str], method: str) -> None:
-    """One RuntimeWarning when maps made of per-pixel gradients (attributions at the input or at a layer's
-    units) were computed in reduced precision: those gradients carry its rounding, which no sum in
-    float32 can take back (CAMs average gradients over a layer and change by ≤ 0.02: no warning)."""
-    if precision is None or attribution.attributions is None:
+def warn_about_precision(explainer: "Explainer", precision: Optional[str]) -> None:
+    """One RuntimeWarning when a method whose maps are made of per-pixel gradients
+    (``reads_pixel_gradients``) ran in reduced precision: those gradients carry its rounding, which no sum
+    in float32 can take back (CAMs average gradients over a layer and change by ≤ 0.02: no warning)."""
+    if precision is None or not explainer.reads_pixel_gradients():
         return
+    method = explainer.method_name
     warnings.warn(
         f"{method} ran in {precision}: the model's forward and backward passes round to "
         f"{8 if precision.startswith('bfloat16') else 11} significant bits, so per-pixel gradients, and maps "
@@ -534,6 +565,7 @@ class Explainer(ABC):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
         check_hookable(model)
+        model = eager_model(model, type(self).__name__)  # torch.compile(model): the module it wraps
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         self.model = model
@@ -634,6 +666,11 @@ class Explainer(ABC):
     def method_name(self) -> str:
         return type(self).__name__
 
+    def reads_pixel_gradients(self) -> bool:
+        """Whether the maps are made of per-pixel (or per-unit) gradients, which a model computing in
+        reduced precision changes materially (see ``warn_about_precision``); CAMs average theirs."""
+        return False
+
     def explain(
         self,
         inputs: Inputs,
@@ -668,10 +705,16 @@ class Explainer(ABC):
                 scope.enter(torch.inference_mode(False))
             check_parameters_usable(self.model)
             prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
-            if forward_args or forward_kwargs or input_position != 0 or per_image:
-                self.forward_call = ForwardCall.stated(tuple(forward_args), dict(forward_kwargs or {}), input_position,
+            outer_call = self.forward_call  # this explainer's call in progress, when it is called inside it
+            scope.add_undo(lambda: setattr(self, "forward_call", outer_call))
+            plain_call = (isinstance(forward_args, (tuple, list)) and len(forward_args) == 0
+                          and (forward_kwargs is None or (isinstance(forward_kwargs, dict) and not forward_kwargs))
+                          and isinstance(input_position, int) and input_position == 0 and not per_image)
+            if not plain_call:
+                self.forward_call = ForwardCall.stated(forward_args, forward_kwargs or {}, input_position,
                                                        prepared.batch.shape[0], per_image)
-                scope.add_undo(self._forget_forward_call)
+            else:
+                self.forward_call = None
             scope.eval_mode(self.model)
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
@@ -688,7 +731,7 @@ class Explainer(ABC):
             raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
             check_finite_maps(raw, self.method_name)
             warn_about_empty_maps(raw, attribution, self.method_name)
-            warn_about_precision(attribution, reduced_precision(self.model, prepared.batch), self.method_name)
+            warn_about_precision(self, reduced_precision(self.model, prepared.batch))
             selected = attribution.selected
             return Explanation(
                 map_grid=normalize_maps(raw, self.normalize),
@@ -706,9 +749,6 @@ class Explainer(ABC):
                 diagnostics=attribution.diagnostics,
                 class_names=self.class_names,
             )
-
-    def _forget_forward_call(self) -> None:
-        self.forward_call = None
 
     @abstractmethod
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:

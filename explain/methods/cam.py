@@ -188,7 +188,7 @@ class CAM(Explainer):
         if smooth == "eigen" and type(self).layer_maps is not CAM.layer_maps and not self.layer_maps_reduce_channels:
             raise ValueError(f"{type(self).__name__} sums its channels itself, so smooth='eigen' does not apply to it "
                              "yet; use smooth='augment' or None.")
-        self.layers = None if layer is None else find_layers(model, layer)
+        self.layers = None if layer is None else find_layers(self.model, layer)
         self.relu = relu
         self.combine = combine
         self.normalize_layers = normalize_layers
@@ -245,7 +245,7 @@ class CAM(Explainer):
                 output = self.call_model(batch)
             activations = capture.activations()
             check_batch_dimension(self.layer_names, activations, batch.shape[0])
-            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module)
+            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=self.model)
                             for (name, module), activation in zip(self.layers, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
             self.zero_gradient = None

@@ -157,8 +157,9 @@ class GradientShap(GradientExplainer):
         image_of_row = torch.arange(count, device=batch.device).repeat_interleave(per_image)
         total = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
+        empty_path = torch.ones(count, dtype=torch.bool, device=batch.device)  # every draw's reference = its input
 
-        def path_terms(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the expectation, float64
+        def path_terms(rows: slice) -> tuple[Tensor, Tensor, Tensor]:  # the rows' terms of the expectation, float64
             images = image_of_row[rows]
             references = baselines[samples.baseline_index[rows]]
             noisy = batch[images] + samples.noise[rows]
@@ -167,18 +168,21 @@ class GradientShap(GradientExplainer):
             gradients, unreachable = self.copies_gradients(points, selected, images)
             if self.multiply_by_inputs:
                 gradients = (noisy - references)[:, None] * gradients
-            return gradients.double(), unreachable
+            return gradients.double(), unreachable, (noisy - references).flatten(1).eq(0).all(dim=1)
 
-        for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          path_terms):
+        for rows, (terms, unreachable, empty) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
+                                                                 path_terms):
             total.index_add_(0, image_of_row[rows], terms)
             disconnected[image_of_row[rows]] &= unreachable
+            empty_path[image_of_row[rows]] &= empty
         attributions = (total / per_image).to(batch.dtype)
         self.disconnected = disconnected
         if not self.check_completeness:
-            return self.attribution_from(attributions, selected, zero_gradient=all_zero(total))
+            return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
+                                         baseline_is_input=empty_path)
         baseline_scores = self.reference_scores(baselines, image_of_row, samples.baseline_index, selected)
         score_change = selected.scores.detach().double() - baseline_scores / per_image
         completeness_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
-                                     completeness_error=completeness_error.float(), score_change=score_change.float())
+                                     baseline_is_input=empty_path, completeness_error=completeness_error.float(),
+                                     score_change=score_change.float())

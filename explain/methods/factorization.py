@@ -29,6 +29,7 @@ from ..capture import (
     LayerSpec,
     capture,
     check_hookable,
+    eager_model,
     find_layers,
     model_device,
     model_dtype,
@@ -199,6 +200,7 @@ class DeepFeatureFactorization:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
         check_hookable(model)
+        model = eager_model(model, type(self).__name__)  # torch.compile(model): the module it wraps
         found = find_layers(model, layer)
         if len(found) != 1:
             raise ValueError(f"deep feature factorisation needs one layer; {layer!r} selects {len(found)}.")
@@ -227,7 +229,8 @@ class DeepFeatureFactorization:
             if not isinstance(output, Tensor):
                 raise LayerOutputError(f"layer {self.layer_name!r} returned a {type(output).__name__}, not a tensor; "
                                        "deep feature factorisation needs a layer whose output is a tensor.")
-            layout = infer_layout(output, prepared.batch.shape[-2:], self.reshape, self.layer_name, self.module)
+            layout = infer_layout(output, prepared.batch.shape[-2:], self.reshape, self.layer_name, self.module,
+                                  model=self.model)
             activations = layout.apply(output).double()  # (N, C, h, w)
             if activations.min() < 0:
                 raise ValueError(

@@ -80,6 +80,9 @@ class FullGrad(Explainer):
     name = "fullgrad"
     summary = "FullGrad: |input × gradient| plus every conv/BatchNorm bias × its output gradient"
 
+    def reads_pixel_gradients(self) -> bool:
+        return True
+
     def __init__(self, model: nn.Module, *, smooth: Optional[str] = None, **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if smooth not in (None, "augment"):

@@ -87,6 +87,9 @@ class GradientExplainer(Explainer):
     disconnected: PerThread[Tensor] = PerThread()
     """During a call: (N, K) bool, where the score does not depend on the input at all."""
 
+    def reads_pixel_gradients(self) -> bool:
+        return True
+
     def __init__(self, model: nn.Module, *, reduce: str = "maxabs", **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if reduce not in REDUCTIONS:
@@ -231,15 +234,16 @@ class IntegratedGradients(GradientExplainer):
     steps: integration points (≥ 1).
     rule: "midpoint" (default; chosen by measurement, see benchmarks/ig_rules.py), "left",
         "right", "trapezoid" or "gausslegendre".
-    tolerance: None, or a relative completeness error to reach: the steps are doubled (up to
-        ``max_steps``) until every |Σ attributions − (y(x) − y(x'))| ≤ tolerance · |y(x) − y(x')|.
+    tolerance: None, or a relative completeness error to reach: each image's steps are doubled (up to
+        ``max_steps``) until its |Σ attributions − (y(x) − y(x'))| ≤ tolerance · |y(x) − y(x')| for every
+        target, so an image's attributions are those it gets explained alone.
     multiply_by_inputs: True (default) gives (x − x') ⊙ the integral (complete attributions);
         False the path-integrated gradient itself.
     batch_size: interpolated inputs per forward/backward pass (bounds memory);
         None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
         ``ROWS_PER_PASS``).
     ``Explanation.diagnostics``: "completeness_error" (N, K) Σ attributions − (y(x) − y(x')),
-    "score_change" (N, K) y(x) − y(x'), "steps" the number of steps used.
+    "score_change" (N, K) y(x) − y(x'), "steps" (N,) the number of steps each image used.
     """
 
     name = "integratedgradients"
@@ -282,31 +286,43 @@ class IntegratedGradients(GradientExplainer):
             baseline_output = self.call_model(baseline)
             baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))
         score_change = selected.scores.detach().double() - baseline_scores.double()
-        steps = self.steps
-        while True:
-            integral, disconnected = self.path_integral(batch, baseline, selected, steps)
-            completeness_error = ((batch - baseline)[:, None].double() * integral).sum(dim=(2, 3, 4)) - score_change
-            relative = completeness_error.abs() / score_change.abs().clamp_min(1e-12)
-            if self.tolerance is None or bool((relative <= self.tolerance).all()) or 2 * steps > self.max_steps:
-                break
-            steps *= 2
         difference = (batch - baseline)[:, None].double()
+        integral, disconnected = self.path_integral(batch, baseline, selected, self.steps)
+        steps = torch.full((count,), self.steps, dtype=torch.long)
+        while self.tolerance is not None:  # each image's steps doubled until it alone is complete enough
+            completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
+            relative = completeness_error.abs() / score_change.abs().clamp_min(1e-12)
+            unfinished = (relative > self.tolerance).any(dim=1).cpu() & (2 * steps <= self.max_steps)
+            if not bool(unfinished.any()):
+                break
+            images = unfinished.nonzero()[:, 0]
+            for doubled in torch.unique(2 * steps[images]).tolist():  # images at the same steps: one pass
+                these = images[2 * steps[images] == doubled]
+                on_device = these.to(batch.device)
+                integral[on_device], disconnected[on_device] = self.path_integral(batch, baseline, selected, doubled,
+                                                                                   on_device)
+                steps[these] = doubled
+        completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
         attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
         self.disconnected = disconnected
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
                                      baseline_is_input=difference.flatten(1).eq(0).all(dim=1),
                                      completeness_error=completeness_error.float(), score_change=score_change.float(),
-                                     steps=torch.tensor(steps))
+                                     steps=steps.to(batch.device))
 
-    def path_integral(self, batch: Tensor, baseline: Tensor, selected: SelectedTargets,
-                      steps: int) -> tuple[Tensor, Tensor]:
-        """∫₀¹ ∂y/∂x(x' + α(x − x')) dα by the rule with ``steps`` points: ((N, K, C, H, W) float64,
-        (N, K) bool where the score does not depend on the input at any point)."""
-        count = batch.shape[0]
+    def path_integral(self, batch: Tensor, baseline: Tensor, selected: SelectedTargets, steps: int,
+                      images: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """∫₀¹ ∂y/∂x(x' + α(x − x')) dα by the rule with ``steps`` points, for the ``images`` given (indices
+        into the batch; default all): ((len(images), K, C, H, W) float64, (len(images), K) bool where the
+        score does not depend on the input at any point)."""
+        if images is None:
+            images = torch.arange(batch.shape[0], device=batch.device)
+        count = len(images)
         nodes, node_weights = integration_nodes(steps, self.rule)
         alphas = torch.as_tensor(nodes, dtype=batch.dtype, device=batch.device)
         weights = torch.as_tensor(node_weights, dtype=torch.float64, device=batch.device)
-        image_of_row = torch.arange(count, device=batch.device).repeat_interleave(steps)
+        position_of_row = torch.arange(count, device=batch.device).repeat_interleave(steps)
+        image_of_row = images[position_of_row]
         step_of_row = torch.arange(steps, device=batch.device).repeat(count)
         integral = torch.zeros(count, selected.scores.shape[1], *batch.shape[1:], dtype=torch.float64,
                                device=batch.device)
@@ -321,6 +337,6 @@ class IntegratedGradients(GradientExplainer):
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
                                                           weighted_gradients):
-            integral.index_add_(0, image_of_row[rows], terms)
-            disconnected[image_of_row[rows]] &= unreachable
+            integral.index_add_(0, position_of_row[rows], terms)
+            disconnected[position_of_row[rows]] &= unreachable
         return integral, disconnected

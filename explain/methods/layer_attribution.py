@@ -158,6 +158,9 @@ class LayerPathExplainer(Explainer):
 
     needs_layer = True
 
+    def reads_pixel_gradients(self) -> bool:
+        return True
+
     def __init__(
         self,
         model: nn.Module,
@@ -243,7 +246,7 @@ class LayerPathExplainer(Explainer):
         output, end = self.layer_output(batch)
         selected = select_targets(output, target, topk, batch_size=count)
         check_batch_dimension([name], [end], count)
-        layout = infer_layout(end, batch.shape[-2:], self.reshape, name, module)
+        layout = infer_layout(end, batch.shape[-2:], self.reshape, name, module, model=self.model)
         baseline_output, start = self.layer_output(baseline)
         with torch.no_grad():
             baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))

@@ -69,16 +69,17 @@ class SmoothGrad(Explainer):
         shared: ExplainerOptions = options  # without "reduce", the wrapped method's own option
         super().__init__(explainer.model, **shared)
         checked_batch_size(batch_size)
-        int_option("samples", samples, 1)
-        number_option("noise", noise)
-        if noise_std is not None:
-            number_option("noise_std", noise_std)
-        seed_option(seed)
+        samples, noise = int_option("samples", samples, 1), number_option("noise", noise)
+        noise_std = None if noise_std is None else number_option("noise_std", noise_std)
+        seed = seed_option(seed)
         if average not in (None, *AVERAGES):
             raise ValueError(f"average must be one of {AVERAGES}; got {average!r}.")
         self.explainer = explainer
         self.samples, self.noise, self.noise_std, self.seed = samples, noise, noise_std, seed
         self.batch_size, self.average = batch_size, average
+
+    def reads_pixel_gradients(self) -> bool:
+        return self.explainer.reads_pixel_gradients()
 
     @property
     def method_name(self) -> str:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, checked_batch_size, register, upsample_maps
+from .base import Attribution, Explainer, checked_batch_size, register, rows_per_pass, upsample_maps
 from .gradients import REDUCTIONS, IntegratedGradients, baseline_like, reduce_channels
 from .options import check_finite_reference, int_option, number_option
 
@@ -263,6 +263,9 @@ class XRAI(Explainer):
     name = "xrai"
     summary = "XRAI: regions of an over-segmentation ranked by integrated-gradients density"
 
+    def reads_pixel_gradients(self) -> bool:
+        return True
+
     def __init__(
         self,
         explainer: Union[Explainer, nn.Module],
@@ -336,25 +339,32 @@ class XRAI(Explainer):
                 explainer.rows_that_fit = self.rows_that_fit
         collected: list[Tensor] = []
         flags: dict = {"zero_gradient": None, "disconnected": None, "layer": None}
-        for explainer in explainers:
-            explainer.forward_call = self.forward_call
-            try:
-                inner = explainer.attribute(batch, target, None)
-            finally:
-                explainer.forward_call = None
-            if inner.attributions is not None:
-                values = inner.attributions.detach().double()
-            else:  # CAM methods: one map per target, at the layer's resolution
-                values = upsample_maps(inner.maps.detach(), batch.shape[-2:]).double()[:, :, None]
-            collected.append(values)
-            for key in ("zero_gradient", "disconnected"):
-                value = getattr(inner, key)
-                if value is not None:
-                    flags[key] = value if flags[key] is None else flags[key] & value
-            flags["layer"] = inner.layer
+        passes = len(explainers) * -(-self.steps * batch.shape[0] // rows_per_pass(self.batch_size, batch.device))
+        with self.progress_bar(passes, len(explainers), "baseline") as bar:  # the inner methods show none
+            for explainer in explainers:
+                explainer.forward_call = self.forward_call
+                try:
+                    inner = explainer.attribute(batch, target, None)
+                finally:
+                    explainer.forward_call = None
+                bar.update()
+                collected.append(self.channel_values(inner, batch))
+                for key in ("zero_gradient", "disconnected"):
+                    value = getattr(inner, key)
+                    if value is not None:
+                        flags[key] = value if flags[key] is None else flags[key] & value
+                flags["layer"] = inner.layer
         mean = torch.stack(collected).mean(dim=0)
         reduced = mean.amax(dim=2) if self.reduce == "max" else reduce_channels(mean, self.reduce)
         return reduced, flags
+
+    @staticmethod
+    def channel_values(inner: Attribution, batch: Tensor) -> Tensor:
+        """(N, K, C, H, W) float64 per-channel attributions at the input's size of an inner method's result
+        (C = 1 for a CAM's maps)."""
+        if inner.attributions is not None:
+            return inner.attributions.detach().double()
+        return upsample_maps(inner.maps.detach(), batch.shape[-2:]).double()[:, :, None]  # one map per target
 
     def single_region_cause(self, masks: Tensor) -> str:
         """Why ``rank_regions`` found one region only in these (M, H, W) candidates, and what to do."""

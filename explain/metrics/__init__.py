@@ -14,6 +14,7 @@
 | cascading_randomization (per stage) | [-1, 1] | lower after randomisation (the map follows the model) |
 """
 
+from ._common import boxes_to_masks
 from .faithfulness import (
     ConfidenceChange,
     Curve,
@@ -28,6 +29,7 @@ from .localization import energy_pointing_game, pointing_game, relevance_mass_ac
 from .sanity import RandomizationStage, cascading_randomization, spearman, ssim
 
 __all__ = [
+    "boxes_to_masks",
     "ConfidenceChange",
     "Curve",
     "RandomizationStage",

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ..capture import model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
-from ..targets import Target, select_targets
+from ..targets import OutputSelector, Target, select_output, select_targets
 
 MapsLike = Union[Explanation, Tensor]
 """Maps to evaluate: an Explanation (one target per image) or a (N, H, W) / (H, W) tensor."""
@@ -119,7 +119,11 @@ def as_masks(masks_or_boxes: Tensor, size: Sequence[int], count: int) -> Tensor:
     masks than maps, masks of another size, NaN or inf, an empty mask or box, a box outside the
     maps or not in whole pixel coordinates."""
     region = as_tensor(masks_or_boxes, "masks_or_boxes must be (N, H, W) masks or (N, 4) boxes")
-    if region.dim() == 2 and region.shape[1] == 4 and tuple(region.shape) != tuple(size):
+    if region.dim() == 2 and region.shape[1] == 4:
+        if tuple(region.shape) == tuple(size):
+            raise ValueError(f"masks_or_boxes of shape {tuple(region.shape)} could be boxes or one mask of the "
+                             f"{size[0]}×{size[1]} maps: pass masks as (N, H, W) (mask[None] for one), or boxes "
+                             "as the masks they cover: explain.metrics.boxes_to_masks(boxes, maps_size).")
         check_count(region.shape[0], "boxes", count, "maps")
         return boxes_to_masks(region, size)
     if region.dim() == 2:
@@ -145,12 +149,14 @@ def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -
     return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model)).batch
 
 
-def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target) -> Tensor:
-    """(N,) classes to score: the explanation's, else ``target``, else each image's top class."""
+def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target, output: OutputSelector = None
+                  ) -> Tensor:
+    """(N,) classes to score: the explanation's, else ``target``, else each image's top class; ``output``
+    picks the scores in the model's output (``select_output``)."""
     if isinstance(maps, Explanation) and target is None and maps.class_indices is not None:
         return maps.class_indices[:, 0].to(batch.device)
     with torch.no_grad(), preserved_model_state(model):
-        selected = select_targets(model(batch), target, None, batch_size=batch.shape[0])
+        selected = select_targets(select_output(model(batch), output), target, None, batch_size=batch.shape[0])
     if selected.class_indices is None:
         raise ValueError("faithfulness metrics score classes: give class targets, not a callable.")
     if selected.class_indices.shape[1] != 1:
@@ -158,14 +164,16 @@ def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Targe
     return selected.class_indices[:, 0]
 
 
-def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, batch_size: int) -> Tensor:
-    """(R,) score of ``classes[r]`` on row r of ``batch``: softmax "probability" or "logit"."""
+def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, batch_size: int,
+                 output_selector: OutputSelector = None) -> Tensor:
+    """(R,) score of ``classes[r]`` on row r of ``batch``: softmax "probability" or "logit" of the scores
+    ``output_selector`` picks in the model's output (``select_output``)."""
     if score not in ("probability", "logit"):
         raise ValueError(f"score must be 'probability' or 'logit'; got {score!r}.")
     results: list[Tensor] = []
     with torch.no_grad(), preserved_model_state(model):
         for start in range(0, batch.shape[0], batch_size):
-            output = model(batch[start : start + batch_size]).float()
+            output = select_output(model(batch[start : start + batch_size]), output_selector).float()
             if score == "probability":
                 output = output.softmax(dim=1)
             results.append(output.gather(1, classes[start : start + batch_size, None].to(output.device))[:, 0])

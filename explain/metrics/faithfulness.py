@@ -4,7 +4,9 @@ Inputs are anything ``explain()`` accepts (made into model input by ``preprocess
 default ImageNet normalisation) or a model-ready (N, C, H, W) tensor; maps are
 an Explanation or (N, H, W) tensor, one per image, resized to the input. Pixels are
 removed or imputed in model-input space. The class scored is the explanation's, else
-``target``, else each image's top class. Refused with a ValueError that says what was
+``target``, else each image's top class; ``output=`` picks the scores in a model output that is not a
+plain tensor (a HuggingFace ``ImageClassifierOutput``: automatic; a key, an index or a callable, as the
+explainers take it). Refused with a ValueError that says what was
 wrong: maps with NaN or inf (named), another number of maps than images (none is
 ignored), and every option outside what it takes (named, with its value).
 """
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from ..blur import reflect_blur
 from ..inputs import Inputs, PreprocessSpec
 from ..methods.options import int_option, number_option
-from ..targets import Target
+from ..targets import OutputSelector, Target
 from ._common import MapsLike, as_maps, check_count, class_scores, fixed_classes, model_inputs, ranking, short_repr
 
 Substrate = Union[str, Tensor, Callable[[Tensor], Tensor]]
@@ -88,13 +90,13 @@ def check_score_options(score: object, batch_size: object) -> None:
     int_option("batch_size", batch_size, 1)
 
 
-def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess: PreprocessSpec
-              ) -> tuple[Tensor, Tensor, Tensor]:
+def _prepared(model: nn.Module, inputs: Inputs, maps: MapsLike, target: Target, preprocess: PreprocessSpec,
+              output: OutputSelector) -> tuple[Tensor, Tensor, Tensor]:
     """(model batch (N, C, H, W), maps resized to it (N, H, W), classes to score (N,)); one map per image."""
     batch = model_inputs(model, inputs, preprocess)
     heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
     check_count(heat.shape[0], "maps", batch.shape[0], "images")
-    return batch, heat, fixed_classes(model, batch, maps, target)
+    return batch, heat, fixed_classes(model, batch, maps, target, output)
 
 
 def _area(fractions: Tensor, curves: Tensor) -> Tensor:
@@ -104,7 +106,7 @@ def _area(fractions: Tensor, curves: Tensor) -> Tensor:
 
 def _perturbation_curve(
     model: nn.Module, batch: Tensor, heat: Tensor, classes: Tensor, steps: int, start_from_substrate: bool,
-    substrate: Substrate, score: str, batch_size: int,
+    substrate: Substrate, score: str, batch_size: int, output: OutputSelector,
 ) -> Curve:
     count, _, height, width = batch.shape
     pixels = height * width
@@ -118,7 +120,7 @@ def _perturbation_curve(
             images = torch.where(changed, batch[image][None], fill[image][None])
         else:  # deletion: the relevant pixels are replaced by the substrate
             images = torch.where(changed, fill[image][None], batch[image][None])
-        curves.append(class_scores(model, images, classes[image].repeat(steps + 1), score, batch_size).cpu())
+        curves.append(class_scores(model, images, classes[image].repeat(steps + 1), score, batch_size, output).cpu())
     fractions = (counts / pixels).cpu()
     curves_tensor = torch.stack(curves)
     return Curve(fractions=fractions, curves=curves_tensor, area=_area(fractions, curves_tensor))
@@ -135,14 +137,15 @@ def deletion(
     score: str = "probability",
     batch_size: int = 64,
     preprocess: PreprocessSpec = None,
+    output: OutputSelector = None,
 ) -> Curve:
     """Deletion (Petsiuk et al. 2018): the score as the most relevant pixels are replaced by the
     substrate, in ``steps`` equal steps. Area in [0, 1] for probabilities; lower is better."""
     int_option("steps", steps, 1)
     check_substrate(substrate)
     check_score_options(score, batch_size)
-    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
-    return _perturbation_curve(model, batch, heat, classes, steps, False, substrate, score, batch_size)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
+    return _perturbation_curve(model, batch, heat, classes, steps, False, substrate, score, batch_size, output)
 
 
 def insertion(
@@ -156,6 +159,7 @@ def insertion(
     score: str = "probability",
     batch_size: int = 64,
     preprocess: PreprocessSpec = None,
+    output: OutputSelector = None,
 ) -> Curve:
     """Insertion (Petsiuk et al. 2018): the score as the most relevant pixels are put back into
     the substrate (a blurred image by default, any image size). Area in [0, 1] for probabilities;
@@ -163,8 +167,8 @@ def insertion(
     int_option("steps", steps, 1)
     check_substrate(substrate)
     check_score_options(score, batch_size)
-    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
-    return _perturbation_curve(model, batch, heat, classes, steps, True, substrate, score, batch_size)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
+    return _perturbation_curve(model, batch, heat, classes, steps, True, substrate, score, batch_size, output)
 
 
 # ------------------------------------------------------------------ ROAD
@@ -243,6 +247,7 @@ def road(
     score: str = "probability",
     batch_size: int = 64,
     preprocess: PreprocessSpec = None,
+    output: OutputSelector = None,
 ) -> Curve:
     """ROAD, RemOve And Debias (Rong et al. 2022): the score after removing a share of the pixels,
     "morf" most relevant first (lower area is better) or "lerf" least relevant first (higher is
@@ -255,13 +260,13 @@ def road(
         raise ValueError(f"percentages must be one or more shares in [0, 1]; got {short_repr(percentages)}.")
     number_option("noise", noise)
     check_score_options(score, batch_size)
-    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
     ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
     pixels = heat.shape[-1] * heat.shape[-2]
     curves: list[Tensor] = []
     for share in percentages:
         imputed = noisy_linear_imputation(batch, ranks < round(share * pixels), noise=noise)
-        curves.append(class_scores(model, imputed, classes, score, batch_size).cpu())
+        curves.append(class_scores(model, imputed, classes, score, batch_size, output).cpu())
     curves_tensor = torch.stack(curves, dim=1)
     return Curve(fractions=torch.tensor(list(percentages)), curves=curves_tensor, area=curves_tensor.mean(dim=1))
 
@@ -287,13 +292,14 @@ def confidence_change(
     *,
     batch_size: int = 64,
     preprocess: PreprocessSpec = None,
+    output: OutputSelector = None,
 ) -> ConfidenceChange:
     """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
     what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""
     check_score_options("probability", batch_size)
-    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess)
+    batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
     heat = heat.clamp(0, 1)
-    original = class_scores(model, batch, classes, "probability", batch_size)
-    masked = class_scores(model, batch * heat[:, None].to(batch.dtype), classes, "probability", batch_size)
+    original = class_scores(model, batch, classes, "probability", batch_size, output)
+    masked = class_scores(model, batch * heat[:, None].to(batch.dtype), classes, "probability", batch_size, output)
     drop = (original - masked).clamp_min(0) / original.clamp_min(1e-12)
     return ConfidenceChange(drop=drop.cpu(), increase=(masked > original).float().cpu())

@@ -11,6 +11,8 @@ fractional ones (scale or round it to pixels: coordinates are never guessed).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,7 +30,8 @@ def pointing_game(maps: MapsLike, masks_or_boxes: Tensor, tolerance: float = 0.0
     heat = as_maps(maps)
     region = as_masks(masks_or_boxes, heat.shape[-2:], heat.shape[0]).to(heat.device)
     tolerance = number_option("tolerance", tolerance)
-    if tolerance > 0:
+    if tolerance > 0:  # no point of the map is farther than its diagonal: a larger radius adds nothing
+        tolerance = min(tolerance, math.hypot(*heat.shape[-2:]))
         radius = int(tolerance)
         offsets = torch.arange(-radius, radius + 1, device=heat.device, dtype=torch.float32)
         disk = ((offsets[:, None] ** 2 + offsets[None, :] ** 2) <= tolerance**2).float()

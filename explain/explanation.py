@@ -146,6 +146,8 @@ class Explanation:
             if len(selected) != count:
                 raise IndexError(f"a bool mask selects from {count} images; it has {len(selected)} entries.")
             return selected.nonzero()[:, 0].cpu()
+        if selected.numel() == 0:  # e[[]]: no image (as a list gives a float tensor)
+            return torch.zeros(0, dtype=torch.long)
         if selected.is_floating_point() or selected.is_complex():
             raise TypeError(f"image indices must be integers; got {selected.dtype}.")
         out_of_range = (selected < -count) | (selected >= count)

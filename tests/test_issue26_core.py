@@ -525,3 +525,20 @@ def test_xrai_shows_one_bar_of_its_own_and_none_of_its_integrated_gradients(caps
     assert "XRAI:" in shown and "/2 " in shown and "IntegratedGradients" not in shown
     explain.XRAI(model, steps=200, batch_size=8, progress=False).explain(x, target=0)  # 50 passes: still quiet
     assert capsys.readouterr().err == ""
+
+
+def test_small_things_the_attack_found():
+    import explain.metrics as metrics
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 8 * 8, 3)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    result = explain.Saliency(model).explain(x, target=[0, 1])
+    assert len(result[[]]) == 0 and result[[]].maps.shape == (0, 8, 8)
+    generated = metrics.road(model, x, result, percentages=(share for share in (0.2, 0.5)), noise=0.0)
+    listed = metrics.road(model, x, result, percentages=[0.2, 0.5], noise=0.0)
+    torch.testing.assert_close(generated.curves, listed.curves)
+    with pytest.raises(ValueError, match=r"percentages must be a sequence of shares"):
+        metrics.road(model, x, result, percentages="0.5")
+    with pytest.raises(TypeError, match=r"class_names must be a list of names.*got str"):
+        explain.Saliency(model, class_names="cat dog bird")

@@ -571,6 +571,9 @@ class Explainer(ABC):
         self.model = model
         self.preprocess = as_preprocess(preprocess)
         self.normalize = normalize
+        if isinstance(class_names, str) or not (class_names is None or isinstance(class_names, Sequence)):
+            raise TypeError(f"class_names must be a list of names, one per class (index i: class i's name); got "
+                            f"{type(class_names).__name__}.")
         self.class_names = class_names if class_names is not None else model_class_names(model)
         self.output = output
         if progress not in (None, True, False):

@@ -14,7 +14,7 @@ ignored), and every option outside what it takes (named, with its value).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Iterable, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -255,8 +255,10 @@ def road(
     does not leak class information. ``area`` is the mean score over the percentages."""
     if not isinstance(order, str) or order not in ("morf", "lerf"):
         raise ValueError(f"order must be 'morf' or 'lerf'; got {short_repr(order)}.")
-    shares = [number_option("each of percentages", share) for share in percentages]
-    if not shares or max(shares) > 1:
+    if isinstance(percentages, (str, bytes)) or not isinstance(percentages, Iterable):
+        raise ValueError(f"percentages must be a sequence of shares in [0, 1]; got {short_repr(percentages)}.")
+    percentages = [number_option("each of percentages", share) for share in percentages]
+    if not percentages or max(percentages) > 1:
         raise ValueError(f"percentages must be one or more shares in [0, 1]; got {short_repr(percentages)}.")
     number_option("noise", noise)
     check_score_options(score, batch_size)

@@ -384,15 +384,16 @@ class CountsForwards(nn.Module):
 
 
 def test_deeplift_runs_the_model_once_on_images_and_baselines_and_picks_targets_there():
-    """One forward on [x; x'] (2N rows) serves the target choice too: top-1 and top-k classes are the
-    model's own on x, and the attributions equal those for the same classes given explicitly."""
+    """The baselines' forward, then the images' (N rows each); the images' forward serves the target choice
+    too: top-1 and top-k classes are the model's own on x, and the attributions equal those for the same
+    classes given explicitly."""
     torch.manual_seed(0)
     model = CountsForwards()
     x = torch.randn(3, 3, 16, 16, dtype=torch.float64)
     with torch.no_grad():
         logits = model.net(x)
     top1 = explain.DeepLift(model).explain(x)
-    assert model.batch_sizes == [6]
+    assert model.batch_sizes == [3, 3]
     assert top1.class_indices.flatten().tolist() == logits.argmax(1).tolist()
     torch.testing.assert_close(top1.scores.flatten().double(), logits.max(1).values, rtol=1e-6, atol=1e-6)
     top2 = explain.DeepLift(model).explain(x, topk=2)

@@ -10,11 +10,10 @@ whose backward is the rule. Hooks registered through the scope (on this thread o
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +21,11 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..capture import ModelInputError
-from ..rules import CallRules, Rule
+from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
 from ._lrp_rules import BatchNormStatistics, Composite, Flat, LinearRule, ZBox, fold_batch_norm, proportional
 
 # ------------------------------------------------------------------ which torch function gets which rule
-
-
-def _functions(*names: str) -> set[Callable]:
-    """The torch functions of these names that exist: torch.<name>, Tensor.<name>, F.<name>, torch._C._nn.<name>."""
-    found = set()
-    for name in names:
-        for namespace in (torch, Tensor, F, torch._C._nn):
-            function = getattr(namespace, name, None)
-            if callable(function):
-                found.add(function)
-    return found
 
 
 LAYERS: dict[Callable, str] = {
@@ -46,25 +34,25 @@ LAYERS: dict[Callable, str] = {
     **{function: "transposed" for function in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)},
 }
 """Linear layers: their rule comes from the composite."""
-ACTIVATIONS = _functions(
+ACTIVATIONS = torch_functions(
     "relu", "relu_", "relu6", "hardtanh", "hardtanh_", "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_",
     "celu", "celu_", "gelu", "silu", "mish", "softplus", "hardswish", "hardsigmoid", "sigmoid", "sigmoid_", "tanh",
     "tanh_", "threshold", "threshold_", "clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_", "clamp_max",
     "clamp_max_", "prelu", "rrelu", "rrelu_", "logsigmoid", "softsign", "tanhshrink", "softshrink", "hardshrink",
 )
 """Elementwise nonlinearities of one path tensor: relevance passes unchanged."""
-ADDITIONS = _functions("add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "subtract", "__sub__",
+ADDITIONS = torch_functions("add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "subtract", "__sub__",
                        "__rsub__", "__isub__", "rsub")
 """Sums: the relevance is split in proportion to the terms (one path term: it passes unchanged)."""
-SCALINGS = _functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "div", "div_", "divide",
+SCALINGS = torch_functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "div", "div_", "divide",
                       "true_divide", "true_divide_", "__truediv__", "__itruediv__", "neg", "neg_", "negative",
                       "__neg__")
 """Products: by a constant, relevance passes unchanged; of two path tensors, no rule."""
-SUMS = _functions("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+SUMS = torch_functions("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                   "adaptive_avg_pool3d", "mean", "sum", "interpolate", "upsample", "upsample_bilinear",
                   "upsample_nearest", "fold")
 """Linear functions with non-negative weights and no bias: relevance split in proportion to the contributions."""
-ROUTING = _functions(
+ROUTING = torch_functions(
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "ravel", "squeeze", "squeeze_", "unsqueeze",
     "unsqueeze_", "permute", "transpose", "transpose_", "t", "movedim", "moveaxis", "swapaxes", "swapdims",
     "contiguous", "clone", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "expand",
@@ -89,50 +77,6 @@ KINDS: dict[Callable, str] = {
     **LAYERS,
     F.batch_norm: "batch_norm",
 }
-
-_SIGNATURES: dict[Callable, Optional[inspect.Signature]] = {}
-
-
-def _signature(function: Callable) -> Optional[inspect.Signature]:
-    """The Python signature of a function (None for built-ins), cached."""
-    if function not in _SIGNATURES:
-        try:
-            _SIGNATURES[function] = inspect.signature(function)
-        except (TypeError, ValueError):
-            _SIGNATURES[function] = None
-    return _SIGNATURES[function]
-
-
-def _in_place(function: Callable, args: tuple, kwargs: dict) -> bool:
-    """Whether a call writes into its first argument (``relu_``, ``x += y``, ``F.relu(x, inplace=True)``)."""
-    name = getattr(function, "__name__", "")
-    if (name.endswith("_") and not name.endswith("__")) or name in ("__iadd__", "__isub__", "__imul__",
-                                                                     "__itruediv__", "__setitem__"):
-        return True
-    signature = _signature(function) if inspect.isfunction(function) else None  # F.relu(x, True) and the like
-    if signature is not None and "inplace" in signature.parameters:
-        try:
-            return bool(signature.bind(*args, **kwargs).arguments.get("inplace", False))
-        except TypeError:
-            return False
-    return bool(kwargs.get("inplace", False))
-
-
-def _function_name(function: Callable) -> str:
-    return getattr(function, "__name__", repr(function))
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """The tensors among a call's arguments (also inside lists, tuples and dicts)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif type(value) in (list, tuple):
-        for item in value:
-            yield from _tensors(item)
-    elif type(value) is dict:
-        for item in value.values():
-            yield from _tensors(item)
-
 
 @dataclass(frozen=True)
 class _Slot:
@@ -344,6 +288,7 @@ class _Trace(Rule):
     each torch function called on them its rule. One instance per call; the module names come from hooks."""
 
     functions = frozenset(KINDS)
+    sees_every_call = True  # the input's path runs through functions it has no rule for too: noticed, named
 
     def __init__(self, composite: Composite, stabilizer: float, low: Optional[Tensor], high: Optional[Tensor]):
         self.composite, self.stabilizer, self.low, self.high = composite, stabilizer, low, high
@@ -370,14 +315,14 @@ class _Trace(Rule):
             self.modules.pop()
 
     def where(self, function: Callable) -> str:
-        return f"{self.modules[-1] or 'model'}: {_function_name(function)}"
+        return f"{self.modules[-1] or 'model'}: {function_name(function)}"
 
     # -- the path
 
     def follow(self, value: Any) -> bool:
         """Mark the floating-point tensors of ``value`` that require grad as on the path; whether there were any."""
         found = False
-        for tensor in _tensors(value):
+        for tensor in tensors_in(value):
             if tensor.is_floating_point() and tensor.requires_grad:
                 self.path[tensor] = True
                 found = True
@@ -385,14 +330,14 @@ class _Trace(Rule):
 
     def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         seen: dict[int, Tensor] = {}
-        for tensor in _tensors((args, kwargs)):
+        for tensor in tensors_in((args, kwargs)):
             if tensor in self.path:
                 seen.setdefault(id(tensor), tensor)
         if not seen:
             return func(*args, **kwargs)
         path = list(seen.values())
         kind = KINDS.get(func)
-        in_place = _in_place(func, args, kwargs)
+        in_place = writes_in_place(func, args, kwargs)
         target = args[0] if args else kwargs.get("input")
         target_index = next((i for i, tensor in enumerate(path) if tensor is target), None) if in_place else None
         rule = None
@@ -424,7 +369,7 @@ class _Trace(Rule):
         if kind in ("convolution", "transposed", "linear"):
             return self.layer_rule(func, kind, call, name, args, kwargs, path)
         if kind == "batch_norm":
-            signature = _signature(func)
+            signature = signature_of(func)
             bound = signature.bind(*args, **kwargs) if signature is not None else None
             if bound is None or len(path) != 1 or path[0] is not bound.arguments.get("input"):
                 return None
@@ -548,18 +493,6 @@ class _Trace(Rule):
         return sums
 
 
-class _TracingRules(CallRules):
-    """``CallRules`` whose one rule sees every torch function called, also those it gives no rule: LRP follows the
-    input's path through all of them and notices the ones it has no rule for."""
-
-    def __init__(self, trace: _Trace):
-        super().__init__([trace])
-        self.trace = trace
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return self.trace.compute(func, args, kwargs or {})
-
-
 class _RelevanceRules(CallScope[_Trace]):
     """``with _RelevanceRules(model, trace):`` — this thread's forward passes run with the LRP rules of ``trace``
     (hooks on the model's modules tell it where each call is); all removed when the block ends."""
@@ -573,5 +506,5 @@ class _RelevanceRules(CallScope[_Trace]):
         for name, module in self.model_traced.named_modules():
             self.forward_pre_hook(module, self.trace.entering(name))
             self.forward_hook(module, self.trace.leaving)
-        self.enter(_TracingRules(self.trace))
+        self.enter(CallRules([self.trace]))
         return self.trace

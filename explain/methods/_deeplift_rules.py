@@ -1,0 +1,838 @@
+"""DeepLIFT's rules (see ``explain.methods.deeplift``): which torch function gets which rule during
+the images' forward, paired call by call with the baselines' forward, and the autograd functions
+that carry the multipliers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..attention import attend, calling_module, multi_head_attention
+from ..capture import ModelInputError
+from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
+from ..scope import CallScope
+
+# ------------------------------------------------------------------ which torch function gets which rule
+
+
+def _property_getters(*names: str) -> set[Callable[..., Any]]:
+    """The getters of these ``Tensor`` properties, which is what a mode sees of ``x.T``."""
+    return {getattr(Tensor, name).__get__ for name in names}
+
+
+ELEMENTWISE = torch_functions(
+    "relu", "relu_", "relu6", "hardtanh", "hardtanh_", "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_",
+    "celu", "celu_", "gelu", "silu", "mish", "softplus", "hardswish", "hardsigmoid", "sigmoid", "sigmoid_", "expit",
+    "tanh", "tanh_", "threshold", "threshold_", "clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_",
+    "clamp_max", "clamp_max_", "prelu", "rrelu", "rrelu_", "logsigmoid", "log_sigmoid", "softsign", "tanhshrink",
+    "softshrink", "hardshrink", "exp", "exp_", "exp2", "exp2_", "expm1", "expm1_", "log", "log_", "log2", "log2_",
+    "log10", "log10_", "log1p", "log1p_", "logit", "logit_", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "reciprocal",
+    "reciprocal_", "square", "square_", "pow", "pow_", "__pow__", "__rpow__", "__ipow__", "float_power", "abs", "abs_",
+    "absolute", "__abs__", "sin", "sin_", "cos", "cos_", "tan", "atan", "atan_", "arctan", "sinh", "cosh", "asinh",
+    "erf", "erf_", "erfc", "erfinv", "sign", "sgn", "floor", "ceil", "round", "trunc", "frac", "nan_to_num",
+    "maximum", "minimum", "fmax", "fmin", "remainder", "fmod", "__mod__", "floor_divide", "__floordiv__",
+    "__rfloordiv__", "atan2", "hypot", "xlogy", "special_expit", "special_erf", "special_erfc", "special_logit",
+    "special_log1p", "special_expm1", "special_exp2",
+)
+"""Elementwise functions of one tensor that depends on the input (their other arguments constants):
+the rescale rule."""
+PRODUCTS = torch_functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "matmul", "__matmul__",
+                           "__rmatmul__", "bmm", "mm", "mv", "outer", "ger", "dot", "inner", "einsum")
+"""Linear in each of two tensors: a product of two that depend on the input gets the rule of products."""
+DIVISIONS = torch_functions("div", "div_", "divide", "true_divide", "true_divide_", "__truediv__", "__rtruediv__",
+                            "__itruediv__", "__rdiv__", "__div__")
+"""a / b: linear in a; with b depending on the input, the rule of quotients."""
+DIVIDED_BY_SELF = torch_functions("__rtruediv__", "__rdiv__")
+"""Quotients whose first argument is the divisor (``2 / x``)."""
+MAX_POOLS: dict[Callable[..., Any], tuple[tuple[str, ...], int]] = {
+    F.max_pool1d: (("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), 1),
+    F.max_pool2d: (("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), 2),
+    F.max_pool3d: (("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), 3),
+    F.adaptive_max_pool1d: (("output_size", "return_indices"), 1),
+    F.adaptive_max_pool2d: (("output_size", "return_indices"), 2),
+    F.adaptive_max_pool3d: (("output_size", "return_indices"), 3),
+}
+"""Max pooling: its positional parameters after the input, and its number of spatial dimensions."""
+MAXIMA = torch_functions("amax", "max")
+MINIMA = torch_functions("amin", "min")
+SOFTMAXES: dict[Callable[..., Any], str] = {
+    **dict.fromkeys(torch_functions("softmax"), "softmax"),
+    **dict.fromkeys(torch_functions("log_softmax"), "log_softmax"),
+    **dict.fromkeys(torch_functions("softmin"), "softmin"),
+}
+LAYERS = torch_functions("linear", "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                         "conv_transpose3d", "addmm", "addbmm", "baddbmm", "addmv", "tensordot", "kron")
+"""Linear in the input when their weights do not depend on it (no rule where they do)."""
+LINEAR = torch_functions(
+    "add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "subtract", "__sub__", "__rsub__", "__isub__",
+    "rsub", "neg", "neg_", "negative", "__neg__", "positive", "__pos__", "sum", "nansum", "mean", "nanmean", "cumsum",
+    "diff", "trace", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "interpolate", "upsample", "upsample_bilinear", "upsample_nearest", "fold", "unfold",
+    "pad", "constant_pad_nd", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "ravel",
+    "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "permute", "transpose", "transpose_", "t", "t_", "movedim",
+    "moveaxis", "swapaxes", "swapdims", "adjoint", "contiguous", "clone", "to", "type", "type_as", "float", "double",
+    "half", "bfloat16", "cpu", "cuda", "expand", "expand_as", "broadcast_to", "sum_to_size", "as_strided", "repeat",
+    "tile", "repeat_interleave", "narrow", "select", "index_select", "gather", "take", "take_along_dim",
+    "masked_fill", "masked_fill_", "masked_select", "masked_scatter", "masked_scatter_", "where", "__getitem__",
+    "__setitem__", "copy_", "index_put", "index_put_", "index_add", "index_add_", "index_copy", "index_copy_",
+    "scatter", "scatter_", "scatter_add", "scatter_add_", "chunk", "split", "split_with_sizes", "tensor_split",
+    "hsplit", "vsplit", "unbind", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "flip",
+    "fliplr", "flipud", "roll", "rot90", "diag", "diagonal", "diag_embed", "tril", "triu", "pixel_shuffle",
+    "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "dropout", "dropout_", "dropout1d", "dropout2d",
+    "dropout3d", "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+    "feature_dropout", "feature_dropout_", "requires_grad_", "retain_grad", "zero_", "fill_", "align_as",
+) | _property_getters("T", "mT", "H", "mH", "real")
+"""Linear functions (given the values of their integer and boolean arguments): their own gradient is exact."""
+CONSTANT = torch_functions("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+                           "randint_like", "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")
+"""Functions whose result does not depend on the values of their tensor arguments."""
+CUTS = torch_functions("detach", "detach_") | _property_getters("data")
+"""Functions through which no gradient flows."""
+VALUE_READS = torch_functions("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
+                              "__complex__")
+"""Functions that turn tensor values into Python values, which DeepLIFT cannot follow."""
+
+
+# ------------------------------------------------------------------ the rules' autograd functions
+
+
+class RescaledNonlinearity(torch.autograd.Function):
+    """y = f(z); backward: grad · m with the rescale rule's multiplier m = (f(z) − f(z'))/(z − z')
+    (f'(z) where |Δz| < eps), summed back to z's shape where f broadcasts z against a constant. The
+    multipliers are computed in the forward and kept alone (not the inputs and outputs, which later
+    in-place operations could change)."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, function: Callable[[Tensor], Tensor], reference: Tensor,
+                eps: float) -> Tensor:
+        outputs = function(inputs)
+        delta = inputs - reference
+        small = ~(delta.abs() >= eps)  # also NaN differences, of infinite inputs such as masked scores
+        rescaled = (outputs - function(reference)) / torch.where(small, torch.ones_like(delta), delta)
+        if small.any():
+            rescaled = torch.where(small, _derivative(function, inputs, outputs.shape), rescaled)
+        ctx.input_shape = inputs.shape
+        ctx.save_for_backward(rescaled)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+        (grad_output,) = grad_outputs  # one output, one gradient
+        (multipliers,) = ctx.saved_tensors
+        return (grad_output * multipliers).sum_to_size(ctx.input_shape), None, None, None
+
+
+def _derivative(function: Callable[[Tensor], Tensor], inputs: Tensor, shape: torch.Size) -> Tensor:
+    """f'(z) elementwise, of the shape of f's output, by autograd (zero where f has no derivative)."""
+    with torch.enable_grad():
+        leaf = inputs.detach().expand(shape).clone().requires_grad_(True)
+        outputs = function(leaf)
+        if not outputs.requires_grad:  # a step function (sign, floor): zero almost everywhere
+            return torch.zeros(shape, dtype=outputs.dtype, device=outputs.device)
+        (derivative,) = torch.autograd.grad(outputs.sum(), leaf)
+    return derivative
+
+
+class Linearized(torch.autograd.Function):
+    """A call whose value is computed as it is and whose backward is that of a linear map of its
+    inputs' differences (a rule's multipliers): ``Linearized.apply(compute, linear_map, *inputs)``.
+    The map is evaluated at zero differences, so infinite values (masked scores) do not enter it."""
+
+    @staticmethod
+    def forward(ctx: Any, compute: Callable[..., Tensor], linear_map: Callable[..., Tensor],
+                *inputs: Tensor) -> Tensor:
+        ctx.linear_map = linear_map
+        ctx.inputs = [(tensor.shape, tensor.dtype, tensor.device) for tensor in inputs]
+        return compute(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], ...]:
+        (grad_output,) = grad_outputs
+        with torch.enable_grad():
+            points = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+                      for shape, dtype, device in ctx.inputs]
+            mapped = ctx.linear_map(*points)
+            grads = torch.autograd.grad(mapped, points, grad_output, allow_unused=True)
+        grads = tuple(torch.zeros_like(point) if grad is None else grad for point, grad in zip(points, grads))
+        return (None, None, *grads)
+
+
+class MaxPoolRule(torch.autograd.Function):
+    """Max pooling of z, with the pooling of z' (Shrikumar et al.'s rule): with y = pool(z),
+    y' = pool(z') and u = max(y, y'), grad · (u − y') goes back to the positions of z's maxima and
+    grad · (y − u) to those of z''s maxima, and each position's sum is divided by its Δz. Positions
+    shared by overlapping windows (a 3×3 pool of stride 2) add up their windows' shares, so the
+    multipliers sum exactly to the pooled difference. Where |Δz| < eps, the pooling's ordinary
+    gradient (grad sent to z's maxima)."""
+
+    eps = 1e-10
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, reference: Tensor, pool: Callable[..., Any], options: dict[str, Any],
+                spatial: int) -> Tensor:
+        outputs, indices = pool(inputs, return_indices=True, **options)
+        reference_outputs, reference_indices = pool(reference, return_indices=True, **options)
+        ctx.input_shape, ctx.spatial = inputs.shape, spatial
+        ctx.save_for_backward(inputs - reference, outputs, reference_outputs, indices, reference_indices)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
+        (grad_output,) = grad_outputs  # one output, one gradient
+        delta, y, y_ref, indices, reference_indices = ctx.saved_tensors
+        larger = torch.max(y, y_ref)
+        shares = (_to_maxima(grad_output * (larger - y_ref), indices, ctx.input_shape, ctx.spatial)
+                  + _to_maxima(grad_output * (y - larger), reference_indices, ctx.input_shape, ctx.spatial))
+        small = delta.abs() < MaxPoolRule.eps
+        rescaled = shares / torch.where(small, torch.ones_like(delta), delta)
+        ordinary = _to_maxima(grad_output, indices, ctx.input_shape, ctx.spatial)  # max pooling's own backward
+        return torch.where(small, ordinary, rescaled), None, None, None, None
+
+
+def _to_maxima(values: Tensor, indices: Tensor, input_shape: torch.Size, spatial: int) -> Tensor:
+    """(..., *pooled) values added up at the input positions their windows' maxima came from
+    (``indices`` as max pooling returns them, over the last ``spatial`` dimensions): (..., *input spatial)."""
+    leading = input_shape[:len(input_shape) - spatial]
+    spread = torch.zeros(*leading, input_shape[len(leading):].numel(), dtype=values.dtype, device=values.device)
+    spread.scatter_add_(-1, indices.flatten(len(leading)), values.flatten(len(leading)))
+    return spread.view(input_shape)
+
+
+class MaxReductionRule(torch.autograd.Function):
+    """max (``sign`` 1) or min (``sign`` −1) of z over ``dims``: the rule of max pooling with one window
+    covering those dimensions. Returns the values with the reduced dimensions kept (size 1)."""
+
+    eps = 1e-10
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, reference: Tensor, dims: tuple[int, ...], sign: int) -> Tensor:
+        windows, reference_windows = (_windows(sign * tensor, dims) for tensor in (inputs, reference))
+        y, indices = windows.max(dim=-1, keepdim=True)
+        y_ref, reference_indices = reference_windows.max(dim=-1, keepdim=True)
+        ctx.dims, ctx.sign, ctx.input_shape = dims, sign, inputs.shape
+        ctx.save_for_backward(windows - reference_windows, y, y_ref, indices, reference_indices)
+        return (sign * y).view([1 if dim in dims else size for dim, size in enumerate(inputs.shape)])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+        (grad_output,) = grad_outputs
+        delta, y, y_ref, indices, reference_indices = ctx.saved_tensors
+        grad = ctx.sign * grad_output.reshape(y.shape)  # the gradient of max(sign · z)
+        larger = torch.max(y, y_ref)
+        shares = torch.zeros_like(delta).scatter_add_(-1, indices, grad * (larger - y_ref))
+        shares.scatter_add_(-1, reference_indices, grad * (y - larger))
+        small = delta.abs() < MaxReductionRule.eps
+        ordinary = torch.zeros_like(delta).scatter_add_(-1, indices, grad)
+        windows = torch.where(small, ordinary, shares / torch.where(small, torch.ones_like(delta), delta))
+        return ctx.sign * _unwindowed(windows, ctx.input_shape, ctx.dims), None, None, None
+
+
+def _windows(tensor: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """The reduced dimensions moved to the end and flattened into one: (..., window)."""
+    kept = [dim for dim in range(tensor.dim()) if dim not in dims]
+    return tensor.permute(*kept, *dims).flatten(len(kept))
+
+
+def _unwindowed(windows: Tensor, shape: torch.Size, dims: tuple[int, ...]) -> Tensor:
+    """The inverse of ``_windows``: back to ``shape``."""
+    kept = [dim for dim in range(len(shape)) if dim not in dims]
+    order = kept + list(dims)
+    unflattened = windows.unflatten(-1, [shape[dim] for dim in dims])
+    return unflattened.permute(*sorted(range(len(order)), key=order.__getitem__))
+
+
+# ------------------------------------------------------------------ the record of the baselines' forward
+
+
+PLAIN = object()
+"""What a rule returns for a call to be computed as it is."""
+
+
+@dataclass
+class _Call:
+    """One call of the baselines' forward on tensors that depend on the input: the function, the
+    shapes of those tensors, and what its rule needs of their values (copies, taken before the call)."""
+
+    function: Callable[..., Any]
+    shapes: tuple[torch.Size, ...]
+    references: list[Any] = field(default_factory=list)
+    selectors: list[Tensor] = field(default_factory=list)
+
+
+def _replaced(value: Any, replacement: Callable[[int, Tensor], Optional[Tensor]], counter: list[int]) -> Any:
+    """``value`` (a call's arguments) with the n-th tensor met (in the order of ``tensors_in``) replaced by
+    ``replacement(n, tensor)`` where that is not None."""
+    if isinstance(value, Tensor):
+        index = counter[0]
+        counter[0] += 1
+        replaced = replacement(index, value)
+        return value if replaced is None else replaced
+    if isinstance(value, (list, tuple)):
+        items = [_replaced(item, replacement, counter) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples take fields
+    if type(value) is dict:
+        return {key: _replaced(item, replacement, counter) for key, item in value.items()}
+    return value
+
+
+class _Replay:
+    """A call made again with other values at some of its tensor occurrences (in the order of
+    ``tensors_in``): ``replay(*values)``. An in-place call writes into a copy, never into a value given."""
+
+    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 occurrences: Sequence[int], in_place: bool):
+        self.function, self.args, self.kwargs = function, args, kwargs
+        self.occurrences, self.in_place = list(occurrences), in_place
+
+    def __call__(self, *values: Any) -> Any:
+        if self.in_place:
+            values = tuple(value.clone() if index == 0 and isinstance(value, Tensor) else value
+                           for index, value in enumerate(values))
+        chosen = dict(zip(self.occurrences, values))
+        counter = [0]
+        args = _replaced(self.args, lambda index, _: chosen.get(index), counter)
+        kwargs = _replaced(self.kwargs, lambda index, _: chosen.get(index), counter)
+        return self.function(*args, **kwargs)
+
+
+def _occurrences(value: Any, tensor: Tensor) -> list[int]:
+    """The positions (in the order of ``tensors_in``) at which ``tensor`` itself appears in ``value``."""
+    return [index for index, seen in enumerate(tensors_in(value)) if seen is tensor]
+
+
+def _mean(value: Any, reference: Any) -> Any:
+    """(value + reference) / 2 for tensors that depend on the input; a constant as it is."""
+    return value if reference is None else (value.detach() + reference) / 2
+
+
+class DeepLiftRules(Rule):
+    """DeepLIFT's rules for one pair of forward passes: the baselines' (``explaining`` False), recorded
+    call by call, then the images' (``explaining`` True), whose calls get their rules from the record.
+    Follows the tensors that depend on the input (``follow``) through every torch function called;
+    ``unruled`` names the nonlinear calls on them that got no rule, with why, for the warning."""
+
+    sees_every_call = True
+
+    def __init__(self, eps: float, module_names: dict[int, str]):
+        self.eps = eps
+        self.module_names = module_names
+        self.dependent: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.record: list[_Call] = []
+        self.explaining = False
+        self.position = 0
+        self.unruled: dict[str, str] = {}
+        self.mode: Optional[CallRules] = None
+        """The mode this rule is in: entered again to compute a function step by step."""
+        self.paused = False
+
+    # -- the two passes
+
+    def follow(self, tensor: Tensor) -> None:
+        """Mark a tensor as the input: what is computed from it depends on the input."""
+        self.dependent[tensor] = True
+
+    def explain_next(self, reference_output: Any) -> Any:
+        """The next forward pass is the images': pair its calls with the baselines' forward just recorded.
+        Returns the baselines' output detached (its graph is not needed)."""
+        self.paused = True
+        try:
+            reference_output = detached_output(reference_output)
+        finally:
+            self.paused = False
+        self.explaining, self.position = True, 0
+        return reference_output
+
+    def check_paired(self) -> None:
+        """After the images' forward: every call of the baselines' forward had its pair."""
+        if self.position != len(self.record):
+            missing = self.record[self.position]
+            raise ModelInputError(self._unpaired(f"the images' forward ended where the baselines' went on with "
+                                                 f"{function_name(missing.function)}"))
+
+    def _unpaired(self, what: str) -> str:
+        return (f"DeepLIFT runs the model on the baselines, then on the images, and pairs their operations one by "
+                f"one; {what}. The model computes other operations for other input values (control flow that "
+                f"depends on them), which DeepLIFT cannot pair: explain it with IntegratedGradients instead.")
+
+    def _pair(self, func: Callable[..., Any], dependent: list[Tensor]) -> _Call:
+        shapes = tuple(tensor.shape for tensor in dependent)
+        if not self.explaining:
+            self.record.append(_Call(func, shapes))
+            return self.record[-1]
+        if self.position >= len(self.record):
+            raise ModelInputError(self._unpaired(f"{self._where(func)} in the images' forward has no pair in the "
+                                                 f"baselines' forward, which ended before"))
+        call = self.record[self.position]
+        self.position += 1
+        if call.function != func or call.shapes != shapes:
+            raise ModelInputError(self._unpaired(
+                f"{self._where(func)} on {[tuple(shape) for shape in shapes]} in the images' forward met "
+                f"{function_name(call.function)} on {[tuple(shape) for shape in call.shapes]} in the baselines'"))
+        return call
+
+    def _where(self, func: Callable[..., Any]) -> str:
+        module = calling_module(self.module_names)
+        return f"{module or 'model'}: {function_name(func)}"
+
+    def _no_rule(self, func: Callable[..., Any], why: str) -> None:
+        if self.explaining:
+            self.unruled.setdefault(self._where(func), why)
+
+    # -- every call
+
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        dependent = list({id(tensor): tensor for tensor in tensors_in((args, kwargs))
+                          if tensor in self.dependent}.values())
+        if self.paused or not dependent or func in CONSTANT:  # parameters, constants: computed plainly, exact there
+            return func(*args, **kwargs)
+        call = self._pair(func, dependent)
+        if func in VALUE_READS:
+            self._compare(call, dependent, func, True, "it reads the input's values as Python numbers")
+            return func(*args, **kwargs)
+        in_place = writes_in_place(func, args, kwargs)
+        selectors = [tensor for tensor in dependent if not tensor.is_floating_point()]
+        if selectors and not self.explaining:
+            self._compare(call, selectors, func, True)
+        values = [tensor for tensor in dependent if tensor.is_floating_point()]
+        result = self._rule(func, args, kwargs, call, values, in_place) if values else PLAIN
+        if result is PLAIN:
+            result = func(*args, **kwargs)
+        if selectors and self.explaining:
+            self._compare(call, selectors, func, any(tensor.is_floating_point() for tensor in tensors_in(result)))
+        for tensor in tensors_in(result):
+            self.dependent[tensor] = True
+        if in_place and args and isinstance(args[0], Tensor):
+            self.dependent[args[0]] = True
+            if args[0]._base is not None:
+                self.dependent[args[0]._base] = True
+        return result
+
+    def _compare(self, call: _Call, tensors: list[Tensor], func: Callable[..., Any], matters: bool,
+                 why: str = "it depends on the input through comparisons or indices, which have no gradient") -> None:
+        """Tensors that depend on the input but carry no gradient (masks, indices; values read as numbers) must be
+        the same in both forwards for the call to be exact: on the baselines' forward, record them; on the
+        images', where they differ and it ``matters`` (the call computes floating-point values from them), the
+        call gets no rule."""
+        if not self.explaining:
+            call.selectors = [tensor.detach().clone() for tensor in tensors]
+        elif matters and any(not torch.equal(tensor, reference) for tensor, reference in zip(tensors, call.selectors)):
+            self._no_rule(func, why)
+
+    def _references(self, call: _Call, tensors: Sequence[Optional[Tensor]]) -> list[Any]:
+        """On the baselines' forward, record copies of these tensors (None: a constant); on the images',
+        the copies recorded at the paired call."""
+        if not self.explaining:
+            call.references = [None if tensor is None else tensor.detach().clone() for tensor in tensors]
+        return call.references
+
+    def _rule(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+              values: list[Tensor], in_place: bool) -> Any:
+        """The call computed with its rule (on the baselines' forward: plainly, with what the rule of the
+        images' forward needs recorded); ``PLAIN`` where it is to be computed plainly."""
+        composite = COMPOSITES.get(func)
+        if composite is not None:
+            assert self.mode is not None, "deeplift_rules gives the rule its mode"
+            with self.mode:  # the steps get their own rules, and are paired step by step
+                result = composite(*args, **kwargs)
+            if result is NotImplemented:
+                self._no_rule(func, "DeepLIFT has no rule for these arguments")
+                return PLAIN
+            return result
+        if func in SOFTMAXES:
+            return self._softmax(func, args, kwargs, call, values)
+        if func in MAX_POOLS:
+            return self._max_pool(func, args, kwargs, call, values)
+        if func in MAXIMA or func in MINIMA:
+            reduction = _max_reduction(func, args, kwargs)
+            if reduction is not None:
+                return self._max_reduction(func, args, kwargs, call, values, *reduction)
+        if func in DIVISIONS:
+            return self._division(func, args, kwargs, call, values, in_place)
+        if func in PRODUCTS:
+            return self._product(func, args, kwargs, call, values, in_place)
+        if func in ELEMENTWISE or func in MAXIMA or func in MINIMA:
+            return self._elementwise(func, args, kwargs, call, values, in_place)
+        if func in LINEAR:
+            return PLAIN
+        if func in LAYERS:
+            if len(values) > 1:
+                self._no_rule(func, "its weights depend on the input")
+            return PLAIN
+        if func is F.batch_norm:
+            return self._batch_norm(func, args, kwargs, values)
+        if func in CUTS:
+            self._no_rule(func, "no gradient flows through it")
+            return PLAIN
+        result = func(*args, **kwargs)
+        if any(tensor.is_floating_point() for tensor in tensors_in(result)):
+            self._no_rule(func, "DeepLIFT has no rule for it")
+        return result
+
+    # -- the rules
+
+    def _elementwise(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                     values: list[Tensor], in_place: bool) -> Any:
+        if len(values) != 1 or (in_place and args[0] is not values[0]):
+            self._no_rule(func, "it is a nonlinear function of several tensors that depend on the input")
+            return PLAIN
+        (inputs,) = values
+        (reference,) = self._references(call, [inputs])
+        if not self.explaining:
+            return PLAIN
+        function = _Replay(func, args, kwargs, _occurrences((args, kwargs), inputs), in_place)
+        single = _Single(function, len(function.occurrences))
+        result = RescaledNonlinearity.apply(inputs, single, reference, self.eps)
+        return inputs.copy_(result) if in_place else result
+
+    def _product(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                 values: list[Tensor], in_place: bool) -> Any:
+        """Δ(a ∘ b) = Δa ∘ b̄ + ā ∘ Δb for ∘ linear in each of a and b (exact)."""
+        occurrences = [index for index, tensor in enumerate(tensors_in((args, kwargs))) if tensor in self.dependent
+                       and tensor.is_floating_point()]
+        if len(occurrences) == 1:
+            return PLAIN  # a product with a constant: linear
+        if len(occurrences) != 2 or (in_place and occurrences[0] != 0):
+            self._no_rule(func, "it multiplies more than two tensors that depend on the input")
+            return PLAIN
+        operands = [list(tensors_in((args, kwargs)))[index] for index in occurrences]
+        same = operands[0] is operands[1]  # a square, x * x: one copy
+        references = self._references(call, operands[:1] if same else operands)
+        if not self.explaining:
+            return PLAIN
+        means = [_mean(operand, reference) for operand, reference in zip(operands, references * 2 if same
+                                                                         else references)]
+        replay = _Replay(func, args, kwargs, occurrences, in_place)
+
+        def linear_map(first: Tensor, second: Tensor) -> Tensor:
+            return replay(first, means[1]) + replay(means[0], second)
+
+        result = Linearized.apply(replay, linear_map, *operands)
+        return operands[0].copy_(result) if in_place else result
+
+    def _division(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                  values: list[Tensor], in_place: bool) -> Any:
+        """Δ(a / b) = Δa · mean(1/b) + ā · Δ(1/b), Δ(1/b) = −Δb / (b b') (exact)."""
+        if len(args) + len(kwargs) < 2:
+            return PLAIN
+        operands = list(args[:2]) + [kwargs[name] for name in ("input", "other") if name in kwargs][:2 - len(args)]
+        numerator, denominator = operands[::-1] if func in DIVIDED_BY_SELF else operands
+        if kwargs.get("rounding_mode") is not None or len(args) > 2:
+            self._no_rule(func, "a division with rounding is a step function")
+            return PLAIN
+        if not (isinstance(denominator, Tensor) and denominator in self.dependent):
+            return PLAIN  # divided by a constant: linear
+        numerator_follows = isinstance(numerator, Tensor) and numerator in self.dependent
+        reference_numerator, reference_denominator = self._references(
+            call, [numerator if numerator_follows else None, denominator])
+        if not self.explaining:
+            return PLAIN
+        reciprocal = 1 / denominator.detach()
+        reference_reciprocal = 1 / reference_denominator
+        mean_reciprocal = (reciprocal + reference_reciprocal) / 2
+        multiplier = -reciprocal * reference_reciprocal  # Δ(1/b) / Δb, also where Δb = 0
+        mean_numerator = _mean(numerator, reference_numerator)
+
+        def linear_map(*differences: Tensor) -> Tensor:
+            change = mean_numerator * (multiplier * differences[-1])
+            return change + differences[0] * mean_reciprocal if numerator_follows else change
+
+        inputs = [numerator, denominator] if numerator_follows else [denominator]
+        target = args[0] if in_place else None
+
+        def compute(*_: Tensor) -> Tensor:
+            return func(args[0].clone(), *args[1:], **kwargs) if in_place else func(*args, **kwargs)
+
+        result = Linearized.apply(compute, linear_map, *inputs)
+        return target.copy_(result) if target is not None else result
+
+    def _softmax(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                 values: list[Tensor]) -> Any:
+        """softmax(z) = e · (1/Σe), e = exp(z − c) with c shared by z and z': exp and the reciprocal by the
+        rescale rule, the product by the rule of products (exact); log-softmax = z − c − log Σe likewise."""
+        kind = SOFTMAXES[func]
+        bound = _bound(func, args, kwargs, ("input", "dim", "dtype"))
+        inputs, dim, dtype = bound.get("input"), bound.get("dim"), bound.get("dtype")
+        if not isinstance(inputs, Tensor) or len(values) != 1 or values[0] is not inputs:
+            self._no_rule(func, "DeepLIFT has no rule for these arguments")
+            return PLAIN
+        (reference,) = self._references(call, [inputs])
+        if not self.explaining:
+            return PLAIN
+        if dim is None:  # softmax's legacy implicit dimension
+            dim = 0 if inputs.dim() in (0, 1, 3) else 1
+        sign = -1 if kind == "softmin" else 1
+        z, z_ref = (sign * tensor.detach().to(dtype or tensor.dtype) for tensor in (inputs, reference))
+        shift = torch.maximum(z.amax(dim, keepdim=True), z_ref.amax(dim, keepdim=True))
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        e, e_ref = torch.exp(z - shift), torch.exp(z_ref - shift)
+        delta = z - z_ref
+        small = ~(delta.abs() >= self.eps)
+        exp_multiplier = torch.where(small, e, (e - e_ref) / torch.where(small, torch.ones_like(delta), delta))
+        total, total_ref = e.sum(dim, keepdim=True), e_ref.sum(dim, keepdim=True)
+        if kind == "log_softmax":
+            total_delta = total - total_ref
+            flat = ~(total_delta.abs() >= self.eps * total)
+            log_multiplier = torch.where(flat, 1 / total, (torch.log(total) - torch.log(total_ref))
+                                         / torch.where(flat, torch.ones_like(total), total_delta))
+
+            def linear_map(difference: Tensor) -> Tensor:
+                difference = difference.to(z.dtype)
+                return difference - log_multiplier * (exp_multiplier * difference).sum(dim, keepdim=True)
+        else:
+            both = total * total_ref
+            reciprocal_multiplier = torch.where(both > 0, -1 / both, torch.zeros_like(both))
+            mean_reciprocal = torch.where(both > 0, (1 / total + 1 / total_ref) / 2, torch.zeros_like(both))
+            mean_e = (e + e_ref) / 2
+
+            def linear_map(difference: Tensor) -> Tensor:
+                change = exp_multiplier * (sign * difference.to(z.dtype))
+                return mean_e * (reciprocal_multiplier * change.sum(dim, keepdim=True)) + mean_reciprocal * change
+
+        return Linearized.apply(lambda _: func(*args, **kwargs), linear_map, inputs)
+
+    def _max_pool(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                  values: list[Tensor]) -> Any:
+        names, spatial = MAX_POOLS[func]
+        options = dict(zip(names, args[1:]))
+        options.update(kwargs)
+        inputs = args[0] if args else options.pop("input", None)
+        if options.pop("return_indices", False) or len(values) != 1 or values[0] is not inputs:
+            self._no_rule(func, "DeepLIFT has no rule for these arguments")
+            return PLAIN
+        if options.get("stride", 0) is None:
+            options.pop("stride")
+        (reference,) = self._references(call, [inputs])
+        if not self.explaining:
+            return PLAIN
+        return MaxPoolRule.apply(inputs, reference, func, options, spatial)
+
+    def _max_reduction(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+                       values: list[Tensor], dims: tuple[int, ...], keepdim: bool, with_indices: bool) -> Any:
+        inputs = args[0]
+        if len(values) != 1 or values[0] is not inputs:
+            self._no_rule(func, "DeepLIFT has no rule for these arguments")
+            return PLAIN
+        (reference,) = self._references(call, [inputs])
+        if not self.explaining:
+            return PLAIN
+        plain = func(*args, **kwargs)
+        sign = -1 if func in MINIMA else 1
+        dims = tuple(sorted(dim % inputs.dim() for dim in dims)) if dims else tuple(range(inputs.dim()))
+        kept = MaxReductionRule.apply(inputs, reference, dims, sign)
+        reduced = kept if keepdim else kept.squeeze(dims) if dims else kept
+        if not with_indices:
+            return reduced.reshape(plain.shape)
+        return type(plain)((reduced.reshape(plain[0].shape), plain[1]))
+
+    def _batch_norm(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    values: list[Tensor]) -> Any:
+        bound = _bound(func, args, kwargs, ("input", "running_mean", "running_var", "weight", "bias", "training",
+                                            "momentum", "eps"))
+        if bound.get("training") or bound.get("running_mean") is None or bound.get("running_var") is None:
+            self._no_rule(func, "it normalises by the statistics of the batch, which mixes the images")
+            return PLAIN
+        inputs = bound.get("input")
+        if not self.explaining or len(values) != 1 or values[0] is not inputs:
+            return PLAIN
+        # eval-mode BatchNorm is y = z · s + t per channel: its backward, written out, because torch 2.14's CPU
+        # kernel returns wrong values for a channels-last gradient of a contiguous input (a feature map read as
+        # tokens, ``x.flatten(2).transpose(1, 2)``, as LeViT does)
+        weight = bound.get("weight")
+        scale = torch.rsqrt(bound["running_var"].detach() + bound.get("eps", 1e-5))
+        scale = scale if weight is None else scale * weight.detach()
+        shape = [1, -1] + [1] * (inputs.dim() - 2)
+        return Linearized.apply(lambda _: func(*args, **kwargs), lambda change: change * scale.view(shape), inputs)
+
+
+class _Single:
+    """A replayed call as a function of the one tensor it is elementwise in (at every place it appears)."""
+
+    def __init__(self, replay: _Replay, count: int):
+        self.replay, self.count = replay, count
+
+    def __call__(self, value: Tensor) -> Tensor:
+        return self.replay(*([value] * self.count))
+
+
+def _bound(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           names: Sequence[str]) -> dict[str, Any]:
+    """A call's arguments by name: through the signature of a Python function, else positionally in the
+    order ``names`` gives (built-ins' order) with keywords as given."""
+    signature = signature_of(func)
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return {}
+        bound.apply_defaults()
+        return dict(bound.arguments)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _max_reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> Optional[tuple[tuple[int, ...], bool, bool]]:
+    """(dims, keepdim, whether it returns indices too) of a max/min/amax/amin over dimensions; None
+    for ``max(a, b)`` of two tensors (elementwise)."""
+    if len(args) > 1 and isinstance(args[1], Tensor) or isinstance(kwargs.get("other"), Tensor):
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    name = function_name(func)
+    if name in ("max", "min"):
+        if dim == ():
+            return (), False, False
+        return (int(dim),), keepdim, True
+    return (tuple(dim) if isinstance(dim, (tuple, list)) else (int(dim),)), keepdim, False
+
+
+# ------------------------------------------------------------------ functions computed step by step
+
+
+def _float_steps(inputs: Tensor) -> Tensor:
+    """Half-precision inputs normalised in float32, as torch's normalisation kernels do."""
+    return inputs.float() if inputs.dtype in (torch.float16, torch.bfloat16) else inputs
+
+
+def _normalized(inputs: Tensor, dims: tuple[int, ...], eps: float, centred: bool = True) -> Tensor:
+    values = _float_steps(inputs)
+    if centred:
+        values = values - values.mean(dims, keepdim=True)
+    return (values * torch.rsqrt((values * values).mean(dims, keepdim=True) + eps)).to(inputs.dtype)
+
+
+def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    result = _normalized(input, tuple(range(-len(shape), 0)), eps)
+    result = result if weight is None else result * weight
+    return result if bias is None else result + bias
+
+
+def _rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,
+              eps: Optional[float] = None) -> Tensor:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    result = _normalized(input, tuple(range(-len(shape), 0)), eps, centred=False)
+    return result if weight is None else result * weight
+
+
+def _channel_affine(result: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    shape = [1, -1] + [1] * (result.dim() - 2)
+    result = result if weight is None else result * weight.view(shape)
+    return result if bias is None else result + bias.view(shape)
+
+
+def _group_norm(input: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                eps: float = 1e-5) -> Tensor:
+    grouped = input.reshape(input.shape[0], num_groups, -1)
+    return _channel_affine(_normalized(grouped, (-1,), eps).reshape(input.shape), weight, bias)
+
+
+def _instance_norm(input: Tensor, running_mean: Optional[Tensor] = None, running_var: Optional[Tensor] = None,
+                   weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, use_input_stats: bool = True,
+                   momentum: float = 0.1, eps: float = 1e-5) -> Any:
+    if use_input_stats:
+        return _channel_affine(_normalized(input, tuple(range(2, input.dim())), eps), weight, bias)
+    if running_mean is None or running_var is None:
+        return NotImplemented
+    shape = [1, -1] + [1] * (input.dim() - 2)  # running statistics: linear
+    normalized = (input - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    return _channel_affine(normalized, weight, bias)
+
+
+def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+               enable_gqa: bool = False) -> Tensor:
+    return attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[0]
+
+
+def _multi_head_attention(*args: Any, **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
+    return multi_head_attention(lambda probabilities: None, *args, **kwargs)
+
+
+def _glu(input: Tensor, dim: int = -1) -> Tensor:
+    first, second = input.chunk(2, dim)
+    return first * torch.sigmoid(second)
+
+
+def _p_norm(inputs: Tensor, p: Any, dim: Any, keepdim: bool) -> Any:
+    """‖inputs‖_p over ``dim`` (all dimensions for None) in elementwise steps; NotImplemented for
+    p = ±inf, 0 or a matrix norm."""
+    if p is None or p == "fro":
+        p = 2
+    if isinstance(p, str) or not math.isfinite(p) or p <= 0:
+        return NotImplemented
+    dims = tuple(range(inputs.dim())) if dim is None else dim
+    if p == 2:
+        return torch.sqrt((inputs * inputs).sum(dims, keepdim=keepdim))
+    if p == 1:
+        return inputs.abs().sum(dims, keepdim=keepdim)
+    return inputs.abs().pow(p).sum(dims, keepdim=keepdim).pow(1 / p)
+
+
+def _norm(input: Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False, out: Any = None,
+          dtype: Any = None) -> Any:
+    if out is not None:
+        return NotImplemented
+    return _p_norm(input if dtype is None else input.to(dtype), p, dim, keepdim)
+
+
+def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
+                 out: Any = None) -> Any:
+    return _norm(x, ord, dim, keepdim, out, dtype)
+
+
+def _normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Any = None) -> Any:
+    norm = _norm(input, p, dim, True, out)
+    return norm if norm is NotImplemented else input / norm.clamp_min(eps)
+
+
+COMPOSITES: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.layer_norm: _layer_norm,
+    F.group_norm: _group_norm,
+    F.rms_norm: _rms_norm,
+    F.instance_norm: _instance_norm,
+    F.scaled_dot_product_attention: _attention,
+    F.multi_head_attention_forward: _multi_head_attention,
+    F.glu: _glu,
+    F.normalize: _normalize,
+    torch.norm: _norm,
+    Tensor.norm: _norm,
+    torch.linalg.vector_norm: _vector_norm,
+}
+"""Functions computed step by step, each step by its rule (with the same arguments and result)."""
+
+
+class deeplift_rules(CallScope[DeepLiftRules]):  # noqa: N801 - used like a function, as torch.no_grad is
+    """``with deeplift_rules(eps, module_names) as rules:`` — this thread's forward passes run with
+    DeepLIFT's rules (``DeepLiftRules``); removed when the block ends."""
+
+    def __init__(self, eps: float = 1e-10, module_names: Optional[dict[int, str]] = None):
+        super().__init__()
+        self.rules = DeepLiftRules(eps, module_names or {})
+
+    def setup(self) -> DeepLiftRules:
+        self.rules.mode = CallRules([self.rules])
+        self.enter(self.rules.mode)
+        return self.rules
+
+
+def detached_output(value: Any) -> Any:
+    """A model output with its tensors detached (lists, tuples and dicts kept)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if type(value) in (list, tuple):
+        return type(value)(detached_output(item) for item in value)
+    if isinstance(value, dict):  # HuggingFace's ModelOutput too, which is built from keywords
+        items = {key: detached_output(item) for key, item in value.items()}
+        try:
+            return type(value)(**items)
+        except TypeError:
+            return items
+    return value

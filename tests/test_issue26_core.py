@@ -398,7 +398,7 @@ def test_an_explainer_called_inside_its_own_target_keeps_the_outer_calls_inputs(
     nested = explainer.explain(x, target=target, forward_args=(other,), input_position=1)
     plain = explainer.explain(x, target=0, forward_args=(other,), input_position=1)
     torch.testing.assert_close(nested.raw_maps, plain.raw_maps)
-    assert explainer.forward_call is None
+    assert explainer._forward_call is None
 
 
 def test_the_precision_warning_covers_fullgrad_xrai_and_a_model_partly_in_bf16():

@@ -549,7 +549,7 @@ class Explainer(ABC):
     """Whether the constructor takes a target layer after the model (CAM methods)."""
     summary: ClassVar[str] = ""
     """One line for ``explain methods``."""
-    forward_call: PerThread[ForwardCall] = PerThread()
+    _forward_call: PerThread[ForwardCall] = PerThread()
     """The model's other inputs during a call (None for a model with one input)."""
 
     def __init__(
@@ -658,7 +658,7 @@ class Explainer(ABC):
         that the method's other forward passes use. The copy is channels-last where that runs
         faster (``explain.memory_format``)."""
         inputs = model_batch(self.model, inputs)
-        call = self.forward_call
+        call = self._forward_call
         if call is None:
             return select_output(run_model(self.model, inputs), self.output)
         if rows is not None:
@@ -708,16 +708,16 @@ class Explainer(ABC):
                 scope.enter(torch.inference_mode(False))
             check_parameters_usable(self.model)
             prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
-            outer_call = self.forward_call  # this explainer's call in progress, when it is called inside it
-            scope.add_undo(lambda: setattr(self, "forward_call", outer_call))
+            outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
+            scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
             plain_call = (isinstance(forward_args, (tuple, list)) and len(forward_args) == 0
                           and (forward_kwargs is None or (isinstance(forward_kwargs, dict) and not forward_kwargs))
                           and isinstance(input_position, int) and input_position == 0 and not per_image)
             if not plain_call:
-                self.forward_call = ForwardCall.stated(forward_args, forward_kwargs or {}, input_position,
+                self._forward_call = ForwardCall.stated(forward_args, forward_kwargs or {}, input_position,
                                                        prepared.batch.shape[0], per_image)
             else:
-                self.forward_call = None
+                self._forward_call = None
             scope.eval_mode(self.model)
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call

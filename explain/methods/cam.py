@@ -158,9 +158,9 @@ class CAM(Explainer):
     needs_layer = True
     uses_gradients: ClassVar[bool] = True
     """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""
-    layouts: PerThread[list[Layout]] = PerThread()
+    _layouts: PerThread[list[Layout]] = PerThread()
     """During a call: how each layer's output maps to (N, C, h, w)."""
-    zero_gradient: PerThread[tuple[Tensor, Tensor]] = PerThread()
+    _zero_gradient: PerThread[tuple[Tensor, Tensor]] = PerThread()
     """During a call: (N, K) bool where the gradient at every layer was zero everywhere, and (N, K)
     bool where the score does not depend on the layers at all."""
 
@@ -245,10 +245,10 @@ class CAM(Explainer):
                 output = self.call_model(batch)
             activations = capture.activations()
             check_batch_dimension(self.layer_names, activations, batch.shape[0])
-            self.layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=self.model)
+            self._layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=self.model)
                             for (name, module), activation in zip(self.layers, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
-            self.zero_gradient = None
+            self._zero_gradient = None
             maps = self.layer_maps(batch, activations, selected)
         selected.scores = selected.scores.detach()
         negative = None
@@ -257,14 +257,14 @@ class CAM(Explainer):
             maps = [torch.relu(layer_maps) for layer_maps in maps]
         attribution = self._combine_layers(maps, selected, batch.shape[-2:])
         attribution.negative_everywhere = negative
-        if self.zero_gradient is not None:
-            attribution.zero_gradient, attribution.disconnected = self.zero_gradient
-        self.layouts = self.zero_gradient = None
+        if self._zero_gradient is not None:
+            attribution.zero_gradient, attribution.disconnected = self._zero_gradient
+        self._layouts = self._zero_gradient = None
         return attribution
 
     def feature_maps(self, layer_index: int, tensor: Tensor) -> Tensor:
         """A layer's output (or its gradient), in the layer's own layout, as (N, C, h, w)."""
-        layouts = self.layouts
+        layouts = self._layouts
         assert layouts is not None, "feature_maps is called during a call, once the layers' layouts are known"
         return layouts[layer_index].apply(tensor)
 
@@ -290,7 +290,7 @@ class CAM(Explainer):
                 maps.append(self.layer_map(self.feature_maps(i, activation.detach()).float(), feature_gradients))
             zero_gradient.append(zero_at_every_layer)
             disconnected.append(unreachable.to(zero_at_every_layer.device))
-        self.zero_gradient = torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
+        self._zero_gradient = torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
     def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size: Sequence[int]

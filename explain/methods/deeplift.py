@@ -80,7 +80,7 @@ class DeepLift(GradientExplainer):
         attributions, score_change, disconnected, selected = self.rescaled(
             batch, baseline, (target, topk), torch.arange(count, device=batch.device), unruled)
         self.warn_about_unruled(unruled)
-        self.disconnected = disconnected
+        self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())
@@ -189,7 +189,7 @@ class DeepLiftShap(DeepLift):
         self.warn_about_unruled(unruled)
         attributions = (total / len(baselines)).to(batch.dtype)
         score_change = change / len(baselines)
-        self.disconnected = disconnected
+        self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())

@@ -119,7 +119,7 @@ class GradientShap(GradientExplainer):
         A reference's output is the same for every image unless the call has per-image forward
         arguments: then one no-grad forward per distinct (image, reference) pair, else one per
         distinct reference (16 samples from 4 references cost 4 forwards, whatever the batch)."""
-        shared = self.forward_call is None
+        shared = self._forward_call is None
         key_of_row = reference_of_row if shared else image_of_row * len(references) + reference_of_row
         keys, row_to_key = torch.unique(key_of_row, return_inverse=True)
         row_scores = torch.empty(len(key_of_row), selected.scores.shape[1], dtype=torch.float64,
@@ -176,7 +176,7 @@ class GradientShap(GradientExplainer):
             disconnected[image_of_row[rows]] &= unreachable
             empty_path[image_of_row[rows]] &= empty
         attributions = (total / per_image).to(batch.dtype)
-        self.disconnected = disconnected
+        self._disconnected = disconnected
         if not self.check_completeness:
             return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
                                          baseline_is_input=empty_path)

@@ -84,7 +84,7 @@ class GradientExplainer(Explainer):
         (signed). The per-channel attributions stay on ``Explanation.attributions``.
     """
 
-    disconnected: PerThread[Tensor] = PerThread()
+    _disconnected: PerThread[Tensor] = PerThread()
     """During a call: (N, K) bool, where the score does not depend on the input at all."""
 
     def reads_pixel_gradients(self) -> bool:
@@ -103,14 +103,14 @@ class GradientExplainer(Explainer):
 
     def gradients(self, batch: Tensor, target: Target, topk: Optional[int]) -> tuple[Tensor, SelectedTargets]:
         """((N, K, C, H, W) ∂score/∂input, the selected targets) for a batch; where the score does not
-        depend on the input is kept for the warning about empty maps (``self.disconnected``)."""
+        depend on the input is kept for the warning about empty maps (``self._disconnected``)."""
         selection: dict[str, SelectedTargets] = {}
 
         def scores_of(output: object) -> Tensor:
             selection["targets"] = select_targets(output, target, topk, batch_size=batch.shape[0])
             return selection["targets"].scores
 
-        gradients, scores, self.disconnected = input_gradients(self.forward, batch, scores_of)
+        gradients, scores, self._disconnected = input_gradients(self.forward, batch, scores_of)
         selected = selection["targets"]
         selected.scores = scores
         return gradients, selected
@@ -127,7 +127,7 @@ class GradientExplainer(Explainer):
         """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
         zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere;
         baseline_is_input: (N,) bool, where a path method's baseline equals the image."""
-        disconnected, self.disconnected = self.disconnected, None
+        disconnected, self._disconnected = self._disconnected, None
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
             selected=selected,
@@ -304,7 +304,7 @@ class IntegratedGradients(GradientExplainer):
                 steps[these] = doubled
         completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
         attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
-        self.disconnected = disconnected
+        self._disconnected = disconnected
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
                                      baseline_is_input=difference.flatten(1).eq(0).all(dim=1),
                                      completeness_error=completeness_error.float(), score_change=score_change.float(),

@@ -166,14 +166,14 @@ class GuidedGradCAM(GradientExplainer):
         self.guided = GuidedBackprop(model, reduce=self.reduce, output=self.output)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        self.cam.forward_call = self.guided.forward_call = self.forward_call
+        self.cam._forward_call = self.guided._forward_call = self._forward_call
         try:
             cam = self.cam.attribute(batch, target, topk)
             selected = cam.selected
             fixed_targets = selected.target_function or selected.class_indices
             guided = self.guided.attribute(batch, fixed_targets, None)
         finally:
-            self.cam.forward_call = self.guided.forward_call = None
+            self.cam._forward_call = self.guided._forward_call = None
         # products in float32: a float16 model's guided gradients times a map in [0, 1] would underflow
         cam_maps = upsample_maps(cam.maps, batch.shape[-2:]).float()  # (N, K, H, W)
         assert guided.attributions is not None, "guided backprop returns its attributions at the input"

@@ -152,7 +152,7 @@ class LRP(GradientExplainer):
                 disconnected.append(torch.full((count,), relevance is None, dtype=torch.bool, device=batch.device))
         attributions = torch.stack(relevances, dim=1)
         selected.scores = selected.scores.detach()
-        self.disconnected = torch.stack(disconnected, dim=1)
+        self._disconnected = torch.stack(disconnected, dim=1)
         relevance_sum = attributions.detach().double().flatten(2).sum(dim=2).cpu()
         output_relevance = trace.output_relevance(count, targets)
         return self.attribution_from(

@@ -184,7 +184,7 @@ class GuidedIG(GradientExplainer):
         attributions = attributions.view(count, targets, *batch.shape[1:])
         score_change = selected.scores.detach().double() - baseline_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
-        self.disconnected = disconnected.view(count, targets)
+        self._disconnected = disconnected.view(count, targets)
         return self.attribution_from(attributions.to(batch.dtype), selected,
                                      zero_gradient=zero_gradient.view(count, targets),
                                      baseline_is_input=inputs[::targets].eq(starts[::targets]).all(dim=1),
@@ -289,6 +289,6 @@ class BlurIG(GradientExplainer):
         attributions = -integral
         score_change = selected.scores.detach().double() - blurred_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
-        self.disconnected = disconnected
+        self._disconnected = disconnected
         return self.attribution_from(attributions.to(batch.dtype), selected, zero_gradient=all_zero(attributions),
                                      completeness_error=completeness_error.float(), score_change=score_change.float())

@@ -147,7 +147,7 @@ class AblationCAM(PerturbationCAM):
         self.replay_batch_size = replay_batch_size
 
     def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
-        layers, layouts = self.layers, self.layouts
+        layers, layouts = self.layers, self._layouts
         assert layers is not None and layouts is not None, "during a call, the layers and their layouts are known"
         module = layers[layer_index][1]
         count, channels = activation.shape[:2]

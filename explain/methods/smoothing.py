@@ -124,12 +124,12 @@ class SmoothGrad(Explainer):
             else:
                 assert clean.class_indices is not None, "class targets carry their class indices"
                 fixed = clean.class_indices[image_of_row]
-            call = self.forward_call
-            self.explainer.forward_call = None if call is None else call.for_rows(image_of_row)
+            call = self._forward_call
+            self.explainer._forward_call = None if call is None else call.for_rows(image_of_row)
             try:
                 return self.explainer.attribute(noisy, fixed, None)
             finally:
-                self.explainer.forward_call = None
+                self.explainer._forward_call = None
 
         sums: dict[str, Tensor] = {}  # per image, of each copy's values and of their squares, float64
         flag_counts: dict[str, Tensor] = {}  # per image, the copies whose gradient was not zero / not disconnected

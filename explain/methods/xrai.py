@@ -342,11 +342,11 @@ class XRAI(Explainer):
         passes = len(explainers) * -(-self.steps * batch.shape[0] // rows_per_pass(self.batch_size, batch.device))
         with self.progress_bar(passes, len(explainers), "baseline") as bar:  # the inner methods show none
             for explainer in explainers:
-                explainer.forward_call = self.forward_call
+                explainer._forward_call = self._forward_call
                 try:
                     inner = explainer.attribute(batch, target, None)
                 finally:
-                    explainer.forward_call = None
+                    explainer._forward_call = None
                 bar.update()
                 collected.append(self.channel_values(inner, batch))
                 for key in ("zero_gradient", "disconnected"):

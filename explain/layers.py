@@ -157,11 +157,12 @@ class _ModuleRun:
     layout: Optional[str]
     fingerprint: Optional[Tensor]
     depends_on_image: bool = True
+    reaches_output: bool = True
 
     @property
     def is_candidate(self) -> bool:
         return (self.calls == 1 and self.is_tensor and self.layout is not None and self.depends_on_image
-                and not self.passes_input_through and not isinstance(self.module, POOLING))
+                and self.reaches_output and not self.passes_input_through and not isinstance(self.module, POOLING))
 
 
 def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) -> str:
@@ -175,7 +176,9 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
       input's patch grid, read as ``explain.layouts`` reads them for the CAM,
     - changes when the image does (a second run, on a noisy copy, tells: not a position bias,
       not a text tower), is computed rather than passed through (Identity, eval-mode Dropout),
-      and is not a pooling layer.
+      and is not a pooling layer,
+    - reaches what is explained (the output as ``run`` selects it): not an auxiliary head whose output
+      goes elsewhere (torchvision's segmentation ``aux_classifier``).
 
     Transformers. A block is an entry of a Sequential, ModuleList or ModuleDict (the innermost
     such entry, not the stage that holds blocks) whose output is tokens or channels-last maps;
@@ -198,6 +201,7 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     """
     runs = _trace(model, batch, run)
     _mark_image_dependence(model, batch, run, runs)
+    _mark_reaching_output(model, batch, run, runs)
     candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
@@ -233,6 +237,49 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     with _OutputHooks(named, record), preserved_model_state(model), torch.no_grad():
         _run(model, batch, run)
     return runs
+
+
+def _mark_reaching_output(model: nn.Module, batch: Tensor, run: Optional[Run], runs: dict[str, _ModuleRun]) -> None:
+    """Run the model once more with autograd and mark the candidates whose output is not an ancestor of
+    the output ``run`` returns in the autograd graph (kept as they are when none would be left)."""
+    candidates = [(name, runs[name].module) for name, module_run in runs.items() if module_run.is_candidate]
+    if not candidates or not batch.is_floating_point():
+        return
+    nodes: dict[str, Any] = {}
+
+    def record(name: str, args: tuple[object, ...], output: object) -> None:
+        main = _main_tensor(output)
+        if name not in nodes and main is not None and main.grad_fn is not None:
+            nodes[name] = main.grad_fn
+
+    try:
+        with _OutputHooks(candidates, record), preserved_model_state(model), torch.enable_grad():
+            output = _run(model, batch.detach().requires_grad_(True), run)
+    except ModelInputError:
+        return
+    reached: set[int] = set()
+    pending = [tensor.grad_fn for tensor in _tensors_of(output) if tensor.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if id(node) in reached:
+            continue
+        reached.add(id(node))
+        pending.extend(parent for parent, _ in node.next_functions if parent is not None)
+    outside = [name for name, node in nodes.items() if id(node) not in reached]
+    if len(outside) < len(candidates):
+        for name in outside:
+            runs[name].reaches_output = False
+
+
+def _tensors_of(value: object) -> list[Tensor]:
+    """The tensors of a model output: a tensor, or those in its (nested) tuples, lists and mappings."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_of(item)]
+    if isinstance(value, Mapping):
+        return [tensor for item in value.values() for tensor in _tensors_of(item)]
+    return []
 
 
 def _mark_image_dependence(model: nn.Module, batch: Tensor, run: Optional[Run], runs: dict[str, _ModuleRun]) -> None:

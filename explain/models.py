@@ -242,8 +242,12 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
                 f"This machine may have no network. Download {chosen.url} on a machine that has, copy it "
                 f"here and pass its path: --weights /path/to/{filename}"
             ) from error
+    task = ("segmentation" if name in torchvision.models.list_models(module=torchvision.models.segmentation)
+            else "detection" if name in torchvision.models.list_models(module=torchvision.models.detection)
+            else "classification")
     categories = chosen.meta.get("categories") if chosen is not None else None
-    names = list(categories) if categories is not None and len(categories) == count_outputs(model) else None
+    classes = count_segmentation_classes(model) if task == "segmentation" else count_outputs(model)
+    names = list(categories) if categories is not None and len(categories) == classes else None
     preprocess: Preprocess
     if chosen is not None:
         preprocess = TransformPreprocess(chosen.transforms())
@@ -251,9 +255,6 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
         preprocess = Normalize()
     crop = getattr(chosen.transforms(), "crop_size", None) if chosen is not None else None
     size = (3, int(crop[0]), int(crop[0])) if crop else None
-    task = ("segmentation" if name in torchvision.models.list_models(module=torchvision.models.segmentation)
-            else "detection" if name in torchvision.models.list_models(module=torchvision.models.detection)
-            else "classification")
     return LoadedModel(model, preprocess, names, name, input_size=size, task=task, random_weights=weights is None)
 
 
@@ -550,6 +551,16 @@ def count_outputs(model: nn.Module) -> Optional[int]:
         if isinstance(module, nn.Linear):
             last_linear = module
     return None if last_linear is None else last_linear.out_features
+
+
+def count_segmentation_classes(model: nn.Module) -> Optional[int]:
+    """The out_channels of the last convolution of a torchvision segmentation model's ``classifier``
+    (its number of classes, one score map each)."""
+    last_convolution = None
+    for module in getattr(model, "classifier", nn.Identity()).modules():
+        if isinstance(module, nn.Conv2d):
+            last_convolution = module
+    return None if last_convolution is None else last_convolution.out_channels
 
 
 # ---------------------------------------------------------------- class names

@@ -542,3 +542,32 @@ def test_small_things_the_attack_found():
         metrics.road(model, x, result, percentages="0.5")
     with pytest.raises(TypeError, match=r"class_names must be a list of names.*got str"):
         explain.Saliency(model, class_names="cat dog bird")
+
+
+class AuxiliaryHead(nn.Module):
+    """Two heads on one trunk, as training-time auxiliary heads are: {"out": main, "aux": auxiliary}."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.main = nn.Conv2d(4, 3, 1)
+        self.aux_head = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 3, 1))  # runs last
+
+    def forward(self, x: Tensor) -> dict:
+        features = self.trunk(x)
+        return {"out": self.main(features).mean(dim=(2, 3)), "aux": self.aux_head(features).mean(dim=(2, 3))}
+
+
+def test_the_automatic_layer_reaches_the_output_explained_not_an_auxiliary_head():
+    import torchvision
+
+    x = torch.randn(1, 3, 32, 32)
+    chosen = explain.GradCAM(AuxiliaryHead().eval(), output="out").explain(x, target=1)
+    assert chosen.layer == "main"  # the last layer whose output the score depends on; not aux_head's
+    assert chosen.raw_maps.abs().sum() > 0
+    torch.manual_seed(0)
+    deeplab = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=3,
+                                                                 aux_loss=True).eval()
+    assert explain.GradCAM(deeplab).explain(x, target=explain.SegmentationTarget(0, mask=torch.ones(32, 32))).layer \
+        == "classifier"

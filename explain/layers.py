@@ -201,7 +201,6 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     """
     runs = _trace(model, batch, run)
     _mark_image_dependence(model, batch, run, runs)
-    _mark_reaching_output(model, batch, run, runs)
     candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
@@ -222,53 +221,42 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     runs: dict[str, _ModuleRun] = {}
     count, input_size = batch.shape[0], tuple(batch.shape[-2:])
 
+    graph_nodes: dict[str, Any] = {}  # the autograd node of each map-like output, while the run's graph lives
+
     def record(name: str, args: tuple[object, ...], output: object) -> None:
         if name in runs:
             runs[name].calls += 1
             return
         main = _main_tensor(output)
         layout = None if main is None else _map_layout(main, modules[name], count, input_size, model)
+        if main is not None and layout is not None and main.grad_fn is not None:
+            graph_nodes[name] = main.grad_fn
         runs[name] = _ModuleRun(
             name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
-            fingerprint=None if main is None or layout is None else _fingerprint(main),
+            fingerprint=None if main is None or layout is None else _fingerprint(main.detach()),
         )
 
-    with _OutputHooks(named, record), preserved_model_state(model), torch.no_grad():
-        _run(model, batch, run)
+    inputs = batch.detach().requires_grad_(batch.is_floating_point())
+    with _OutputHooks(named, record), preserved_model_state(model), torch.enable_grad():
+        output = _run(model, inputs.clone(), run)  # a copy: a model may edit its input in place
+    reached = _graph_ancestors(output)
+    if reached:  # what is explained depends on the image: a map-like output that it does not descend from is not
+        for name, node in graph_nodes.items():  # a candidate (an auxiliary head whose output goes elsewhere)
+            runs[name].reaches_output = id(node) in reached
     return runs
 
 
-def _mark_reaching_output(model: nn.Module, batch: Tensor, run: Optional[Run], runs: dict[str, _ModuleRun]) -> None:
-    """Run the model once more with autograd and mark the candidates whose output is not an ancestor of
-    the output ``run`` returns in the autograd graph (kept as they are when none would be left)."""
-    candidates = [(name, runs[name].module) for name, module_run in runs.items() if module_run.is_candidate]
-    if not candidates or not batch.is_floating_point():
-        return
-    nodes: dict[str, Any] = {}
-
-    def record(name: str, args: tuple[object, ...], output: object) -> None:
-        main = _main_tensor(output)
-        if name not in nodes and main is not None and main.grad_fn is not None:
-            nodes[name] = main.grad_fn
-
-    try:
-        with _OutputHooks(candidates, record), preserved_model_state(model), torch.enable_grad():
-            output = _run(model, batch.detach().requires_grad_(True), run)
-    except ModelInputError:
-        return
+def _graph_ancestors(output: object) -> set[int]:
+    """The ids of the autograd nodes that the tensors of a model output were computed from."""
     reached: set[int] = set()
     pending = [tensor.grad_fn for tensor in _tensors_of(output) if tensor.grad_fn is not None]
     while pending:
         node = pending.pop()
-        if id(node) in reached:
-            continue
-        reached.add(id(node))
-        pending.extend(parent for parent, _ in node.next_functions if parent is not None)
-    outside = [name for name, node in nodes.items() if id(node) not in reached]
-    if len(outside) < len(candidates):
-        for name in outside:
-            runs[name].reaches_output = False
+        if id(node) not in reached:
+            reached.add(id(node))
+            pending.extend(parent for parent, _ in node.next_functions if parent is not None)
+    return reached
 
 
 def _tensors_of(value: object) -> list[Tensor]:

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_attention_models import hf_clip
 from torch import Tensor, nn
 
 import explain
@@ -17,14 +18,7 @@ import explain
 
 
 def tiny_clip() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.CLIPConfig(
-        text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=16),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4),
-        projection_dim=16)
-    return transformers.CLIPModel._from_config(config, attn_implementation="eager").double().eval()
+    return hf_clip("eager").double()
 
 
 def slow_integrated_gradients(score: "callable", x: Tensor, steps: int) -> Tensor:

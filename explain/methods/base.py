@@ -89,10 +89,11 @@ class ForwardCall:
 
     @classmethod
     def stated(cls, args: object, kwargs: object, position: object, batch_size: int,
-               per_image: Optional[PerImage]) -> "ForwardCall":
+               per_image: Optional[PerImage]) -> Optional["ForwardCall"]:
         """The call as ``explain`` receives it, each part checked: ``args`` a tuple or list, ``kwargs`` a
         dict, ``position`` where the batch goes among the positional arguments (0 … len(args); −1 is the
-        last place) or a keyword that ``kwargs`` does not hold, ``per_image`` naming arguments given."""
+        last place) or a keyword that ``kwargs`` does not hold, ``per_image`` naming arguments given.
+        None for a model called with the batch alone."""
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"forward_args must be a tuple or list of the model's other positional inputs (e.g. "
                             f"forward_args=(text,)); got {type(args).__name__}.")
@@ -109,6 +110,8 @@ class ForwardCall:
             raise ValueError(f"input_position must be a keyword name or the images' place among the model's "
                              f"{len(args) + 1} positional inputs, 0 to {len(args)} (or −1 for the last); got "
                              f"{position!r}.")
+        if not args and not kwargs and position == 0 and not per_image:
+            return None
         call = cls(tuple(args), dict(kwargs), position, batch_size)
         if per_image is None:
             return call
@@ -710,14 +713,8 @@ class Explainer(ABC):
             prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
             scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
-            plain_call = (isinstance(forward_args, (tuple, list)) and len(forward_args) == 0
-                          and (forward_kwargs is None or (isinstance(forward_kwargs, dict) and not forward_kwargs))
-                          and isinstance(input_position, int) and input_position == 0 and not per_image)
-            if not plain_call:
-                self._forward_call = ForwardCall.stated(forward_args, forward_kwargs or {}, input_position,
-                                                       prepared.batch.shape[0], per_image)
-            else:
-                self._forward_call = None
+            self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,
+                                                    input_position, prepared.batch.shape[0], per_image)
             scope.eval_mode(self.model)
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call

@@ -129,7 +129,7 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     return sorted(files)
 
 
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """``write(temporary)`` then rename into place: a kill leaves the old file or the new one, a
     failed write (a full disk) the old one and no temporary file."""
     temporary = path.with_name(f".{path.name}.part")
@@ -137,8 +137,7 @@ def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
         write(temporary)
         os.replace(temporary, path)
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        temporary.unlink(missing_ok=True)
 
 
 def index_line_ending(index: Path) -> str:
@@ -166,7 +165,7 @@ def _complete_rows(index: Path) -> list[dict[str, str]]:
     its fields: CRLF or LF line endings and a UTF-8 byte-order mark are accepted."""
     header = (",".join(FIELDS) + "\r\n").encode()
     if not index.exists():
-        _write_atomically(index, lambda temporary: temporary.write_bytes(header))
+        write_atomically(index, lambda temporary: temporary.write_bytes(header))
         return []
     lines = index.read_bytes().splitlines(keepends=True)
     if not lines or not _is_header(lines[0]):
@@ -369,7 +368,7 @@ def _write_skipped(summary: RunSummary) -> None:
             writer.writeheader()
             writer.writerows({"image": image, "reason": reason} for image, reason in summary.skipped.items())
 
-    _write_atomically(summary.skipped_file, write)
+    write_atomically(summary.skipped_file, write)
 
 
 def _write_result(out: Path, explanation: Explanation, row: int, item: str, name: str, overlays: bool,
@@ -378,10 +377,10 @@ def _write_result(out: Path, explanation: Explanation, row: int, item: str, name
     (for ``_append``, which adds them in one write)."""
     maps = explanation.map_grid[row].detach().float().cpu()  # (K, H, W)
     map_file = Path("maps") / f"{item}.npy"
-    _write_atomically(out / map_file, lambda temporary: _save_array(temporary, maps.numpy().astype(np.float16)))
+    write_atomically(out / map_file, lambda temporary: _save_array(temporary, maps.numpy().astype(np.float16)))
     if overlays:
         tiles = np.concatenate(list(render.overlay(explanation.images[row], maps)), axis=1)
-        _write_atomically(out / "overlays" / f"{item}.png",
+        write_atomically(out / "overlays" / f"{item}.png",
                           lambda temporary: Image.fromarray(tiles).save(temporary, format="PNG"))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator=line_ending)
@@ -452,7 +451,7 @@ def merge_shard_indexes(out: Union[str, Path]) -> Path:
             writer.writeheader()
             writer.writerows(existing + sorted(rows, key=lambda row: (row["id"], int(row["k"]))))
 
-    _write_atomically(index_path, write)
+    write_atomically(index_path, write)
     for shard_index in shards:
         shard_index.unlink()
     return index_path

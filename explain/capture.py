@@ -235,19 +235,22 @@ def _compiled(module: nn.Module) -> bool:
     return _compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
-def eager_model(model: nn.Module, what: str) -> nn.Module:
+def eager_model(model: nn.Module, what: str, compiled_code_runs: bool = False) -> nn.Module:
     """The module that runs ``model``'s forward eagerly, for methods that record what the forward
     computes: ``model`` itself, or for ``torch.compile(model)`` the original module it wraps
     (``_orig_mod``: the same module, parameters and buffers; its output equals the compiled one's to
     float rounding, and the compiled wrapper and its caches are left untouched). Raises TypeError,
     naming torch.compile and the fix, where compiled code would still run: a module compiled in
     place (``module.compile()``) or a compiled submodule. Compiled code runs neither module hooks
-    nor call-scoped rules, and the gradients of what it records come out zero."""
+    nor call-scoped rules, and the gradients of what it records come out zero. ``compiled_code_runs``:
+    for a method that only differentiates the output (no hook, no rule), which such code serves as well."""
     while _compile_wrapper(model):
         wrapped = getattr(model, "_orig_mod", None)
         if not isinstance(wrapped, nn.Module):
             break
         model = wrapped
+    if compiled_code_runs:
+        return model
     compiled = [name or "the model" for name, module in model.named_modules() if _compiled(module)]
     if compiled:
         listed = ", ".join(repr(name) for name in compiled[:3]) + (" and others" if len(compiled) > 3 else "")

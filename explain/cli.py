@@ -33,13 +33,14 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
+from .batch import Shard, merge_shard_indexes, run, write_atomically
 from .capture import LayerNotRunError, ModelInputError
 from .explanation import Explanation
 from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
 from .methods.base import parameter_docs
 from .models import LoadedModel, WeightsUnavailableError, load_model, names_an_architecture, weights_choices
-from .targets import SegmentationTarget, Target
+from .targets import SegmentationTarget, Target, class_index
 
 DEMO_SEED = 2024
 
@@ -189,11 +190,10 @@ def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]) -> O
         return None
     if text.lstrip("-").isdigit():
         return int(text)
-    if class_names is not None:
-        lowered = [name.lower() for name in class_names]
-        if text.lower() in lowered:
-            return lowered.index(text.lower())
-    raise ValueError(f"--target {text!r} is neither a class index nor a known class name.")
+    if class_names is None:
+        raise ValueError(f"--target {text!r} is not a class index, and the model's class names are not known: give "
+                         "an index, or the names with --class-names FILE.")
+    return class_index(text, class_names)
 
 
 def command_line_target(arguments: argparse.Namespace, loaded: LoadedModel) -> Target:
@@ -334,7 +334,7 @@ def write_overlays(explanation: Explanation, destination: Path, settings: dict[s
     ``destination`` from other settings (or not written by explain) is kept and the new one is
     numbered (``-2``, ``-3``, ...); one from the same settings is replaced. Returns the path
     written and a note saying which of these happened ("" for a new file)."""
-    from PIL import Image, PngImagePlugin
+    from PIL import PngImagePlugin
 
     recorded = json.dumps(settings, sort_keys=True)
     path, number = destination, 1
@@ -346,17 +346,10 @@ def write_overlays(explanation: Explanation, destination: Path, settings: dict[s
         note = f" ({destination.name} holds another run's result: kept; {done or 'this one numbered'})"
     else:
         note = f" ({done})" if done else ""
-    temporary = path.with_name(f".{path.stem}.part.png")
-    try:
-        explanation.save(temporary, alpha=alpha, cmap=cmap)
-        with Image.open(temporary) as written:
-            picture = written.copy()
-        information = PngImagePlugin.PngInfo()
-        information.add_text(SETTINGS_KEY, recorded)
-        picture.save(temporary, format="PNG", pnginfo=information)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    information = PngImagePlugin.PngInfo()
+    information.add_text(SETTINGS_KEY, recorded)
+    picture = explanation.overlay_image(alpha=alpha, cmap=cmap)
+    write_atomically(path, lambda temporary: picture.save(temporary, format="PNG", pnginfo=information))
     return path, note
 
 
@@ -375,11 +368,10 @@ def run_images(arguments: argparse.Namespace) -> int:
     loaded.model.to(device)
     explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
     target = command_line_target(arguments, loaded)
-    topk = None if loaded.task == "segmentation" else arguments.topk
     mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
     for path, stem in zip(arguments.images, output_names(arguments.images)):
-        explanation = explainer.explain(path, target=target, topk=topk)
+        explanation = explainer.explain(path, target=target, topk=arguments.topk)
         destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
                                            run_settings(arguments, path), arguments.alpha, arguments.cmap)
         targets = explanation.map_grid.shape[1]
@@ -448,7 +440,6 @@ def describe_method(name: str) -> str:
 
 def run_batch(argv: Sequence[str]) -> int:
     """``explain batch``: every image of a folder, written to OUT (see explain.batch)."""
-    from .batch import Shard, merge_shard_indexes, run
 
     parser = Parser(prog="explain batch", description=run_batch.__doc__)
     parser.add_argument("folder", help="folder of images (searched recursively)")
@@ -472,9 +463,8 @@ def run_batch(argv: Sequence[str]) -> int:
         loaded.model.to(device)
         explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
         target = command_line_target(arguments, loaded)
-        topk = None if loaded.task == "segmentation" else arguments.topk
         mark = warn_if_random(loaded)
-        summary = run(explainer, arguments.folder, arguments.out, target=target, topk=topk,
+        summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
                       batch_size=arguments.batch_size, overlays=arguments.overlays,
                       progress=not arguments.no_progress, shard=shard)
         index = summary.index

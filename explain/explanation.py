@@ -197,8 +197,13 @@ class Explanation:
         if path.suffix.lower() in VECTOR_FORMATS:
             render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
         else:
-            Image.fromarray(render.tile(render.overlay(self.images, self.map_grid, alpha=alpha, cmap=cmap))).save(path)
+            self.overlay_image(alpha=alpha, cmap=cmap).save(path)
         return path
+
+    def overlay_image(self, alpha: float = 0.5, cmap: str = "jet") -> Image.Image:
+        """The overlays as one RGB image at the input's resolution: images side by side, one row per
+        target (what ``save`` writes to a raster file)."""
+        return Image.fromarray(render.tile(render.overlay(self.images, self.map_grid, alpha=alpha, cmap=cmap)))
 
     def png(self, dpi: int = 80) -> bytes:
         """The figure of ``figure()`` as PNG bytes (what a notebook shows)."""

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture import ModelInputError, _first_line, model_device, model_dtype, preserved_model_state, run_model
-from .layouts import infer_layout
+from .layouts import ModelTokens, infer_layout, model_tokens
 from .scope import CallScope
 
 Run = Callable[[Tensor], Any]
@@ -222,13 +222,14 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     count, input_size = batch.shape[0], tuple(batch.shape[-2:])
 
     graph_nodes: dict[str, Any] = {}  # the autograd node of each map-like output, while the run's graph lives
+    tokens = model_tokens(model)  # read once, not in each module's hook
 
     def record(name: str, args: tuple[object, ...], output: object) -> None:
         if name in runs:
             runs[name].calls += 1
             return
         main = _main_tensor(output)
-        layout = None if main is None else _map_layout(main, modules[name], count, input_size, model)
+        layout = None if main is None else _map_layout(main, modules[name], count, input_size, tokens)
         if main is not None and layout is not None and main.grad_fn is not None:
             graph_nodes[name] = main.grad_fn
         runs[name] = _ModuleRun(
@@ -238,13 +239,19 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
         )
 
     inputs = batch.detach().requires_grad_(batch.is_floating_point())
-    with _OutputHooks(named, record), preserved_model_state(model), torch.enable_grad():
+    with _OutputHooks(named, record), preserved_model_state(model), torch.enable_grad(), _graph_without_tensors():
         output = _run(model, inputs.clone(), run)  # a copy: a model may edit its input in place
     reached = _graph_ancestors(output)
     if reached:  # what is explained depends on the image: a map-like output that it does not descend from is not
         for name, node in graph_nodes.items():  # a candidate (an auxiliary head whose output goes elsewhere)
             runs[name].reaches_output = id(node) in reached
     return runs
+
+
+def _graph_without_tensors() -> torch.autograd.graph.saved_tensors_hooks:
+    """Within: autograd records the graph's structure but keeps none of the tensors a backward would
+    need (the trace only walks the graph; no backward runs on it), so it costs no activation memory."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, lambda saved: saved)
 
 
 def _graph_ancestors(output: object) -> set[int]:
@@ -362,14 +369,14 @@ def _main_tensor(output: object) -> Optional[Tensor]:
 
 
 def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int],
-                model: nn.Module) -> Optional[str]:
-    """The layout kind (as a CAM would read the module's output ``tensor`` of ``model``) when the tensor
-    has ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
+                tokens: Optional[ModelTokens]) -> Optional[str]:
+    """The layout kind (as a CAM would read the module's output ``tensor``, of a model stating ``tokens``)
+    when the tensor has ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
     if (tensor.dim() not in (3, 4) or tensor.shape[0] != count or not tensor.is_floating_point()
             or tensor.layout != torch.strided):
         return None
     try:
-        layout = infer_layout(tensor, input_size, module=module, model=model)
+        layout = infer_layout(tensor, input_size, module=module, model=tokens)
     except ValueError:
         return None
     if layout.kind == "tokens":

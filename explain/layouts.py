@@ -235,15 +235,24 @@ def checked_grid(reshape: Sequence[int], tokens: int, input_size: Sequence[int],
     return _token_layout_of(prefix, (height, width), known)
 
 
+ModelOrTokens = Union[nn.Module, ModelTokens, None]
+"""A model, or what ``model_tokens`` read of it (read once by a caller that lays out many tensors)."""
+
+
+def stated_tokens(model: ModelOrTokens) -> Optional[ModelTokens]:
+    """What a model states of its tokens (``model_tokens``), read now unless it was read before."""
+    return model if isinstance(model, ModelTokens) else model_tokens(model)
+
+
 def token_layout(tokens: int, input_size: Sequence[int], reshape: Optional[Sequence[int]] = None,
-                 model: Optional[nn.Module] = None, what: str = "the layer", whole_sequence: bool = False) -> Layout:
+                 model: ModelOrTokens = None, what: str = "the layer", whole_sequence: bool = False) -> Layout:
     """The Layout of (N, ``tokens``, D) tokens for an (H, W) input, read the same way by every
     method (CAMs, attention methods). ``reshape=(h, w)``: that grid, checked (``checked_grid``).
     Otherwise, when ``model`` states its tokens (``model_tokens``): its prefix tokens (or none, as in
     a patch embedding's output; not when ``whole_sequence``, as for attention over every token) and
     its patch grid where the patch embedding tells it, else the grid with the input's aspect ratio;
     from the token count alone for other models (``token_grid``). Raises ValueError when no grid fits."""
-    known = model_tokens(model)
+    known = stated_tokens(model)
     if reshape is not None:
         return checked_grid(reshape, tokens, input_size, known, what, whole_sequence)
     if known is None:
@@ -324,7 +333,7 @@ def _four_dimensional_layout(shape: Sequence[int], input_size: Sequence[int], mo
 
 
 def infer_layout(tensor: Tensor, input_size: Sequence[int], reshape: Reshape = None, name: str = "",
-                 module: Optional[nn.Module] = None, model: Optional[nn.Module] = None) -> Layout:
+                 module: Optional[nn.Module] = None, model: ModelOrTokens = None) -> Layout:
     """The Layout of a layer's output for an input of ``input_size`` (H, W); ``module``, the layer,
     settles a 4-dimensional output whose shape reads both ways; ``model``, the whole model, states
     its prefix tokens and patch grid (``token_layout``)."""

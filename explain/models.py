@@ -47,14 +47,16 @@ from .data.demo import DemoNet, load_demo_model
 from .data.demo_vit import DemoViT, load_demo_vit
 from .data.synthetic import CLASS_NAMES
 from .inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
-from .targets import OutputSelector
+from .targets import OutputSelector, model_class_names
 
 STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module", "net", "ema")
 PREFIXES = ("module.", "model.", "_orig_mod.")
 PRETRAINED_NAMES = ("DEFAULT", "pretrained")
 RANDOM_WEIGHTS = "random"
 PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-HF_TASK_HEADS = ("ForImageClassification", "ForSemanticSegmentation", "ForObjectDetection")
+HF_TASK_HEADS = {"ForImageClassification": "classification", "ForSemanticSegmentation": "segmentation",
+                 "ForObjectDetection": "detection"}
+"""The endings of HuggingFace task model class names, and the task each names."""
 SOURCES_TEXT = ("'demo', 'demo-vit', a torchvision model name (resnet50), 'timm:NAME' (timm:vit_small_patch16_224), "
                 "'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a whole model")
 
@@ -153,7 +155,7 @@ def names_an_architecture(source: str) -> bool:
         except ImportError:
             return False
         name = source.removeprefix("timm:")
-        return name in timm.list_models() or name.split(".")[0] in timm.list_models()
+        return timm.is_model(name)
     return source.removeprefix("torchvision:") in torchvision.models.list_models()
 
 
@@ -264,7 +266,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
         import timm.data
     except ImportError:
         raise ValueError("timm models need the timm package: pip install timm") from None
-    if name not in timm.list_models() and name.split(".")[0] not in timm.list_models():
+    if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
         hint = f" Did you mean {', '.join('timm:' + c for c in close)}?" if close else ""
         raise ValueError(f"timm has no model named {name!r}.{hint}")
@@ -289,18 +291,8 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
         load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, f"timm:{name}")
     config = timm.data.resolve_model_data_config(model)
     preprocess = TransformPreprocess(timm.data.create_transform(**config), config["mean"], config["std"])
-    return LoadedModel(model, preprocess, _timm_class_names(model), f"timm:{name}",
+    return LoadedModel(model, preprocess, model_class_names(model), f"timm:{name}",
                        input_size=tuple(config["input_size"]), random_weights=weights is None)
-
-
-def _timm_class_names(model: nn.Module) -> Optional[list[str]]:
-    from timm.data import ImageNetInfo, infer_imagenet_subset
-
-    subset = infer_imagenet_subset(model)
-    if subset is None:
-        return None
-    names = ImageNetInfo(subset).label_descriptions()
-    return list(names) if len(names) == count_outputs(model) else None
 
 
 def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSelector,
@@ -322,7 +314,7 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
         # pickled weights (pytorch_model.bin) only when trusted; a hub id offering only those then fails
         model = model_class.from_pretrained(where, use_safetensors=None if allow_pickle else True)
     except OSError as error:
-        first = str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        first = _first_line(error)
         if local.is_dir():
             raise WeightsUnavailableError(
                 f"could not load the HuggingFace model in {str(local)!r} ({first}). The directory should hold what "
@@ -344,8 +336,7 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
             "is damaged or incomplete (an interrupted download or copy?). Save or download the model again."
         ) from error
     architecture = type(model).__name__
-    tasks = dict(zip(HF_TASK_HEADS, ("classification", "segmentation", "detection")))
-    task = next((name for suffix, name in tasks.items() if architecture.endswith(suffix)), "other")
+    task = next((name for suffix, name in HF_TASK_HEADS.items() if architecture.endswith(suffix)), "other")
     if task == "other" and output is None:
         raise ValueError(
             f"{identifier!r} is a {architecture}, not an image classifier: say which output to explain, "
@@ -359,12 +350,8 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
         preprocess: Preprocess = ImageProcessorPreprocess(processor)
     except (OSError, ValueError):  # no preprocessor_config.json: the config's size, ImageNet statistics
         preprocess = Normalize() if size is None else resizing_preprocess(Normalize(), (size, size), None, None)
-    labels = getattr(model.config, "id2label", None) or {}
-    names = [str(labels[index]) for index in sorted(labels)] if task in ("classification", "segmentation") else None
-    if names is not None and all(name == f"LABEL_{index}" for index, name in enumerate(names)):
-        names = None  # transformers' placeholders, not class names
-    return LoadedModel(model, preprocess, names, f"hf:{identifier}", output=output, input_size=input_size,
-                       task=task)
+    return LoadedModel(model, preprocess, model_class_names(model), f"hf:{identifier}", output=output,
+                       input_size=input_size, task=task)
 
 
 def _huggingface_model_class(transformers: Any, config: Any) -> Any:

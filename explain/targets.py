@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
@@ -298,9 +299,8 @@ def class_index(name: str, class_names: Optional[Sequence[str]]) -> int:
         )
     key = " ".join(name.lower().split())
     whole = [" ".join(str(known).lower().split()) for known in class_names]
-    found = [index for index, known in enumerate(whole) if known == key]
-    if not found:
-        found = [index for index, known in enumerate(whole) if key in (part.strip() for part in known.split(","))]
+    found = [index for index, known in enumerate(whole)
+             if key == known or key in (part.strip() for part in known.split(","))]
     if len(found) == 1:
         return found[0]
     if found:
@@ -332,12 +332,17 @@ def class_indices_for_names(target: Target, class_names: Optional[Sequence[str]]
     return indices(target)
 
 
+CLASS_HEADS = ("ForImageClassification", "ForSemanticSegmentation")
+"""HuggingFace model classes whose ``config.id2label`` names their outputs (a backbone's names its features
+nothing: its config may still carry labels, from the classifier it was cut from)."""
+
+
 def model_class_names(model: nn.Module) -> Optional[list[str]]:
-    """The class names a model carries, or None: a HuggingFace model's ``config.id2label`` (not its
-    "LABEL_0" placeholders), a timm model's ``pretrained_cfg["label_names"]`` or, for a timm
-    ImageNet classifier, the ImageNet class descriptions ("tabby, tabby cat")."""
+    """The class names a model carries, or None: a HuggingFace classifier's or segmenter's
+    ``config.id2label`` (not its "LABEL_0" placeholders), a timm model's ``pretrained_cfg["label_names"]``
+    or, for a timm ImageNet classifier, the ImageNet class descriptions ("tabby, tabby cat")."""
     labels = getattr(getattr(model, "config", None), "id2label", None)
-    if isinstance(labels, Mapping) and labels:
+    if isinstance(labels, Mapping) and labels and type(model).__name__.endswith(CLASS_HEADS):
         hf_names = [str(labels[index]) for index in sorted(labels)]
         if not all(name == f"LABEL_{index}" for index, name in enumerate(hf_names)):
             return hf_names
@@ -346,11 +351,19 @@ def model_class_names(model: nn.Module) -> Optional[list[str]]:
         return None
     names = pretrained_cfg.get("label_names")
     if names is None:
-        from timm.data import ImageNetInfo, infer_imagenet_subset
+        from timm.data import infer_imagenet_subset
 
         subset = infer_imagenet_subset(model)
-        names = None if subset is None else ImageNetInfo(subset).label_descriptions()
+        names = None if subset is None else imagenet_descriptions(subset)
     return [str(name) for name in names] if names is not None and len(names) == model.num_classes else None
+
+
+@functools.lru_cache(maxsize=4)
+def imagenet_descriptions(subset: str) -> tuple[str, ...]:
+    """timm's descriptions of an ImageNet subset's classes ("tabby, tabby cat"), read once per subset."""
+    from timm.data import ImageNetInfo
+
+    return tuple(ImageNetInfo(subset).label_descriptions())
 
 
 def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:

@@ -565,3 +565,62 @@ def test_the_automatic_layer_reaches_the_output_explained_not_an_auxiliary_head(
                                                                  aux_loss=True).eval()
     assert explain.GradCAM(deeplab).explain(x, target=explain.SegmentationTarget(0, mask=torch.ones(32, 32))).layer \
         == "classifier"
+
+
+# ---------------------------------------------------------------- found by reviewing the change
+
+
+def test_a_model_compiled_in_place_is_refused_only_by_methods_that_record_its_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 3)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    eager = {name: explain.get_method(name)(model).explain(x, target=1).raw_maps
+             for name in ("saliency", "integratedgradients")}
+    model.compile(backend="eager")
+    for name, expected in eager.items():  # only the output is differentiated: compiled code serves as well
+        torch.testing.assert_close(explain.get_method(name)(model).explain(x, target=1).raw_maps, expected)
+    for name in ("guidedbackprop", "deeplift"):  # rules on the forward's functions: compiled code would skip them
+        with pytest.raises(TypeError, match=r"cannot look inside code that torch.compile runs"):
+            explain.get_method(name)(model)
+
+
+def test_guided_ig_shows_one_bar_over_its_steps(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)).eval()
+    explain.GuidedIG(model, steps=12, progress=True).explain(torch.randn(1, 3, 8, 8), target=0)
+    shown = capsys.readouterr().err
+    assert "GuidedIG:" in shown and "/12 " in shown and "row" not in shown
+    explain.GuidedIG(model, steps=12).explain(torch.randn(1, 3, 8, 8), target=0)  # 12 passes > 8: shown
+    assert "/12 " in capsys.readouterr().err
+
+
+def test_xrai_over_a_cam_does_not_warn_about_precision_and_batch_sizes_are_checked(recwarn):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16 * 16, 3)).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explain.XRAI(explain.GradCAM(model, "1")).explain(torch.randn(1, 3, 16, 16), target=0)
+    assert not [w for w in recwarn if "significant bits" in str(w.message)]
+    for cls in (explain.ScoreCAM, explain.AblationCAM):
+        with pytest.raises(ValueError, match=r"batch_size must be an int of at least 1; got 2.5"):
+            cls(model, "1", batch_size=2.5)
+    assert explain.IntegratedGradients(model, batch_size=np.int64(4)).batch_size == 4
+
+
+def test_class_names_come_from_classifiers_only_and_the_command_line_resolves_them_as_python_does():
+    from explain.cli import parse_target
+
+    config = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32,
+                                    id2label={0: "animal0", 1: "animal1", 2: "animal2"})
+    backbone = transformers.ViTModel(config).eval()  # its features are not classes
+    assert explain.Saliency(backbone, output="pooler_output").class_names is None
+    assert explain.Saliency(transformers.ViTForImageClassification(config)).class_names[2] == "animal2"
+    names = ["tench", "tabby, tabby cat", "cardigan", "Cardigan, Cardigan Welsh corgi"]
+    assert parse_target("tabby", names) == 1
+    assert parse_target("3", names) == 3
+    with pytest.raises(ValueError, match=r"'cardigan' matches 2 classes"):
+        parse_target("cardigan", names)
+    with pytest.raises(ValueError, match=r"class names are not known: give an index, or the names with --class-names"):
+        parse_target("tabby", None)

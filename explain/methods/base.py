@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import numbers
 import re
 import textwrap
 import threading
@@ -263,10 +264,12 @@ peers (CUDA)"). A pass that runs out of memory is run again in halves (``Explain
 
 def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
     """``batch_size`` as a method takes it: None (automatic, see ``rows_per_pass``) or an int ≥ 1."""
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be None (chosen for the device) or an int of at least 1; "
                          f"got {batch_size!r}.")
-    return batch_size
+    return int(batch_size)
 
 
 def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
@@ -552,6 +555,10 @@ class Explainer(ABC):
     """Whether the constructor takes a target layer after the model (CAM methods)."""
     summary: ClassVar[str] = ""
     """One line for ``explain methods``."""
+    records_the_forward: ClassVar[bool] = True
+    """Whether the method hooks the model's modules or changes how its functions compute during a call,
+    which code compiled in place (``module.compile()``) would skip: such a model is refused (see
+    ``explain.capture.eager_model``). False for methods that only differentiate the output."""
     _forward_call: PerThread[ForwardCall] = PerThread()
     """The model's other inputs during a call (None for a model with one input)."""
 
@@ -568,7 +575,8 @@ class Explainer(ABC):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
         check_hookable(model)
-        model = eager_model(model, type(self).__name__)  # torch.compile(model): the module it wraps
+        # torch.compile(model): the module it wraps; code compiled in place only where nothing is recorded
+        model = eager_model(model, type(self).__name__, compiled_code_runs=not self.records_the_forward)
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         self.model = model

@@ -19,7 +19,7 @@ from typing_extensions import Unpack
 
 from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..layers import default_layer
-from ..layouts import Layout, Reshape, infer_layout
+from ..layouts import Layout, Reshape, infer_layout, model_tokens
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import BoundUnits, UnitTarget
 from .base import Attribution, Explainer, ExplainerOptions, PerThread, normalize_maps, register, upsample_maps
@@ -245,8 +245,9 @@ class CAM(Explainer):
                 output = self.call_model(batch)
             activations = capture.activations()
             check_batch_dimension(self.layer_names, activations, batch.shape[0])
-            self._layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=self.model)
-                            for (name, module), activation in zip(self.layers, activations)]
+            tokens = model_tokens(self.model)  # read once for every layer
+            self._layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=tokens)
+                             for (name, module), activation in zip(self.layers, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
             self._zero_gradient = None
             maps = self.layer_maps(batch, activations, selected)

@@ -77,6 +77,7 @@ class GradientShap(GradientExplainer):
 
     name = "gradientshap"
     summary = "GradientSHAP / expected gradients: gradients at random points between the input and random references"
+    records_the_forward = False  # only differentiates the output
 
     def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
                  noise_std: float = 0.0, seed: Optional[int] = 0, multiply_by_inputs: bool = True,

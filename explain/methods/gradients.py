@@ -145,6 +145,7 @@ class Saliency(GradientExplainer):
 
     name = "saliency"
     summary = "Saliency: gradient of the score with respect to the input pixels"
+    records_the_forward = False  # only differentiates the output
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
@@ -157,6 +158,7 @@ class InputXGradient(GradientExplainer):
 
     name = "inputxgradient"
     summary = "Input × gradient: the input times the gradient of the score"
+    records_the_forward = False  # only differentiates the output
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
@@ -248,6 +250,7 @@ class IntegratedGradients(GradientExplainer):
 
     name = "integratedgradients"
     summary = "Integrated Gradients: gradients integrated along a path from a baseline (complete)"
+    records_the_forward = False  # only differentiates the output
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..blur import gaussian_blur
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register
+from .base import Attribution, checked_batch_size, register, rows_per_pass
 from .gradients import GradientExplainer, all_zero, baseline_like, input_gradients
 from .options import bool_option, check_finite_reference, int_option, number_option
 
@@ -126,6 +126,7 @@ class GuidedIG(GradientExplainer):
 
     name = "guidedig"
     summary = "Guided IG: integrated gradients along an adaptive path that moves low-gradient features first"
+    records_the_forward = False  # only differentiates the output
 
     def __init__(
         self,
@@ -170,17 +171,20 @@ class GuidedIG(GradientExplainer):
                                                        selected, image_of_row[rows], target_of_row[rows])
             return gradient.flatten(1).double(), unreachable
 
-        def gradient_at(points: Tensor) -> Tensor:
+        def gradient_at(points: Tensor) -> Tensor:  # one step of every path; its passes show no bar of their own
             gradients = []
             for rows, (gradient, unreachable) in self.row_passes(len(points), self.batch_size, batch.device,
                                                                  lambda rows: gradients_of(rows, points)):
                 gradients.append(gradient)
                 disconnected[rows] &= unreachable
                 zero_gradient[rows] &= gradient.eq(0).all(dim=1)
+            bar.update()
             return torch.cat(gradients)
 
         inputs, starts = batch.double().flatten(1)[image_of_row], baseline.double().flatten(1)[image_of_row]
-        attributions = guided_ig_paths(inputs, starts, gradient_at, self.steps, self.fraction, self.max_dist)
+        passes = self.steps * -(-len(image_of_row) // rows_per_pass(self.batch_size, batch.device))
+        with self.progress_bar(passes, self.steps, "step") as bar:
+            attributions = guided_ig_paths(inputs, starts, gradient_at, self.steps, self.fraction, self.max_dist)
         attributions = attributions.view(count, targets, *batch.shape[1:])
         score_change = selected.scores.detach().double() - baseline_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
@@ -232,6 +236,7 @@ class BlurIG(GradientExplainer):
 
     name = "blurig"
     summary = "Blur IG: integrated gradients along a path of decreasing Gaussian blur"
+    records_the_forward = False  # only differentiates the output
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
+from .options import int_option
 
 
 class PerturbationOptions(CAMOptions, total=False):
@@ -44,9 +45,7 @@ class PerturbationCAM(CAM):
         **options: Unpack[CAMOptions],
     ):
         super().__init__(model, layer, **options)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
-        self.batch_size = batch_size
+        self.batch_size = int_option("batch_size", batch_size, 1)
 
     def _chunks(self, total: int, description: str, per_pass: Optional[int] = None) -> Iterator[slice]:
         """Slices of ``per_pass`` (default ``batch_size``) over ``total`` items, one per forward

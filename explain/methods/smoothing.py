@@ -42,6 +42,7 @@ class SmoothGrad(Explainer):
 
     name = "smoothgrad"
     summary = "SmoothGrad: any method's attributions averaged over noisy copies of the input (default: saliency)"
+    records_the_forward = False  # the wrapped method checks the model for itself
     statistic: ClassVar[str] = "mean"
     """"mean" (SmoothGrad), "mean_square" (SmoothGrad²) or "variance" (VarGrad) over the copies."""
 

@@ -262,9 +262,10 @@ class XRAI(Explainer):
 
     name = "xrai"
     summary = "XRAI: regions of an over-segmentation ranked by integrated-gradients density"
+    records_the_forward = False  # the wrapped method checks the model for itself
 
     def reads_pixel_gradients(self) -> bool:
-        return True
+        return self.explainer is None or self.explainer.reads_pixel_gradients()
 
     def __init__(
         self,
@@ -333,7 +334,8 @@ class XRAI(Explainer):
             explainers = [self.explainer]
         else:
             explainers = [IntegratedGradients(self.model, baseline=baseline, steps=self.steps,
-                                              batch_size=self.batch_size, output=self.output, normalize=None)
+                                              batch_size=self.batch_size, output=self.output, normalize=None,
+                                              class_names=self.class_names)
                           for baseline in self.baselines_for(batch)]
             for explainer in explainers:  # they start at, and add to, the pass sizes that fitted before
                 explainer.rows_that_fit = self.rows_that_fit

@@ -23,6 +23,7 @@ share.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, ClassVar, Collection, Iterator, Optional, Sequence
 
@@ -145,13 +146,28 @@ def writes_in_place(function: Callable[..., Any], args: tuple[Any, ...], kwargs:
     name = getattr(function, "__name__", "")
     if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS:
         return True
-    signature = signature_of(function)
-    if signature is not None and "inplace" in signature.parameters:
-        try:
-            return bool(signature.bind(*args, **kwargs).arguments.get("inplace", False))
-        except TypeError:
-            return False
+    position = _inplace_position(function)
+    if position is not None and len(args) > position:
+        return bool(args[position])
     return bool(kwargs.get("inplace", False))
+
+
+def _inplace_position(function: Callable[..., Any]) -> Optional[int]:
+    """Where a Python function takes ``inplace`` positionally (``F.hardtanh(x, -1, 1, True)``), read from its
+    signature once (not bound on every call); None when it takes no such parameter or only by keyword."""
+    try:
+        return _inplace_position_cached(function)
+    except TypeError:  # an unhashable callable: read it now
+        return _inplace_position_cached.__wrapped__(function)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inplace_position_cached(function: Callable[..., Any]) -> Optional[int]:
+    signature = signature_of(function)
+    names = [] if signature is None else [
+        parameter.name for parameter in signature.parameters.values()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return names.index("inplace") if "inplace" in names else None
 
 
 def function_name(function: Callable[..., Any]) -> str:

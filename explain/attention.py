@@ -116,8 +116,25 @@ def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tenso
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
+AttentionCore = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], float, bool], tuple[Tensor, Optional[Tensor]]]
+"""(query, key, value (N, heads, L or S, d), additive mask or None, dropout_p, probabilities needed) → (output
+(N, heads, L, d), probabilities (N, heads, L, S), or None when not needed): attention over heads."""
+
+
+def recording_core(record: Callable[[Tensor], None]) -> AttentionCore:
+    """Attention computed step by step (``attend``), its probabilities handed to ``record``."""
+
+    def core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout_p: float,
+             needed: bool) -> tuple[Tensor, Optional[Tensor]]:
+        output, probabilities = attend(query, key, value, mask, dropout_p)
+        record(probabilities)
+        return output, probabilities
+
+    return core
+
+
 def multi_head_attention(
-    record: Callable[[Tensor], None],
+    core: AttentionCore,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -144,8 +161,8 @@ def multi_head_attention(
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """``F.multi_head_attention_forward`` step by step (same arguments after ``record``, same
-    results); ``record`` receives the (N, heads, L, S) probabilities."""
+    """``F.multi_head_attention_forward`` step by step (same arguments after ``core``, same results), its
+    attention over heads computed by ``core`` (``recording_core``: step by step, the probabilities recorded)."""
     batched = query.dim() == 3
     if not batched:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -196,12 +213,11 @@ def multi_head_attention(
     if key_padding_mask is not None:
         padding = key_padding_mask.view(batch_size, 1, 1, source_length)
         mask = padding if mask is None else mask + padding
-    output, probabilities = attend(q, k, v, mask, dropout_p if training else 0.0)
-    record(probabilities)
+    output, probabilities = core(q, k, v, mask, dropout_p if training else 0.0, need_weights)
     output = output.permute(2, 0, 1, 3).reshape(target_length * batch_size, embed_dim)
     output = F.linear(output, out_proj_weight, out_proj_bias).view(target_length, batch_size, -1)
     returned = None
-    if need_weights:
+    if need_weights and probabilities is not None:
         returned = probabilities.mean(dim=1) if average_attn_weights else probabilities
     if not batched:
         output = output.squeeze(1)
@@ -333,8 +349,8 @@ class AttentionRecorder(Rule):
             output, probabilities = _attend_with_heads(*args, **kwargs)
             self._record(module, probabilities, "scaled_dot_product_attention")
             return output
-        return multi_head_attention(lambda probabilities: self._record(
-            module, probabilities, "multi_head_attention_forward"), *args, **kwargs)
+        return multi_head_attention(recording_core(lambda probabilities: self._record(
+            module, probabilities, "multi_head_attention_forward")), *args, **kwargs)
 
     def _product(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A product, computed as it is; one of two activations (both batched, ≥ 3 dimensions: not a

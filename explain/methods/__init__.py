@@ -1,6 +1,7 @@
 """The methods. Importing this package registers every method by name."""
 
-from .attention import AttentionExplainer, AttentionRollout, GradientAttentionRollout
+from .attention import AttentionExplainer, AttentionMethod, AttentionRollout, GradientAttentionRollout
+from .attnlrp import AttnLRP
 from .base import REGISTRY, Attribution, Explainer, get_method, normalize_maps, register
 from .cam import (
     CAM,
@@ -24,10 +25,12 @@ from .fullgrad import FullGrad
 from .gradients import GradientExplainer, InputXGradient, IntegratedGradients, Saliency
 from .guided import Deconvnet, GuidedBackprop, GuidedGradCAM, relu_backward_rule
 from .layer_attribution import LayerConductance, LayerIntegratedGradients, LayerPathExplainer
+from .legrad import LeGrad
 from .lrp import LRP
 from .path_methods import BlurIG, GuidedIG
 from .perturbation import AblationCAM, ScoreCAM
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
+from .transformer_attribution import TransformerAttribution
 from .xrai import XRAI, Felzenszwalb
 
 __all__ = [
@@ -43,7 +46,9 @@ __all__ = [
     "REGISTRY",
     "AblationCAM",
     "AttentionExplainer",
+    "AttentionMethod",
     "AttentionRollout",
+    "AttnLRP",
     "Attribution",
     "Deconvnet",
     "DeepFeatureFactorization",
@@ -59,6 +64,7 @@ __all__ = [
     "GradCAMElementWise",
     "GradCAMPlusPlus",
     "GradientAttentionRollout",
+    "LeGrad",
     "GradientExplainer",
     "GradientShap",
     "GuidedBackprop",
@@ -73,6 +79,7 @@ __all__ = [
     "ScoreCAM",
     "ShapleyCAM",
     "SmoothGrad",
+    "TransformerAttribution",
     "SmoothGradSquared",
     "VarGrad",
     "XGradCAM",

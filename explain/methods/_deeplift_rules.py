@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import attend, calling_module, multi_head_attention
+from ..attention import attend, calling_module, multi_head_attention, recording_core
 from ..capture import ModelInputError
 from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
@@ -125,7 +125,9 @@ class RescaledNonlinearity(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None]:
         (grad_output,) = grad_outputs  # one output, one gradient
         (multipliers,) = ctx.saved_tensors
-        return (grad_output * multipliers).sum_to_size(ctx.input_shape), None, None, None
+        # contiguous: the product takes the incoming gradient's strides, which for a feature map read as tokens
+        # (``x.flatten(2).transpose(1, 2)``, as LeViT does) are ones torch 2.14's CPU BatchNorm backward gets wrong
+        return (grad_output * multipliers).sum_to_size(ctx.input_shape).contiguous(), None, None, None
 
 
 def _derivative(function: Callable[[Tensor], Tensor], inputs: Tensor, shape: torch.Size) -> Tensor:
@@ -387,9 +389,11 @@ class DeepLiftRules(Rule):
     # -- every call
 
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.paused or func in CONSTANT:
+            return func(*args, **kwargs)
         dependent = list({id(tensor): tensor for tensor in tensors_in((args, kwargs))
                           if tensor in self.dependent}.values())
-        if self.paused or not dependent or func in CONSTANT:  # parameters, constants: computed plainly, exact there
+        if not dependent:  # parameters, constants: computed plainly, exact there
             return func(*args, **kwargs)
         call = self._pair(func, dependent)
         if func in VALUE_READS:
@@ -636,18 +640,7 @@ class DeepLiftRules(Rule):
                                             "momentum", "eps"))
         if bound.get("training") or bound.get("running_mean") is None or bound.get("running_var") is None:
             self._no_rule(func, "it normalises by the statistics of the batch, which mixes the images")
-            return PLAIN
-        inputs = bound.get("input")
-        if not self.explaining or len(values) != 1 or values[0] is not inputs:
-            return PLAIN
-        # eval-mode BatchNorm is y = z · s + t per channel: its backward, written out, because torch 2.14's CPU
-        # kernel returns wrong values for a channels-last gradient of a contiguous input (a feature map read as
-        # tokens, ``x.flatten(2).transpose(1, 2)``, as LeViT does)
-        weight = bound.get("weight")
-        scale = torch.rsqrt(bound["running_var"].detach() + bound.get("eps", 1e-5))
-        scale = scale if weight is None else scale * weight.detach()
-        shape = [1, -1] + [1] * (inputs.dim() - 2)
-        return Linearized.apply(lambda _: func(*args, **kwargs), lambda change: change * scale.view(shape), inputs)
+        return PLAIN  # eval mode: z · s + t per channel, linear, its own gradient exact
 
 
 class _Single:
@@ -753,7 +746,7 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
 
 
 def _multi_head_attention(*args: Any, **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
-    return multi_head_attention(lambda probabilities: None, *args, **kwargs)
+    return multi_head_attention(recording_core(lambda probabilities: None), *args, **kwargs)
 
 
 def _glu(input: Tensor, dim: int = -1) -> Tensor:

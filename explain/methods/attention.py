@@ -47,8 +47,9 @@ class AttentionOptions(ExplainerOptions, total=False):
     reshape: Optional[Sequence[int]]
 
 
-class AttentionExplainer(Explainer):
-    """Shared by the attention methods: records the blocks' attention during the forward pass.
+class AttentionMethod(Explainer):
+    """Shared by the attention methods: which blocks' attention is recorded, the checks of what was recorded, and
+    the row of the relevance that the head reads.
 
     blocks: which attention layers: None (every attention computed inside the model), or the
         modules computing it (a name such as ``"vision_model"`` for CLIP's image tower, a glob,
@@ -84,28 +85,6 @@ class AttentionExplainer(Explainer):
         self.start_block = start_block
         self.row = row
         self.reshape = reshape
-
-    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        count = batch.shape[0]
-        with torch.enable_grad() if self.uses_gradients else torch.no_grad():
-            with capture_attention(self.model, self.blocks, detach=not self.uses_gradients) as attention:
-                output = self.call_model(batch)
-            selected = select_targets(output, target, topk, batch_size=count)
-            probabilities = self._checked(attention, count)
-            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
-                                  "the attention", whole_sequence=True)
-            first = self._first_block(len(probabilities))
-            relevance, zero_gradient, disconnected = self.relevance(probabilities[first:], selected)
-        selected.scores = selected.scores.detach()
-        maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
-        return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
-                           disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
-
-    @abstractmethod
-    def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
-        """The method: each rolled-out block's (N, heads, T, T) probabilities → (N, K, T, T) relevance,
-        and for gradient methods (N, K) flags: where ∂score/∂A was zero in every block, and where the
-        score does not depend on the attention at all (None for methods without gradients)."""
 
     def _first_block(self, blocks: int) -> int:
         if not -blocks <= self.start_block < blocks:
@@ -155,6 +134,33 @@ class AttentionExplainer(Explainer):
                                  "before the patches, none a class token). Use row='mean' (or 'auto').")
             return relevance[:, :, 0]
         return relevance[:, :, layout.prefix :].mean(dim=2)
+
+
+class AttentionExplainer(AttentionMethod):
+    """The rollouts' shape: records the blocks' attention during the forward pass and rolls out a relevance
+    computed from the probabilities (``relevance``). Options: see ``AttentionMethod``."""
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        count = batch.shape[0]
+        with torch.enable_grad() if self.uses_gradients else torch.no_grad():
+            with capture_attention(self.model, self.blocks, detach=not self.uses_gradients) as attention:
+                output = self.call_model(batch)
+            selected = select_targets(output, target, topk, batch_size=count)
+            probabilities = self._checked(attention, count)
+            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
+                                  "the attention", whole_sequence=True)
+            first = self._first_block(len(probabilities))
+            relevance, zero_gradient, disconnected = self.relevance(probabilities[first:], selected)
+        selected.scores = selected.scores.detach()
+        maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
+        return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
+                           disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
+
+    @abstractmethod
+    def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
+        """The method: each rolled-out block's (N, heads, T, T) probabilities → (N, K, T, T) relevance,
+        and for gradient methods (N, K) flags: where ∂score/∂A was zero in every block, and where the
+        score does not depend on the attention at all (None for methods without gradients)."""
 
 
 @register

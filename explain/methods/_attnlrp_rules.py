@@ -1,0 +1,537 @@
+"""How AttnLRP follows a forward pass: the call-scoped rule that gives every torch function on the input's path the
+modified gradient of its LRP rule (Achtibat et al., ICML 2024, "AttnLRP: Attention-aware layer-wise relevance
+propagation for transformers"), so that relevance = input × (modified gradient), one backward pass per target.
+
+In this "gradient × input" form a rule is a change of a call's backward only (its forward is computed exactly as the
+model computes it):
+
+- elementwise activations (GELU, SiLU, tanh, ...), as functions or as parameter-free activation modules (CLIP's
+  QuickGELU, HuggingFace's activation classes): the identity rule, ∂ → y / x (paper, eq. 9);
+- a product of two tensors on the path (attention's QKᵀ and A·V, a gated MLP's product): the uniform rule, each
+  factor's gradient divided by the number of factors on the path (eq. 7); through a fused
+  ``scaled_dot_product_attention`` this is the gradient of the query and key divided by 4 and of the value by 2
+  (by 2 and 1 where one operand is a constant), and no (N, heads, T, T) matrix is materialised;
+- softmax: its plain gradient, which in this form is the softmax rule R_i = x_i (R_i − s_i Σ_j R_j) (eq. 13); CP-LRP
+  (Ali et al. 2022) instead stops the gradient through the softmax (``conservative=True``);
+- LayerNorm, RMSNorm, GroupNorm and a norm's denominator (``rsqrt``, ``sqrt``, ``var``, ``std``, ``norm``): the
+  identity rule of normalisation, the divisor held constant (eq. 10);
+- linear layers and convolutions: the plain gradient (LRP-0 with the bias absorbing its share), or LRP-γ
+  (``linear_gamma``, ``conv_gamma``, as lxt with zennit's Gamma rule);
+- sums, means, pooling, reshaping, slicing, a product by a constant: the plain gradient, which is their LRP rule.
+
+Any other function on the path keeps its plain gradient and is named in a warning. Nothing is written to the model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..attention import attend, multi_head_attention
+from ..rules import Rule, function_name, tensors_in, torch_functions, writes_in_place
+from ..scope import CallScope
+from ._lrp_rules import Gamma, stabilize
+from ._lrp_trace import ACTIVATIONS, ADDITIONS, ROUTING, SCALINGS, SUMS
+
+IDENTITY_EPSILON = 1e-10
+"""The identity rule's y / (x + ε), as lxt computes it."""
+
+EXACT_ACTIVATIONS = torch_functions("relu", "relu_", "leaky_relu", "leaky_relu_", "threshold", "threshold_", "prelu",
+                                    "rrelu", "rrelu_")
+"""Activations that are linear through 0 on each side: y / x is their gradient, so they keep it (also in place)."""
+PRODUCTS = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "mm", "bilinear")
+"""Products of two operands: the uniform rule when both are on the path, the plain gradient otherwise."""
+MULTIPLICATIONS = torch_functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__")
+SOFTMAXES = torch_functions("softmax", "log_softmax", "_softmax")
+NORMS = torch_functions("layer_norm", "rms_norm", "group_norm", "instance_norm", "normalize")
+COSINES = torch_functions("cosine_similarity")
+"""Cosine similarity (an embedding's score against a reference): the norms held constant, a product."""
+DIVISORS = torch_functions("rsqrt", "rsqrt_", "sqrt", "sqrt_", "var", "std", "var_mean", "std_mean", "norm",
+                           "vector_norm", "linalg_vector_norm") | {torch.linalg.vector_norm, torch.linalg.norm}
+"""A normalisation's divisor: its value is held constant (not followed), the identity rule of normalisation."""
+POWERS = torch_functions("pow", "__pow__", "square", "exp", "log", "erf", "abs", "reciprocal")
+"""Elementwise functions of one path tensor besides the activations: the identity rule too."""
+LAYERS = torch_functions("linear", "conv1d", "conv2d", "conv3d")
+PLAIN = ROUTING | ADDITIONS | SUMS | torch_functions(
+    "batch_norm", "dropout", "contiguous", "cumsum", "index_add", "scatter", "scatter_add", "masked_scatter",
+    "layer_norm_backward", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "avg_pool2d", "roll", "pad", "flatten",
+    "new_zeros", "new_ones", "new_empty", "zero_", "fill_", "sum_to_size", "__iter__", "__len__", "dim", "size",
+    "numel", "is_floating_point", "__format__", "__bool__", "__index__", "__int__", "__float__", "tolist", "item",
+    "detach_", "requires_grad_", "data_ptr", "element_size", "stride", "storage_offset", "is_contiguous",
+    "__get__", "__set__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt",
+    "ge", "isnan", "isinf", "isfinite", "argmax", "argmin", "argsort", "topk", "sort", "any", "all", "sign", "floor",
+    "ceil", "round", "trunc",
+)
+"""Functions whose plain gradient routes relevance as their LRP rule does (or that have no gradient)."""
+
+_ACTIVATION_MODULE = re.compile(r"(?i)(gelu|silu|swish|mish|relu|elu|sigmoid|tanh|softplus|hardswish|activation)$")
+
+
+def is_activation_module(module: nn.Module) -> bool:
+    """An elementwise activation module computed from several torch calls (CLIP's QuickGELU x·σ(1.702x),
+    HuggingFace's ``NewGELUActivation``): no parameters, no submodules, an activation's class name. Softmax modules
+    are not."""
+    name = type(module).__name__
+    return (bool(_ACTIVATION_MODULE.search(name)) and "softmax" not in name.lower()
+            and next(module.parameters(recurse=False), None) is None and next(module.children(), None) is None)
+
+
+# ------------------------------------------------------------------ the modified gradients
+
+
+class IdentityRule(torch.autograd.Function):
+    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · y / (x + ε) (AttnLRP's identity rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor) -> Tensor:
+        output = function(inputs)
+        ctx.save_for_backward(output / (inputs + IDENTITY_EPSILON))
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[None, Tensor]:
+        (ratio,) = ctx.saved_tensors
+        return None, gradient * ratio
+
+
+class IdentityOfValues(torch.autograd.Function):
+    """Forward: ``output`` (an activation module's result, computed beside the graph); backward from it to
+    ``inputs``: ∂ · output / (inputs + ε)."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, output: Tensor) -> Tensor:
+        ctx.save_for_backward(output / (inputs + IDENTITY_EPSILON))
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
+        (ratio,) = ctx.saved_tensors
+        return gradient * ratio, None
+
+
+class ScaledGradient(torch.autograd.Function):
+    """Forward: identity; backward: the gradient times ``factor`` (the uniform rule's 1/2 per factor)."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
+        return gradient * ctx.factor, None
+
+
+def scaled_gradient(tensor: Tensor, factor: float) -> Tensor:
+    """``tensor``, its gradient multiplied by ``factor`` (unchanged tensors for a factor of 1)."""
+    return tensor if factor == 1 else ScaledGradient.apply(tensor, factor)
+
+
+class Surrogate(torch.autograd.Function):
+    """Forward: the call, exactly; backward: the gradient of ``surrogate`` (the same function with its divisor held
+    constant) at the same input, recomputed in the backward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, exact: Callable[[Tensor], Tensor], surrogate: Callable[[Tensor], Tensor],
+                inputs: Tensor) -> Tensor:
+        ctx.surrogate = surrogate
+        ctx.save_for_backward(inputs)
+        return exact(inputs)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[None, None, Tensor]:
+        (inputs,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = inputs.detach().requires_grad_(True)
+            (result,) = torch.autograd.grad(ctx.surrogate(leaf), leaf, gradient)
+        return None, None, result
+
+
+class GammaGradient(torch.autograd.Function):
+    """Forward: a linear layer or convolution, exactly; backward: LRP-γ in gradient × input form, as lxt's patch of
+    zennit computes it: R_out = ∂ · y, R_in = γ-rule(R_out), ∂_in = R_in / stab(x)."""
+
+    @staticmethod
+    def forward(ctx: Any, layer: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor], rule: Gamma, inputs: Tensor,
+                weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        output = layer(inputs, weight, bias)
+        ctx.layer, ctx.rule = layer, rule
+        ctx.save_for_backward(inputs, weight, bias, output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Optional[Tensor], ...]:
+        inputs, weight, bias, output = ctx.saved_tensors
+        relevance = ctx.rule.relevance(ctx.layer, inputs.detach(), weight.detach(),
+                                       None if bias is None else bias.detach(), gradient * output)
+        return None, None, relevance / stabilize(inputs.detach(), IDENTITY_EPSILON), None, None
+
+
+def _norm_surrogate(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> Optional[Callable[[Tensor], Tensor]]:
+    """The normalisation with its divisor held constant, as a function of its input; None when the call's form is
+    not one this knows."""
+    name = function_name(func)
+    values = list(args) + [None] * 6
+    if name == "layer_norm":
+        shape = kwargs.get("normalized_shape", values[1])
+        weight, bias = kwargs.get("weight", values[2]), kwargs.get("bias", values[3])
+        eps = kwargs.get("eps", values[4] if values[4] is not None else 1e-5)
+        dims = tuple(range(-len(shape), 0))
+
+        def layer_norm(x: Tensor) -> Tensor:
+            centred = x - x.mean(dims, keepdim=True)
+            divisor = (centred.pow(2).mean(dims, keepdim=True) + eps).sqrt().detach()
+            y = centred / divisor
+            y = y if weight is None else y * weight
+            return y if bias is None else y + bias
+
+        return layer_norm
+    if name == "rms_norm":
+        shape = kwargs.get("normalized_shape", values[1])
+        weight, eps = kwargs.get("weight", values[2]), kwargs.get("eps", values[3])
+        dims = tuple(range(-len(shape), 0))
+
+        def rms_norm(x: Tensor) -> Tensor:
+            epsilon = torch.finfo(x.dtype).eps if eps is None else eps
+            y = x / (x.pow(2).mean(dims, keepdim=True) + epsilon).sqrt().detach()
+            return y if weight is None else y * weight
+
+        return rms_norm
+    if name == "group_norm":
+        groups = kwargs.get("num_groups", values[1])
+        weight, bias = kwargs.get("weight", values[2]), kwargs.get("bias", values[3])
+        eps = kwargs.get("eps", values[4] if values[4] is not None else 1e-5)
+
+        def group_norm(x: Tensor) -> Tensor:
+            grouped = x.reshape(x.shape[0], groups, -1)
+            centred = grouped - grouped.mean(-1, keepdim=True)
+            y = (centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt().detach()).reshape(x.shape)
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            y = y if weight is None else y * weight.reshape(shape)
+            return y if bias is None else y + bias.reshape(shape)
+
+        return group_norm
+    if name == "normalize":  # x / max(‖x‖_p, eps) along dim (Swin v2's cosine attention)
+        p = kwargs.get("p", 2.0 if values[1] is None else values[1])
+        dim = kwargs.get("dim", 1 if values[2] is None else values[2])
+        eps = kwargs.get("eps", 1e-12 if values[3] is None else values[3])
+
+        def normalize(x: Tensor) -> Tensor:
+            return x / x.norm(p, dim, keepdim=True).clamp_min(eps).expand_as(x).detach()
+
+        return normalize
+    return None
+
+
+# ------------------------------------------------------------------ following the forward pass
+
+
+class AttnLrpRules(Rule):
+    """The AttnLRP rules of one call: follows the tensors that depend on the input through the forward pass and
+    gives each torch function called on them the modified gradient of its rule. One instance per call.
+
+    conservative: CP-LRP, no gradient through the softmax (the attention weights held constant);
+    linear_gamma, conv_gamma: γ of LRP-γ for linear layers and convolutions (None: LRP-0, the plain gradient);
+    on_attention: called with the (N, heads, T_q, T_k) probabilities of each attention and the name of the module
+        computing it; the attention is then computed step by step in the graph (None: fused attention stays fused).
+    ``applied`` counts the rules used by name; ``unruled`` names the calls on the path that have none."""
+
+    sees_every_call = True
+
+    def __init__(self, model: nn.Module, *, conservative: bool = False, linear_gamma: Optional[float] = None,
+                 conv_gamma: Optional[float] = None,
+                 on_attention: Optional[Callable[[Tensor, str], None]] = None):
+        self.conservative = conservative
+        self.linear_rule = None if not linear_gamma else Gamma(linear_gamma)
+        self.conv_rule = None if not conv_gamma else Gamma(conv_gamma)
+        self.on_attention = on_attention
+        self.path: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.modules: list[str] = [""]
+        self.names = {module: name for name, module in model.named_modules()}
+        self.activations = {module for module in self.names if is_activation_module(module)}
+        self.inside_activation = 0
+        self.inputs_before: list[Optional[Tensor]] = []
+        """Per activation module running, a copy of its input in the graph when it writes in place, else None."""
+        self.applied: Counter[str] = Counter()
+        self.unruled: dict[str, None] = {}
+
+    # -- module names, and activation modules handled whole
+
+    def entering(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.modules.append(self.names.get(module, ""))
+        if module in self.activations:
+            self.inside_activation += 1
+            in_place = getattr(module, "inplace", False) and args and isinstance(args[0], Tensor)
+            self.inputs_before.append(args[0].clone() if in_place and args[0] in self.path else None)
+
+    def leaving(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if len(self.modules) > 1:
+            self.modules.pop()
+        if module not in self.activations:
+            return None
+        self.inside_activation -= 1
+        before = self.inputs_before.pop() if self.inputs_before else None
+        if self.inside_activation or len(args) != 1 or not isinstance(args[0], Tensor) or args[0] not in self.path:
+            return None
+        if not isinstance(output, Tensor) or output.shape != args[0].shape:
+            self.unruled.setdefault(f"{self.modules[-1] or 'model'}: {type(module).__name__} (not elementwise)")
+            return None
+        self.applied["identity"] += 1
+        # an in-place module (nn.SiLU(inplace=True)) has overwritten its input: the rule needs the input before
+        result = IdentityOfValues.apply(args[0] if before is None else before, output.detach())
+        self.follow(result)
+        return result
+
+    def where(self, function: Callable[..., Any]) -> str:
+        return f"{self.modules[-1] or 'model'}: {function_name(function)}"
+
+    # -- the path
+
+    def follow(self, value: Any) -> None:
+        for tensor in tensors_in(value):
+            if tensor.is_floating_point() and tensor.requires_grad:
+                self.path[tensor] = True
+
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.inside_activation:
+            return func(*args, **kwargs)
+        path = list({id(tensor): tensor for tensor in tensors_in((args, kwargs)) if tensor in self.path}.values())
+        if not path:
+            return func(*args, **kwargs)
+        result = self._ruled(func, args, kwargs, path)
+        self.follow(result)
+        return result
+
+    def _ruled(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               path: list[Tensor]) -> Any:
+        if func in PLAIN or (func in SCALINGS and len(path) == 1 and func not in MULTIPLICATIONS):
+            return func(*args, **kwargs)
+        if func in MULTIPLICATIONS or func in PRODUCTS:
+            if len(path) == 1:  # a product by a constant or a weight: linear
+                return func(*args, **kwargs)
+            self.applied["uniform"] += 1
+            return func(*_scaled(args, path, 1 / len(path)), **_scaled(kwargs, path, 1 / len(path)))
+        if func in SOFTMAXES:
+            self.applied["softmax"] += 1
+            result = func(*args, **kwargs)
+            if self.on_attention is not None and _is_attention_softmax(result, args, kwargs):
+                self.on_attention(result, self.modules[-1])
+            return result.detach() if self.conservative else result
+        if func is F.scaled_dot_product_attention:
+            self.applied["attention"] += 1
+            return self._attention(_operands_on(path, args, kwargs), *args, **kwargs)
+        if func is F.multi_head_attention_forward:  # q, k, v are projections of its query, key and value
+            self.applied["attention"] += 1
+            on_path = _operands_on(path, args, kwargs)
+            return multi_head_attention(lambda *core_args: self._core(on_path, *core_args), *args, **kwargs)
+        if func in DIVISORS:
+            self.applied["norm"] += 1
+            return _detached(func(*args, **kwargs))
+        if func in NORMS:
+            return self._norm(func, args, kwargs, path)
+        if func in COSINES and len(path) == 1:
+            return self._cosine_similarity(func, args, kwargs, path[0])
+        if func in LAYERS:
+            return self._layer(func, args, kwargs, path)
+        if (func in ACTIVATIONS or func in POWERS) and len(path) == 1:
+            return self._activation(func, args, kwargs, path[0])
+        if func in SCALINGS:  # a division of one path tensor by another: no rule
+            pass
+        result = func(*args, **kwargs)
+        if any(isinstance(tensor, Tensor) and tensor.is_floating_point() and tensor.requires_grad
+               for tensor in tensors_in(result)):
+            self.unruled.setdefault(self.where(func))
+        return result
+
+    def _activation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    inputs: Tensor) -> Any:
+        if func in EXACT_ACTIVATIONS:
+            return func(*args, **kwargs)
+        self.applied["identity"] += 1
+        in_place = writes_in_place(func, args, kwargs)
+        target = args[0] if args else kwargs.get("input")
+        if in_place and target is not inputs:
+            return func(*args, **kwargs)
+        rest_args, rest_kwargs = args[1:], dict(kwargs)
+        if not args:
+            rest_kwargs.pop("input", None)
+        if in_place:  # computed out of place on a copy, then written back where the model expects it
+            out_of_place = _out_of_place(func)
+            rest_kwargs.pop("inplace", None)
+            result = IdentityRule.apply(lambda x: out_of_place(x.clone(), *rest_args, **rest_kwargs), inputs.clone())
+            return inputs.copy_(result)
+        return IdentityRule.apply(lambda x: func(x, *rest_args, **rest_kwargs), inputs)
+
+    def _norm(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              path: list[Tensor]) -> Any:
+        inputs = args[0] if args else kwargs.get("input")
+        surrogate = _norm_surrogate(func, args, kwargs)
+        if surrogate is None or len(path) != 1 or path[0] is not inputs:
+            self.unruled.setdefault(self.where(func))
+            return func(*args, **kwargs)
+        self.applied["norm"] += 1
+        rest_args, rest_kwargs = args[1:], {key: value for key, value in kwargs.items() if key != "input"}
+        return Surrogate.apply(lambda x: func(x, *rest_args, **rest_kwargs), surrogate, inputs)
+
+    def _cosine_similarity(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                           inputs: Tensor) -> Any:
+        """x1·x2 / (‖x1‖ ‖x2‖) with the norms held constant, as a function of the one operand on the path."""
+        values = list(args) + [kwargs.get(name) for name in ("x1", "x2", "dim", "eps")[len(args):]]
+        first, second = values[0], values[1]
+        dim = 1 if values[2] is None else values[2]
+        eps = 1e-8 if values[3] is None else values[3]
+        if not (isinstance(first, Tensor) and isinstance(second, Tensor)):
+            self.unruled.setdefault(self.where(func))
+            return func(*args, **kwargs)
+        first_on_path = inputs is first
+        other = second if first_on_path else first
+
+        def exact(x: Tensor) -> Tensor:
+            return func(x, other, dim, eps) if first_on_path else func(other, x, dim, eps)
+
+        def similarity(x: Tensor) -> Tensor:
+            norms = x.norm(dim=dim).clamp_min(eps) * other.norm(dim=dim).clamp_min(eps)
+            return (x * other).sum(dim) / norms.detach()
+
+        self.applied["norm"] += 1
+        return Surrogate.apply(exact, similarity, inputs)
+
+    def _layer(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               path: list[Tensor]) -> Any:
+        rule = self.linear_rule if func is F.linear else self.conv_rule
+        options = dict(kwargs)
+        named = [options.pop(key, None) for key in ("input", "weight", "bias")[len(args):]]
+        inputs, weight, bias = list(args[:3]) + named
+        if len(path) != 1 or path[0] is not inputs or not isinstance(weight, Tensor):
+            if len(path) > 1 or (path and path[0] is not inputs):
+                self.unruled.setdefault(self.where(func) + " (its weight depends on the input)")
+            return func(*args, **kwargs)
+        self.applied["linear" if func is F.linear else "convolution"] += 1
+        if rule is None:
+            return func(*args, **kwargs)
+        self.applied["gamma"] += 1
+        rest = args[3:]
+        return GammaGradient.apply(lambda x, w, b: func(x, w, b, *rest, **options), rule, inputs, weight.detach(),
+                                   None if bias is None else bias.detach())
+
+    # -- attention
+
+    def _attention(self, on_path: tuple[bool, bool, bool], query: Tensor, key: Tensor, value: Tensor,
+                   attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+        """``scaled_dot_product_attention`` with the uniform rule on its two products (fused where nothing is
+        recorded)."""
+        query, key, value, output_share = self._attention_operands(query, key, value, on_path,
+                                                                   self.on_attention is not None)
+        if self.on_attention is None:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                  enable_gqa=enable_gqa)
+        if query.dim() == 3:  # (N, L, E): one head
+            mask = attn_mask.unsqueeze(1) if attn_mask is not None and attn_mask.dim() == 3 else attn_mask
+            output, probabilities = attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, dropout_p,
+                                           is_causal, scale, enable_gqa)
+            output = output.squeeze(1)
+        else:
+            output, probabilities = attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        self.on_attention(probabilities, self.modules[-1])
+        return scaled_gradient(output, output_share)
+
+    def _core(self, on_path: tuple[bool, bool, bool], query: Tensor, key: Tensor, value: Tensor,
+              mask: Optional[Tensor], dropout_p: float, needed: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """``nn.MultiheadAttention``'s attention over heads (``explain.attention.AttentionCore``)."""
+        recorded = self.on_attention is not None
+        query, key, value, output_share = self._attention_operands(query, key, value, on_path, recorded)
+        if not recorded and not needed:
+            return F.scaled_dot_product_attention(query, key, value, mask, dropout_p), None
+        output, probabilities = attend(query, key, value, mask, dropout_p)
+        if self.on_attention is not None:
+            self.on_attention(probabilities, self.modules[-1])
+        return scaled_gradient(output, output_share), probabilities
+
+    def _attention_operands(self, query: Tensor, key: Tensor, value: Tensor, on_path: tuple[bool, bool, bool],
+                            recorded: bool) -> tuple[Tensor, Tensor, Tensor, float]:
+        """The uniform rule on softmax(QKᵀ)·V: A·V splits its relevance between A and V (each ½ when both depend
+        on the input), QKᵀ splits A's between Q and K (each ½ when both do); CP-LRP holds Q and K constant.
+        Returns the operands and the gradient share of the output. Fused, every share is put on the operands
+        (Q and K get both splits, V A·V's). Step by step (``recorded``), A·V's split is put on the output, so that
+        the gradient reaching A, whose relevance is recorded, includes it as in an eager attention."""
+        if self.conservative:
+            return query.detach(), key.detach(), value, 1.0
+        scores_on_path = on_path[0] or on_path[1]
+        weights_share = 1 / max(1, scores_on_path + on_path[2])
+        scores_share = 1 / max(1, on_path[0] + on_path[1])
+        if recorded:
+            return scaled_gradient(query, scores_share), scaled_gradient(key, scores_share), value, weights_share
+        share = weights_share * scores_share
+        return scaled_gradient(query, share), scaled_gradient(key, share), scaled_gradient(value, weights_share), 1.0
+
+
+def _operands_on(path: list[Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """Which of an attention call's query, key and value (its first three arguments) depend on the input."""
+    operands = list(args[:3]) + [kwargs.get(name) for name in ("query", "key", "value")[len(args):]]
+    on = [any(operand is tensor for tensor in path) for operand in operands]
+    return on[0], on[1], on[2]
+
+
+def _scaled(value: Any, path: list[Tensor], factor: float) -> Any:
+    """The arguments with each path tensor's gradient scaled by ``factor``."""
+    if isinstance(value, Tensor):
+        return scaled_gradient(value, factor) if any(value is tensor for tensor in path) else value
+    if type(value) in (list, tuple):
+        return type(value)(_scaled(item, path, factor) for item in value)
+    if type(value) is dict:
+        return {key: _scaled(item, path, factor) for key, item in value.items()}
+    return value
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if type(value) in (list, tuple):
+        return type(value)(_detached(item) for item in value)
+    return value
+
+
+def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The out-of-place form of an in-place activation (``F.gelu`` for ``Tensor.gelu_``), or the function itself
+    called with ``inplace=False``."""
+    name = function_name(func)
+    if name.endswith("_"):
+        base = name[:-1]
+        for namespace in (F, torch, Tensor):
+            found = getattr(namespace, base, None)
+            if callable(found):
+                return found
+    return func
+
+
+def _is_attention_softmax(result: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A softmax over the last dimension of (N, heads, T_q, T_k) scores."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return isinstance(result, Tensor) and result.dim() == 4 and dim in (-1, 3)
+
+
+class AttnLrpScope(CallScope[AttnLrpRules]):
+    """``with AttnLrpScope(model, rules):`` — this thread's forward passes run with the AttnLRP rules (hooks on the
+    model's modules say where each call is and handle activation modules whole); all removed when the block ends."""
+
+    def __init__(self, model: nn.Module, rules: AttnLrpRules):
+        super().__init__(model)
+        self.model_traced = model
+        self.rules = rules
+
+    def setup(self) -> AttnLrpRules:
+        from ..rules import CallRules
+
+        for module in self.model_traced.modules():
+            self.forward_pre_hook(module, self.rules.entering)
+            self.forward_hook(module, self.rules.leaving)
+        self.enter(CallRules([self.rules]))
+        return self.rules

@@ -13,8 +13,9 @@ model computes it):
   (by 2 and 1 where one operand is a constant), and no (N, heads, T, T) matrix is materialised;
 - softmax: its plain gradient, which in this form is the softmax rule R_i = x_i (R_i − s_i Σ_j R_j) (eq. 13); CP-LRP
   (Ali et al. 2022) instead stops the gradient through the softmax (``conservative=True``);
-- LayerNorm, RMSNorm, GroupNorm and a norm's denominator (``rsqrt``, ``sqrt``, ``var``, ``std``, ``norm``): the
-  identity rule of normalisation, the divisor held constant (eq. 10);
+- LayerNorm, RMSNorm, GroupNorm, ``F.normalize`` (Swin v2's cosine attention), a cosine similarity (a score against
+  a reference embedding) and a norm's denominator (``rsqrt``, ``sqrt``, ``x ** ±0.5``, ``var``, ``std``, ``norm``):
+  the identity rule of normalisation, the divisor held constant (eq. 10);
 - linear layers and convolutions: the plain gradient (LRP-0 with the bias absorbing its share), or LRP-γ
   (``linear_gamma``, ``conv_gamma``, as lxt with zennit's Gamma rule);
 - sums, means, pooling, reshaping, slicing, a product by a constant: the plain gradient, which is their LRP rule.
@@ -314,10 +315,17 @@ class AttnLrpRules(Rule):
         if func in PLAIN or (func in SCALINGS and len(path) == 1 and func not in MULTIPLICATIONS):
             return func(*args, **kwargs)
         if func in MULTIPLICATIONS or func in PRODUCTS:
-            if len(path) == 1:  # a product by a constant or a weight: linear
+            factors = sum(1 for tensor in tensors_in((args, kwargs)) if tensor in self.path)  # h * h: two
+            if factors == 1:  # a product by a constant or a weight: linear
                 return func(*args, **kwargs)
             self.applied["uniform"] += 1
-            return func(*_scaled(args, path, 1 / len(path)), **_scaled(kwargs, path, 1 / len(path)))
+            if writes_in_place(func, args, kwargs):  # h *= g: computed out of place on a copy, written back
+                target = args[0]
+                copy = target.clone()
+                args = tuple(copy if arg is target else arg for arg in args)
+                path = [copy if tensor is target else tensor for tensor in path]
+                return target.copy_(torch.mul(*_scaled(args, path, 1 / factors), **kwargs))
+            return func(*_scaled(args, path, 1 / factors), **_scaled(kwargs, path, 1 / factors))
         if func in SOFTMAXES:
             self.applied["softmax"] += 1
             result = func(*args, **kwargs)
@@ -331,7 +339,7 @@ class AttnLrpRules(Rule):
             self.applied["attention"] += 1
             on_path = _operands_on(path, args, kwargs)
             return multi_head_attention(lambda *core_args: self._core(on_path, *core_args), *args, **kwargs)
-        if func in DIVISORS:
+        if func in DIVISORS or _is_square_root(func, args, kwargs):
             self.applied["norm"] += 1
             return _detached(func(*args, **kwargs))
         if func in NORMS:
@@ -510,6 +518,15 @@ def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any]:
             if callable(found):
                 return found
     return func
+
+
+def _is_square_root(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """x ** 0.5 or x ** -0.5: a norm's divisor computed as a power (CLIP's ``_get_vector_norm``), held constant as
+    ``sqrt`` and ``rsqrt`` are."""
+    if func not in POWERS or function_name(func) not in ("pow", "__pow__"):
+        return False
+    exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
+    return isinstance(exponent, (int, float)) and abs(exponent) == 0.5
 
 
 def _is_attention_softmax(result: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

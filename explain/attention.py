@@ -183,7 +183,10 @@ def multi_head_attention(
     else:
         assert in_proj_weight is not None, "use_separate_proj_weight is False but in_proj_weight is None"
         weights = in_proj_weight.chunk(3)
-    q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    if not use_separate_proj_weight and query is key and key is value:  # self-attention: one packed projection
+        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
+    else:
+        q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
     attn_mask = _additive_mask(attn_mask, q.dtype)
     key_padding_mask = _additive_mask(key_padding_mask, q.dtype)
     if attn_mask is not None and attn_mask.dim() == 2:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -87,18 +88,21 @@ def is_activation_module(module: nn.Module) -> bool:
 
 
 class IdentityRule(torch.autograd.Function):
-    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · y / (x + ε) (AttnLRP's identity rule)."""
+    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · y / (x + ε) (AttnLRP's identity rule), with y
+    recomputed from the saved input (as the plain backward of GELU keeps its input, so no more memory)."""
 
     @staticmethod
     def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor) -> Tensor:
-        output = function(inputs)
-        ctx.save_for_backward(output / (inputs + IDENTITY_EPSILON))
-        return output
+        ctx.function = function
+        ctx.save_for_backward(inputs)
+        return function(inputs)
 
     @staticmethod
     def backward(ctx: Any, gradient: Tensor) -> tuple[None, Tensor]:
-        (ratio,) = ctx.saved_tensors
-        return None, gradient * ratio
+        (inputs,) = ctx.saved_tensors
+        with torch.no_grad():
+            ratio = ctx.function(inputs).div_(inputs + IDENTITY_EPSILON)
+        return None, ratio.mul_(gradient)
 
 
 class IdentityOfValues(torch.autograd.Function):
@@ -108,7 +112,7 @@ class IdentityOfValues(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, inputs: Tensor, output: Tensor) -> Tensor:
         ctx.save_for_backward(output / (inputs + IDENTITY_EPSILON))
-        return output.clone()
+        return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
@@ -152,6 +156,27 @@ class Surrogate(torch.autograd.Function):
             leaf = inputs.detach().requires_grad_(True)
             (result,) = torch.autograd.grad(ctx.surrogate(leaf), leaf, gradient)
         return None, None, result
+
+
+class LayerNormIdentity(torch.autograd.Function):
+    """Forward: the layer norm, by the kernel ``F.layer_norm`` runs, which also gives 1/σ; backward: the gradient
+    with the divisor σ held constant, written out: ∂_in = (g − mean(g)) / σ with g = ∂ · weight, the mean over the
+    normalised dimensions (the same as ``Surrogate`` of the layer norm, keeping 1/σ instead of the input)."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: Tensor, shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
+                eps: float) -> Tensor:
+        output, _, reciprocal_std = torch.native_layer_norm(inputs, shape, weight, bias, eps)
+        ctx.dims = tuple(range(-len(shape), 0))
+        ctx.save_for_backward(weight, reciprocal_std)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Optional[Tensor], ...]:
+        weight, reciprocal_std = ctx.saved_tensors
+        weighted = gradient * weight if weight is not None else gradient.clone()
+        weighted -= weighted.mean(ctx.dims, keepdim=True)
+        return weighted.mul_(reciprocal_std.to(weighted.dtype)), None, None, None, None
 
 
 class GammaGradient(torch.autograd.Function):
@@ -229,6 +254,12 @@ def _norm_surrogate(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
         return normalize
     return None
+
+
+def _call_on(func: Callable[..., Any], rest_args: tuple[Any, ...], rest_kwargs: dict[str, Any],
+             inputs: Tensor) -> Any:
+    """``func(inputs, *rest_args, **rest_kwargs)``."""
+    return func(inputs, *rest_args, **rest_kwargs)
 
 
 # ------------------------------------------------------------------ following the forward pass
@@ -386,7 +417,15 @@ class AttnLrpRules(Rule):
             return func(*args, **kwargs)
         self.applied["norm"] += 1
         rest_args, rest_kwargs = args[1:], {key: value for key, value in kwargs.items() if key != "input"}
-        return Surrogate.apply(lambda x: func(x, *rest_args, **rest_kwargs), surrogate, inputs)
+        exact = partial(_call_on, func, rest_args, rest_kwargs)
+        if function_name(func) == "layer_norm":
+            values = list(args) + [None] * 5
+            shape = kwargs.get("normalized_shape", values[1])
+            weight, bias = kwargs.get("weight", values[2]), kwargs.get("bias", values[3])
+            eps = kwargs.get("eps", values[4] if values[4] is not None else 1e-5)
+            return LayerNormIdentity.apply(inputs, list(shape), None if weight is None else weight.detach(),
+                                           None if bias is None else bias.detach(), eps)
+        return Surrogate.apply(exact, surrogate, inputs)
 
     def _cosine_similarity(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                            inputs: Tensor) -> Any:

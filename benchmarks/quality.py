@@ -12,19 +12,32 @@ every method must beat, and the methods that do not are listed. Writes the "Qual
 benchmarks/RESULTS.md and benchmarks/quality.png; then the "Deep feature factorisation" section
 (layer4 into 4 concepts) and docs/factorization.png.
 
-The shipped demo transformer (``demo-vit``) is evaluated likewise with the methods that suit a
-transformer: attention rollout, gradient-weighted rollout, Grad-CAM and Score-CAM at the last
-block's first norm, saliency and Integrated Gradients. Writes the "Quality: demo transformer"
-section and docs/transformer.png (images × methods).
+The two shipped demo transformers (``demo-vit``: conv stem and 4 blocks; ``demo-vit2``: a plain
+ViT, 8 px patch embedding and 6 blocks, another seed and other augmentations) are evaluated likewise
+with the methods that suit a transformer: attention rollout, gradient-weighted rollout, Grad-CAM and
+Score-CAM at the last block's first norm, saliency, Integrated Gradients, and issue 27's methods
+(AttnLRP, Transformer Attribution, LeGrad) once they are registered. On top of the metrics above,
+the protocol of Chefer et al. 2021 ("Transformer Interpretability Beyond Attention Visualization",
+section 4): segmentation (each map thresholded at its mean: pixel accuracy, mean IoU over
+background and foreground, mean average precision) and positive and negative perturbation (the
+accuracy as 0–90 % of the pixels are blacked out, most or least relevant first; area under the
+curve). Writes the "Quality: demo transformer" section and docs/transformer.png (images × methods,
+one block per model).
+
+    python benchmarks/quality.py --transformer-only     # both transformers only, a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import io
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import matplotlib
 
@@ -33,15 +46,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_section  # noqa: E402
 
 import explain  # noqa: E402
 from explain import metrics  # noqa: E402
-from explain.data import CLASS_NAMES, load_demo_model, load_demo_vit, make_dataset  # noqa: E402
+from explain.data import CLASS_NAMES, load_demo_model, load_demo_vit, load_demo_vit2, make_dataset  # noqa: E402
 from explain.data.train import EVALUATION_SEED, to_model_input  # noqa: E402
-from explain.methods.perturbation import PerturbationCAM  # noqa: E402
+from explain.metrics._common import ranking  # noqa: E402
 
 FIGURE = Path(__file__).with_name("quality.png")
 TRANSFORMER_FIGURE = Path(__file__).resolve().parent.parent / "docs" / "transformer.png"
@@ -54,8 +68,13 @@ SANITY_METHODS = ("gradcam", "gradcam++", "scorecam", "saliency", "integratedgra
                   "gradientshap", "deeplift", "guidedig", "blurig", "xrai", "lrp", "layerintegratedgradients",
                   "layerconductance")
 TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "gradcam", "scorecam", "saliency", "integratedgradients")
-TRANSFORMER_LAYER = "blocks.3.norm1"  # the last block's first norm, Grad-CAM's automatic choice
-TRANSFORMER_STAGES = ["head", "norm", "blocks.3", "blocks.2", "blocks.1", "blocks.0", "stem"]
+TRANSFORMER_METHODS_WHEN_REGISTERED = ("attnlrp", "transformerattribution", "legrad")
+"""Issue 27's methods: evaluated as soon as ``explain.REGISTRY`` holds them, so a re-run picks them up."""
+PERTURBATION_FRACTIONS = tuple(step / 10 for step in range(10))
+"""Chefer et al. 2021's perturbation test: 0 %, 10 %, …, 90 % of the pixels removed."""
+SEGMENTATION = ("pixel acc.", "mIoU", "mAP")
+PERTURBATION = ("pos. AUC ↓", "neg. AUC ↑")
+SUMMARY = (*SEGMENTATION, *PERTURBATION, "pointing", "energy PG", "ROAD MoRF ↓")
 OPTION_ROWS = {  # CAM options of issue 16, as extra rows: (method, constructor options)
     "gradcam, smooth=augment": ("gradcam", {"layer": "layer4", "smooth": "augment"}),
     "gradcam, smooth=eigen": ("gradcam", {"layer": "layer4", "smooth": "eigen"}),
@@ -90,8 +109,12 @@ def baseline_maps(images: np.ndarray, masks: np.ndarray) -> dict[str, torch.Tens
 def build(name: str, model, layer: str = "layer4"):
     """A registered method on a demo model: CAMs at ``layer``, no progress bars."""
     cls = explain.get_method(name)
-    options = {"progress": False} if issubclass(cls, PerturbationCAM) else {}
-    return cls(model, layer, **options) if cls.needs_layer else cls(model, **options)
+    return cls(model, layer, **quiet(cls)) if cls.needs_layer else cls(model, **quiet(cls))
+
+
+def quiet(cls: type) -> dict[str, bool]:
+    """``progress=False`` for a method that takes the option (a progress bar per call), else nothing."""
+    return {"progress": False} if "progress" in inspect.signature(cls.__init__).parameters else {}
 
 
 def cnn_methods() -> list[str]:
@@ -193,20 +216,33 @@ def figure(rows: dict[str, dict[str, float]], stages: dict[str, list]) -> None:
     fig.savefig(FIGURE, dpi=110)
 
 
-def result_tables(rows: dict[str, dict[str, float]], all_maps: dict, stages: dict[str, list]) -> list[str]:
-    """The metrics table (one row per map) and the sanity-check table, as markdown lines."""
+def metrics_table(rows: dict[str, dict[str, float]], all_maps: Optional[dict] = None) -> list[str]:
+    """One row per map: its metrics, after its milliseconds per image (– for a baseline) when
+    ``all_maps`` (name → (maps, seconds per image or None)) is given, as markdown lines."""
     columns = list(next(iter(rows.values())))
+    timed = all_maps is not None
     lines = [
-        "| map | ms / image | " + " | ".join(columns) + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |",
+        "| map | " + ("ms / image | " if timed else "") + " | ".join(columns) + " |",
+        "| --- | " + ("---: | " if timed else "") + " | ".join("---:" for _ in columns) + " |",
     ]
     for name, values in rows.items():
-        seconds = all_maps[name][1]
-        timing = "–" if seconds is None else f"{seconds * 1000:.1f}"
-        lines.append(f"| {name} | {timing} | " + " | ".join(f"{values[c]:.3f}" for c in columns) + " |")
+        cells = [cell(column, values[column]) for column in columns]
+        if all_maps is not None:
+            seconds = all_maps[name][1]
+            cells.insert(0, "–" if seconds is None else f"{seconds * 1000:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cell(column: str, value: float) -> str:
+    """A metric's value as a table cell: perturbation AUCs (0–90) to one decimal, the others to three."""
+    return f"{value:.1f}" if column in PERTURBATION else f"{value:.3f}"
+
+
+def sanity_table(stages: dict[str, list]) -> list[str]:
+    """The cascading randomisation's mean rank correlation / SSIM per method and stage, as markdown lines."""
     first = next(iter(stages.values()))
-    lines += [
-        "",
+    lines = [
         f"Sanity check, cascading randomisation on {len(first[0].ssim)} images: mean Spearman rank correlation "
         "(of |map|) / SSIM between the trained model's maps and the randomised copy's, after each stage "
         "(top layer first).",
@@ -218,6 +254,11 @@ def result_tables(rows: dict[str, dict[str, float]], all_maps: dict, stages: dic
         cells = [f"{stage.rank_correlation.mean():.2f} / {stage.ssim.mean():.2f}" for stage in results]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def result_tables(rows: dict[str, dict[str, float]], all_maps: dict, stages: dict[str, list]) -> list[str]:
+    """The metrics table (one row per map) and the sanity-check table, as markdown lines."""
+    return [*metrics_table(rows, all_maps), "", *sanity_table(stages)]
 
 
 def held_out(model, count: int):
@@ -303,51 +344,248 @@ def factorization_section(arguments: argparse.Namespace, concepts: int = 4) -> N
     print("\n".join(lines))
 
 
-def transformer_figure(model, data, count: int = 6) -> None:
-    """docs/transformer.png: ``count`` held-out images (rows) × the transformer methods (columns)."""
+# ------------------------------------------------------------------ transformers
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A shipped demo transformer to evaluate. name: its ``explain.load_model`` name; embedding: the
+    module before the blocks (the last stage of the sanity check); recipe: one line for the tables."""
+
+    name: str
+    load: Callable[[], nn.Module]
+    embedding: str
+    recipe: str
+
+
+TRANSFORMERS = {
+    "demo-vit": Transformer("demo-vit", load_demo_vit, "stem", "conv stem, 4 blocks, trained with flips and quarter "
+                            "turns (`python -m explain.data.train_vit`)"),
+    "demo-vit2": Transformer("demo-vit2", load_demo_vit2, "patch_embed", "8 px patch embedding (one strided "
+                             "convolution), 6 blocks, another seed, trained with translations and colour jitter "
+                             "(`python -m explain.data.train_vit2`)"),
+}
+
+
+def transformer_methods() -> tuple[str, ...]:
+    """The methods the transformer section runs: TRANSFORMER_METHODS and those of
+    TRANSFORMER_METHODS_WHEN_REGISTERED that ``explain.REGISTRY`` holds now."""
+    return TRANSFORMER_METHODS + tuple(name for name in TRANSFORMER_METHODS_WHEN_REGISTERED if name in explain.REGISTRY)
+
+
+def last_block_layer(model: nn.Module) -> str:
+    """The last block's first norm, ``blocks.{B−1}.norm1``: Grad-CAM's automatic layer on a ViT."""
+    return f"blocks.{len(model.blocks) - 1}.norm1"
+
+
+def sanity_stages(model: nn.Module, embedding: str) -> list[str]:
+    """The cascading randomisation's stages, top first: head, final norm, each block, the embedding."""
+    return ["head", "norm", *(f"blocks.{index}" for index in reversed(range(len(model.blocks)))), embedding]
+
+
+def segmentation_scores(maps: Tensor, masks: Tensor) -> dict[str, float]:
+    """Chefer et al. 2021's segmentation test (their ``imagenet_seg_eval.py``) on (N, H, W) maps and
+    (N, H, W) bool object masks. Each map is resized to the mask (bilinear), scaled to [0, 1] by its
+    minimum and maximum, and thresholded at its mean: above is foreground. Returns, each in [0, 1],
+    higher better: "pixel acc.", the share of all pixels labelled right (pooled over the images);
+    "mIoU", the mean over background and foreground of the pooled intersection over union; "mAP",
+    the mean over images of the average precision of the two-class scores (1 − map for the
+    background, map for the foreground) against the one-hot mask."""
+    maps = maps.detach().float().cpu()
+    masks = masks.bool().cpu()
+    if maps.shape[-2:] != masks.shape[-2:]:
+        maps = F.interpolate(maps[:, None], size=masks.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+    low = maps.amin(dim=(1, 2), keepdim=True)
+    spread = maps.amax(dim=(1, 2), keepdim=True) - low
+    scaled = torch.where(spread > 0, (maps - low) / spread.clamp_min(1e-12), 0.0)  # a constant map: all background
+    foreground = scaled > scaled.mean(dim=(1, 2), keepdim=True)
+    intersections = torch.stack([(~foreground & ~masks).sum(), (foreground & masks).sum()]).float()
+    unions = torch.stack([(~foreground | ~masks).sum(), (foreground | masks).sum()]).float()
+    scores = torch.cat([1 - scaled, scaled], dim=1).flatten(1)  # (N, 2·H·W): background rows, then foreground
+    labels = torch.cat([~masks, masks], dim=1).flatten(1)
+    return {
+        "pixel acc.": (foreground == masks).float().mean().item(),
+        "mIoU": (intersections / unions).mean().item(),
+        "mAP": average_precision(scores, labels).mean().item(),
+    }
+
+
+def average_precision(scores: Tensor, labels: Tensor) -> Tensor:
+    """(N, P) scores and (N, P) bool labels → (N,) average precision in [0, 1]: Σ_k (R_k − R_{k−1}) P_k
+    over the distinct score thresholds, highest first (precision P_k and recall R_k of the pixels
+    scoring at least the k-th threshold), as scikit-learn's ``average_precision_score``; 0 for a
+    row without positives."""
+    count, length = scores.shape
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    sorted_scores = scores.gather(1, order)
+    hits = labels.gather(1, order).float()
+    precision = hits.cumsum(dim=1) / torch.arange(1, length + 1)
+    positions = torch.arange(length).expand(count, -1)
+    group_ends = torch.ones_like(hits, dtype=torch.bool)  # the last position of each run of equal scores
+    group_ends[:, :-1] = sorted_scores[:, 1:] != sorted_scores[:, :-1]
+    end_of_group = torch.where(group_ends, positions, length).flip(1).cummin(dim=1).values.flip(1)
+    # each positive adds 1 / (positives) of recall at the precision of its threshold (its run's end)
+    return (hits * precision.gather(1, end_of_group)).sum(dim=1) / hits.sum(dim=1).clamp_min(1)
+
+
+def perturbation_accuracy(model: nn.Module, batch: Tensor, maps: Tensor, labels: Tensor, order: str,
+                          rows_per_pass: int = 250) -> Tensor:
+    """Chefer et al. 2021's perturbation test (their ``pertubation_eval_from_hdf5.py``): the model's
+    accuracy on ``labels`` (N,) as each fraction of PERTURBATION_FRACTIONS of the pixels of ``batch``
+    (N, C, H, W, model input) is blacked out (black before normalisation), the most relevant pixels
+    of ``maps`` (N, H, W, at the input's size) first for order "positive", the least relevant first
+    for "negative"; ties in a seeded random order. Returns (S,) accuracies in [0, 1]."""
+    count, _, height, width = batch.shape
+    black = to_model_input(np.zeros((1, 1, 1, 3), np.uint8))  # (1, C, 1, 1)
+    ranks = ranking(maps if order == "positive" else -maps)  # (N, H, W), 0 = removed first
+    fractions = torch.tensor(PERTURBATION_FRACTIONS)
+    removed = ranks[None] < torch.round(fractions * height * width).view(-1, 1, 1, 1)  # (S, N, H, W)
+    perturbed = torch.where(removed[:, :, None], black, batch[None]).flatten(0, 1)  # (S·N, C, H, W)
+    with torch.no_grad():
+        predictions = torch.cat([model(rows).argmax(dim=1) for rows in perturbed.split(rows_per_pass)])
+    return (predictions.view(len(fractions), count) == labels).float().mean(dim=1)
+
+
+def perturbation_scores(model: nn.Module, batch: Tensor, maps: Tensor, labels: Tensor) -> dict[str, float]:
+    """Positive and negative perturbation AUC: 100 × the area under the accuracy curve over the fraction
+    removed, 0 to 0.9 (trapezoid; at most 90). Positive (most relevant removed first): lower is better;
+    negative (least relevant first): higher is better."""
+    fractions = torch.tensor(PERTURBATION_FRACTIONS)
+    return {f"{sign}. AUC {arrow}": 100 * torch.trapezoid(perturbation_accuracy(model, batch, maps, labels, order),
+                                                          fractions).item()
+            for sign, arrow, order in (("pos", "↓", "positive"), ("neg", "↑", "negative"))}
+
+
+@dataclass
+class TransformerResults:
+    """One transformer's evaluation: held-out accuracy, maps and seconds per image per map, the
+    Chefer et al. protocol's and the other metrics' rows, the sanity check's stages, the Grad-CAM layer."""
+
+    accuracy: float
+    all_maps: dict[str, tuple[Tensor, Optional[float]]]
+    protocol: dict[str, dict[str, float]]
+    rows: dict[str, dict[str, float]]
+    stages: dict[str, list]
+    layer: str
+
+
+def evaluate_transformer(transformer: Transformer, model: nn.Module, data, batch: Tensor, labels: Tensor,
+                         accuracy: float, arguments: argparse.Namespace) -> TransformerResults:
+    """Every metric of the transformer section for one model on the held-out data."""
+    layer = last_block_layer(model)
+    methods = transformer_methods()
+    baselines = baseline_maps(data.images, data.masks)
+    all_maps = {name: (baselines[name], None) for name in ("random map", "centred Gaussian", "true mask")}
+    all_maps.update(method_maps(model, batch, labels, methods, layer))
+    masks = torch.from_numpy(data.masks)
+    protocol, rows = {}, {}
+    for name, (maps, _) in all_maps.items():
+        protocol[name] = {**segmentation_scores(maps, masks), **perturbation_scores(model, batch, maps, labels)}
+        rows[name] = evaluate(model, batch, labels, data.masks, maps, arguments.road_images)
+        print(f"  evaluated {name}", flush=True)
+    sanity_count = arguments.sanity_images
+    stages = sanity(model, batch[:sanity_count], labels[:sanity_count], methods, layer,
+                    sanity_stages(model, transformer.embedding))
+    return TransformerResults(accuracy, all_maps, protocol, rows, stages, layer)
+
+
+def model_figure(model: nn.Module, data, title: str, count: int) -> np.ndarray:
+    """``count`` held-out images (rows) × the transformer methods (columns) for one model, as an
+    (H, W, 4) RGBA array in [0, 1] drawn at 110 dpi."""
     images = list(data.images[:count])
     explanations = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for name in TRANSFORMER_METHODS:
+        for name in transformer_methods():
             explainer = explain.get_method(name)
-            options = {"progress": False} if issubclass(explainer, PerturbationCAM) else {}
-            layer = (TRANSFORMER_LAYER,) if explainer.needs_layer else ()
-            explanations.append(explainer(model, *layer, class_names=CLASS_NAMES, **options).explain(
+            layer = (last_block_layer(model),) if explainer.needs_layer else ()
+            explanations.append(explainer(model, *layer, class_names=CLASS_NAMES, **quiet(explainer)).explain(
                 images, target=data.labels[:count].tolist()))
     fig = explain.figure(explanations, colorbar=True)
-    fig.suptitle("The demo transformer (conv stem + 4 blocks, held-out accuracy ≥ 0.95): maps of the true class; "
-                 "the filled shape is the class, rings, bars and boxes are distractors", fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    encoded = io.BytesIO()
+    fig.savefig(encoded, format="png", dpi=110)
+    encoded.seek(0)
+    return plt.imread(encoded, format="png")
+
+
+def transformer_figure(panels: list[np.ndarray]) -> None:
+    """docs/transformer.png: the models' figures one above the other (narrower ones padded in white)."""
+    width = max(panel.shape[1] for panel in panels)
+    padded = [np.pad(panel, ((0, 0), (0, width - panel.shape[1]), (0, 0)), constant_values=1.0) for panel in panels]
     TRANSFORMER_FIGURE.parent.mkdir(exist_ok=True)
-    fig.savefig(TRANSFORMER_FIGURE, dpi=110)
+    plt.imsave(TRANSFORMER_FIGURE, np.concatenate(padded, axis=0))
+
+
+def summary_table(results: dict[str, TransformerResults]) -> list[str]:
+    """The main metrics of every map on every model side by side: cells "model 1 / model 2 / …"."""
+    names = list(dict.fromkeys(name for result in results.values() for name in result.rows))
+    lines = ["| map | " + " | ".join(SUMMARY) + " |", "| --- | " + " | ".join("---:" for _ in SUMMARY) + " |"]
+    for name in names:
+        cells = []
+        for metric in SUMMARY:
+            values = [({**result.protocol[name], **result.rows[name]}[metric] if name in result.rows else None)
+                      for result in results.values()]
+            cells.append(" / ".join("–" if value is None else cell(metric, value) for value in values))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def protocol_notes() -> str:
+    """How the segmentation and perturbation columns are computed, for the section's first paragraph."""
+    return (
+        "Chefer et al. 2021 (\"Transformer Interpretability Beyond Attention Visualization\", section 4), on the "
+        "synthetic data's object masks instead of ImageNet-segmentation: each map, min-max scaled, is thresholded "
+        "at its mean into a foreground prediction; pixel accuracy and the IoU of background and foreground are "
+        "pooled over all images' pixels (mIoU: their mean), mAP is the mean over images of the average precision "
+        "of the two-class scores (1 − map, map) against the one-hot mask. Perturbation: 0, 10, …, 90 % of the "
+        "pixels blacked out, most relevant first (positive) or least relevant first (negative), accuracy on the "
+        "true class at each step; AUC = 100 × trapezoid area over the fraction removed (at most 90; positive: "
+        "lower is better, negative: higher is better). All maps are of the true class."
+    )
 
 
 def transformer_section(arguments: argparse.Namespace) -> None:
     started = time.perf_counter()
-    model = load_demo_vit()
-    data, batch, labels, accuracy = held_out(model, arguments.images)
-    baselines = baseline_maps(data.images, data.masks)
-    all_maps = {name: (baselines[name], None) for name in ("random map", "centred Gaussian", "true mask")}
-    all_maps.update(method_maps(model, batch, labels, TRANSFORMER_METHODS, TRANSFORMER_LAYER))
-    rows = {}
-    for name, (maps, _) in all_maps.items():
-        rows[name] = evaluate(model, batch, labels, data.masks, maps, arguments.road_images)
-        print(f"  evaluated {name}", flush=True)
-    sanity_count = arguments.sanity_images
-    stages = sanity(model, batch[:sanity_count], labels[:sanity_count], TRANSFORMER_METHODS, TRANSFORMER_LAYER,
-                    TRANSFORMER_STAGES)
-    transformer_figure(model, data)
+    results: dict[str, TransformerResults] = {}
+    panels = []
+    for name in arguments.models:
+        if name not in TRANSFORMERS:
+            continue
+        print(f"{name}:", flush=True)
+        transformer = TRANSFORMERS[name]
+        model = transformer.load()
+        data, batch, labels, accuracy = held_out(model, arguments.images)
+        results[name] = evaluate_transformer(transformer, model, data, batch, labels, accuracy, arguments)
+        panels.append(model_figure(model, data, f"{name} ({transformer.recipe.split(' (')[0]}; held-out "
+                                   f"accuracy {accuracy:.2f}): maps of the true class; the filled shape is the "
+                                   "class, rings, bars and boxes are distractors", arguments.figure_images))
+    transformer_figure(panels)
+    models = " / ".join(f"`{name}`" for name in results)
     lines = [
-        f"The shipped demo transformer (`explain.data.load_demo_vit()`, held-out accuracy {accuracy:.3f}) on "
-        f"{len(data)} held-out synthetic images (seed {EVALUATION_SEED}); maps of the true class; Grad-CAM and "
-        f"Score-CAM at `{TRANSFORMER_LAYER}` (the last block's first norm, Grad-CAM's automatic layer); rollouts "
-        "over all four blocks (mean head fusion, no discarding). " + metric_notes(arguments, data,
-                                                                                  time.perf_counter() - started),
+        f"The shipped demo transformers on {arguments.images} held-out synthetic images (seed {EVALUATION_SEED}); "
+        + "; ".join(f"`{name}`: {TRANSFORMERS[name].recipe}, held-out accuracy {result.accuracy:.3f}"
+                    for name, result in results.items())
+        + ". Maps of the true class; Grad-CAM and Score-CAM at the last block's first norm (Grad-CAM's automatic "
+        "layer); rollouts over all blocks (mean head fusion, no discarding). "
+        + protocol_notes() + " " + metric_notes(arguments, data, time.perf_counter() - started),
         "",
-        *result_tables(rows, all_maps, stages),
-        "", "![transformer](../docs/transformer.png)", "",
-        "Command: `python benchmarks/quality.py --models demo-vit`.",
+        f"Both models side by side, each cell {models}:",
+        "",
+        *summary_table(results),
     ]
+    for name, result in results.items():
+        lines += [
+            "", f"### {name}", "",
+            f"`explain.load_model(\"{name}\")`, Grad-CAM and Score-CAM at `{result.layer}`. Segmentation and "
+            "perturbation (Chefer et al. 2021):",
+            "",
+            *metrics_table(result.protocol),
+            "", "Localisation and faithfulness (as in the CNN's section):", "",
+            *result_tables(result.rows, result.all_maps, result.stages),
+        ]
+    lines += ["", "![transformer](../docs/transformer.png)", "",
+              "Command: `python benchmarks/quality.py --transformer-only`."]
     write_section("Quality: demo transformer", "\n".join(lines))
     print("\n".join(lines))
 
@@ -357,13 +595,18 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=100)
     parser.add_argument("--road-images", type=int, default=50, help="ROAD's imputation is the slowest metric")
     parser.add_argument("--sanity-images", type=int, default=24)
-    parser.add_argument("--models", nargs="+", choices=("demo", "demo-vit"), default=["demo", "demo-vit"])
+    parser.add_argument("--figure-images", type=int, default=4, help="rows per transformer in docs/transformer.png")
+    parser.add_argument("--models", nargs="+", choices=("demo", *TRANSFORMERS), default=["demo", *TRANSFORMERS])
+    parser.add_argument("--transformer-only", action="store_true",
+                        help="only the transformer section, both transformers (same as --models demo-vit demo-vit2)")
     arguments = parser.parse_args()
+    if arguments.transformer_only:
+        arguments.models = list(TRANSFORMERS)
     torch.set_num_threads(2)
     if "demo" in arguments.models:
         factorization_section(arguments)
         cnn_section(arguments)
-    if "demo-vit" in arguments.models:
+    if any(name in TRANSFORMERS for name in arguments.models):
         transformer_section(arguments)
 
 

@@ -1,7 +1,7 @@
 """Time and peak memory of each method as multiples of one no-grad forward of the same model and batch.
 
     python benchmarks/speed.py [--models resnet50 vgg16 vit_b_16] [--batches 1 16] [--device cpu]
-    python benchmarks/speed.py --transformers     # attention methods and the rest on vit_b_16 and timm vit_small
+    python benchmarks/speed.py --transformers     # attention methods and the rest on vit_b_16, timm vit_small, swin_t
 
 Each (model, batch, method) is measured in a fresh process: its peak memory growth
 (RSS on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over the memory held
@@ -10,7 +10,8 @@ timed in the same process. Peers (pytorch-grad-cam, Captum, torchcam) are measur
 alike when installed (``pip install -e ".[bench]"``). Random weights, 224 px inputs.
 Writes the "Speed and memory" section of benchmarks/RESULTS.md; with ``--transformers``, the
 "Speed and memory: transformers" section (torchvision vit_b_16 with its zero head re-initialised,
-timm vit_small_patch16_224; CAMs at the automatic layer, the last block's first norm).
+timm vit_small_patch16_224, torchvision swin_t; CAMs at the automatic layer, the last block's first norm). Methods
+that cannot explain a model (the rollouts on Swin's window attention) leave no row.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ OURS = ("gradcam", "gradcam++", "hirescam", "layercam", "eigencam", "saliency", 
         "scorecam")
 PEERS = ("pytorch-grad-cam", "captum", "torchcam")
 SLOW = {"scorecam", "ablationcam", "integratedgradients"}  # one forward per channel or per step: batch 1 only
-TRANSFORMERS = {"vit_b_16": None, "vit_small_patch16_224": None}  # layer None: the automatic one
-TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "gradcam", "saliency", "integratedgradients",
-                       "scorecam")
+TRANSFORMERS = {"vit_b_16": None, "vit_small_patch16_224": None, "swin_t": None}  # layer None: the automatic one
+TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "transformerattribution", "legrad", "attnlrp",
+                       "gradcam", "saliency", "integratedgradients", "scorecam")
 TIMM_MODELS = {"vit_small_patch16_224"}
 
 
@@ -223,7 +224,8 @@ def write(results: list[dict], device: str, transformers: bool = False) -> None:
             f"{row['growth'] / 2**20:.0f} | {memory_ratio:.2f} |"
         )
     if transformers:
-        lines[0] += (" torchvision vit_b_16 (zero head re-initialised) and timm vit_small_patch16_224; Grad-CAM and "
+        lines[0] += (" torchvision vit_b_16 (zero head re-initialised), timm vit_small_patch16_224 and torchvision "
+                     "swin_t; Grad-CAM and "
                      "Score-CAM at the automatic layer (the last block's first norm); rollouts over all blocks; "
                      "Integrated Gradients with its default steps.")
         lines += ["", "Command: `python benchmarks/speed.py --transformers`."]

@@ -183,7 +183,7 @@ def multi_head_attention(
     else:
         assert in_proj_weight is not None, "use_separate_proj_weight is False but in_proj_weight is None"
         weights = in_proj_weight.chunk(3)
-    if not use_separate_proj_weight and query is key and key is value:  # self-attention: one packed projection
+    if not use_separate_proj_weight and in_proj_weight is not None and query is key and key is value:  # one packed
         q, k, v = F.linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
     else:
         q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))

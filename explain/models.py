@@ -2,7 +2,7 @@
 
 Sources:
 
-- ``"demo"``, ``"demo-vit"``: the shipped CNN and transformer (no network);
+- ``"demo"``, ``"demo-vit"``, ``"demo-vit2"``: the shipped CNN and transformers (no network);
 - a torchvision model name (``"resnet50"``, also ``"torchvision:resnet50"``);
 - ``"timm:NAME"``: a timm model (``timm.create_model``);
 - ``"hf:ID_OR_DIRECTORY"``: a HuggingFace transformers model, the class its config names (else the
@@ -37,7 +37,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torchvision
@@ -45,6 +45,7 @@ from torch import nn
 
 from .data.demo import DemoNet, load_demo_model
 from .data.demo_vit import DemoViT, load_demo_vit
+from .data.demo_vit2 import DemoViT2, load_demo_vit2
 from .data.synthetic import CLASS_NAMES
 from .inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
 from .targets import OutputSelector, model_class_names
@@ -57,8 +58,12 @@ PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 HF_TASK_HEADS = {"ForImageClassification": "classification", "ForSemanticSegmentation": "segmentation",
                  "ForObjectDetection": "detection"}
 """The endings of HuggingFace task model class names, and the task each names."""
-SOURCES_TEXT = ("'demo', 'demo-vit', a torchvision model name (resnet50), 'timm:NAME' (timm:vit_small_patch16_224), "
-                "'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a whole model")
+DEMO_MODELS: dict[str, tuple[type[nn.Module], Callable[[], nn.Module]]] = {
+    "demo": (DemoNet, load_demo_model), "demo-vit": (DemoViT, load_demo_vit), "demo-vit2": (DemoViT2, load_demo_vit2)}
+"""The shipped models: name → (architecture, loader of the trained weights)."""
+SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', a torchvision model name (resnet50), 'timm:NAME' "
+                "(timm:vit_small_patch16_224), 'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a "
+                "whole model")
 
 
 class WeightsUnavailableError(RuntimeError):
@@ -120,7 +125,7 @@ def load_model(
     if weights == RANDOM_WEIGHTS and source.startswith("hf:"):
         raise ValueError(f"weights={RANDOM_WEIGHTS!r} is for an architecture (a torchvision or timm name); "
                          f"{source!r} brings its own weights.")
-    if source in ("demo", "demo-vit"):
+    if source in DEMO_MODELS:
         loaded = _load_demo(source, weights)
     elif source.startswith("timm:"):
         loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes)
@@ -180,10 +185,10 @@ def weights_choices(source: str) -> str:
 
 
 def _load_demo(name: str, weights: Optional[str]) -> LoadedModel:
-    architecture: type[nn.Module] = DemoViT if name == "demo-vit" else DemoNet
+    architecture, load_trained = DEMO_MODELS[name]
     model: nn.Module
     if weights is None:
-        model = load_demo_vit() if name == "demo-vit" else load_demo_model()
+        model = load_trained()
     elif weights == RANDOM_WEIGHTS:
         model = architecture()
     else:

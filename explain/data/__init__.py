@@ -2,6 +2,8 @@
 
 from .demo import DemoNet, load_demo_model
 from .demo_vit import DemoViT, load_demo_vit
+from .demo_vit2 import DemoViT2, load_demo_vit2
 from .synthetic import CLASS_NAMES, SyntheticData, make_dataset
 
-__all__ = ["CLASS_NAMES", "DemoNet", "DemoViT", "SyntheticData", "load_demo_model", "load_demo_vit", "make_dataset"]
+__all__ = ["CLASS_NAMES", "DemoNet", "DemoViT", "DemoViT2", "SyntheticData", "load_demo_model", "load_demo_vit",
+           "load_demo_vit2", "make_dataset"]

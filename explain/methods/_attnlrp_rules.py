@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import attend, multi_head_attention
+from ..attention import attend, calling_module, multi_head_attention
 from ..rules import Rule, function_name, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
 from ._lrp_rules import Gamma, stabilize
@@ -285,9 +285,10 @@ class AttnLrpRules(Rule):
         self.conv_rule = None if not conv_gamma else Gamma(conv_gamma)
         self.on_attention = on_attention
         self.path: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.modules: list[str] = [""]
-        self.names = {module: name for name, module in model.named_modules()}
-        self.activations = {module for module in self.names if is_activation_module(module)}
+        self.names = {id(module): name for name, module in model.named_modules()}
+        """``id(module)`` → name, for ``calling_module``: the module of a call is read from the Python stack, only
+        where a name is needed (a warning, an attention record), so no hook runs on every module."""
+        self.activations = [module for module in model.modules() if is_activation_module(module)]
         self.inside_activation = 0
         self.inputs_before: list[Optional[Tensor]] = []
         """Per activation module running, a copy of its input in the graph when it writes in place, else None."""
@@ -296,24 +297,25 @@ class AttnLrpRules(Rule):
 
     # -- module names, and activation modules handled whole
 
+    def current_module(self) -> str:
+        """The name of the innermost module of the model running now ("" for the model itself)."""
+        return calling_module(self.names) or ""
+
     def entering(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.modules.append(self.names.get(module, ""))
-        if module in self.activations:
-            self.inside_activation += 1
-            in_place = getattr(module, "inplace", False) and args and isinstance(args[0], Tensor)
-            self.inputs_before.append(args[0].clone() if in_place and args[0] in self.path else None)
+        """Before an activation module: counted, so that its inner calls run plainly."""
+        self.inside_activation += 1
+        in_place = getattr(module, "inplace", False) and args and isinstance(args[0], Tensor)
+        self.inputs_before.append(args[0].clone() if in_place and args[0] in self.path else None)
 
     def leaving(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if len(self.modules) > 1:
-            self.modules.pop()
-        if module not in self.activations:
-            return None
+        """After an activation module: its output, wired to its input by the identity rule."""
         self.inside_activation -= 1
         before = self.inputs_before.pop() if self.inputs_before else None
         if self.inside_activation or len(args) != 1 or not isinstance(args[0], Tensor) or args[0] not in self.path:
             return None
         if not isinstance(output, Tensor) or output.shape != args[0].shape:
-            self.unruled.setdefault(f"{self.modules[-1] or 'model'}: {type(module).__name__} (not elementwise)")
+            name = self.names.get(id(module), "") or "model"
+            self.unruled.setdefault(f"{name}: {type(module).__name__} (not elementwise)")
             return None
         self.applied["identity"] += 1
         # an in-place module (nn.SiLU(inplace=True)) has overwritten its input: the rule needs the input before
@@ -322,7 +324,7 @@ class AttnLrpRules(Rule):
         return result
 
     def where(self, function: Callable[..., Any]) -> str:
-        return f"{self.modules[-1] or 'model'}: {function_name(function)}"
+        return f"{self.current_module() or 'model'}: {function_name(function)}"
 
     # -- the path
 
@@ -361,7 +363,7 @@ class AttnLrpRules(Rule):
             self.applied["softmax"] += 1
             result = func(*args, **kwargs)
             if self.on_attention is not None and _is_attention_softmax(result, args, kwargs):
-                self.on_attention(result, self.modules[-1])
+                self.on_attention(result, self.current_module())
             return result.detach() if self.conservative else result
         if func is F.scaled_dot_product_attention:
             self.applied["attention"] += 1
@@ -487,7 +489,7 @@ class AttnLrpRules(Rule):
             output = output.squeeze(1)
         else:
             output, probabilities = attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        self.on_attention(probabilities, self.modules[-1])
+        self.on_attention(probabilities, self.current_module())
         return scaled_gradient(output, output_share)
 
     def _core(self, on_path: tuple[bool, bool, bool], query: Tensor, key: Tensor, value: Tensor,
@@ -499,7 +501,7 @@ class AttnLrpRules(Rule):
             return F.scaled_dot_product_attention(query, key, value, mask, dropout_p), None
         output, probabilities = attend(query, key, value, mask, dropout_p)
         if self.on_attention is not None:
-            self.on_attention(probabilities, self.modules[-1])
+            self.on_attention(probabilities, self.current_module())
         return scaled_gradient(output, output_share), probabilities
 
     def _attention_operands(self, query: Tensor, key: Tensor, value: Tensor, on_path: tuple[bool, bool, bool],
@@ -586,7 +588,7 @@ class AttnLrpScope(CallScope[AttnLrpRules]):
     def setup(self) -> AttnLrpRules:
         from ..rules import CallRules
 
-        for module in self.model_traced.modules():
+        for module in self.rules.activations:
             self.forward_pre_hook(module, self.rules.entering)
             self.forward_hook(module, self.rules.leaving)
         self.enter(CallRules([self.rules]))

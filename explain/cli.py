@@ -1,6 +1,6 @@
 """The ``explain`` command.
 
-    explain demo [--model demo-vit]                # no network, no arguments: writes explain-demo.png
+    explain demo [--model demo-vit|demo-vit2]      # no network, no arguments: writes explain-demo.png
     explain IMAGE... --model MODEL [--weights PATH|NAME] [--method gradcam] [--layer layer4]
                      [--target CLASS | --topk K] [--option KEY=VALUE ...] [--out DIR]
     explain methods [--verbose] [NAME]             # every method with one line each, or its options
@@ -8,7 +8,7 @@
     explain batch DIR --model MODEL --out OUT [--overlays]   # a whole folder, resumable;
                                                    # under torchrun, sharded across processes
 
-MODEL: demo, demo-vit, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
+MODEL: demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
 holding a whole model (with --allow-pickle); see ``explain.models``. A torchvision or timm
 architecture needs --weights (DEFAULT, pretrained, a file, or random): without, its weights would
 be random and its maps meaningless.
@@ -382,16 +382,17 @@ def run_images(arguments: argparse.Namespace) -> int:
 
 
 DEMO_METHODS = {"demo": ("gradcam", "layer4", "Grad-CAM at layer4 of the demo CNN"),
-                "demo-vit": ("gradientrollout", None, "Gradient-weighted attention rollout of the demo transformer")}
+                "demo-vit": ("gradientrollout", None, "Gradient-weighted attention rollout of the demo transformer"),
+                "demo-vit2": ("transformerattribution", None, "Transformer attribution of the second demo transformer")}
 
 
 def run_demo(out: str = "explain-demo.png", count: int = 6, model: str = "demo") -> Path:
-    """Explain a few synthetic images with a shipped model ('demo', the CNN, or 'demo-vit', the
-    transformer); write one figure. No network."""
+    """Explain a few synthetic images with a shipped model ('demo', the CNN, or 'demo-vit' and 'demo-vit2', the
+    transformers); write one figure. No network."""
     from .data.synthetic import CLASS_NAMES, make_dataset
 
     if model not in DEMO_METHODS:
-        raise ValueError(f"explain demo takes --model demo or demo-vit; got {model!r}.")
+        raise ValueError(f"explain demo takes --model demo, demo-vit or demo-vit2; got {model!r}.")
     method, layer, what = DEMO_METHODS[model]
     loaded = load_model(model)
     data = make_dataset(count, seed=DEMO_SEED)
@@ -487,8 +488,9 @@ def run_batch(argv: Sequence[str]) -> int:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", required=True,
-                       help="demo, demo-vit, a torchvision name (resnet50), timm:NAME (timm:vit_small_patch16_224), "
-                       "hf:ID_OR_DIRECTORY (a HuggingFace model), or a file holding a whole model (--allow-pickle)")
+                       help="demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME "
+                       "(timm:vit_small_patch16_224), hf:ID_OR_DIRECTORY (a HuggingFace model), or a file holding a "
+                       "whole model (--allow-pickle)")
     model.add_argument("--weights", help="needed by a torchvision or timm architecture: a pretrained name (DEFAULT or "
                        "a torchvision weights name such as IMAGENET1K_V2; 'pretrained' for timm), a state-dict file "
                        "(.pt, .pth, .bin, .safetensors), or 'random' (random weights, to try the command)")
@@ -555,8 +557,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.add_argument("--out", default="explain-demo.png")
             parser.add_argument("--count", type=positive_int, default=6)
             parser.add_argument("--model", default="demo", choices=sorted(DEMO_METHODS),
-                                help="demo (the shipped CNN, Grad-CAM) or demo-vit (the shipped transformer, "
-                                "gradient-weighted attention rollout)")
+                                help="demo (the shipped CNN, Grad-CAM), demo-vit (the shipped transformer, "
+                                "gradient-weighted attention rollout) or demo-vit2 (the second, transformer "
+                                "attribution)")
             arguments = parser.parse_args(argv[1:])
             run_demo(arguments.out, arguments.count, arguments.model)
             return 0

@@ -20,29 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .demo_vit import Attention
 from .synthetic import CLASS_NAMES
 
 VIT2_WEIGHTS_PATH = Path(__file__).with_name("demo_vit2.pt")
 PATCH = 8
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention through ``F.scaled_dot_product_attention``: (N, T, D) → (N, T, D)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        count, tokens, dim = x.shape
-        q, k, v = self.qkv(x).reshape(count, tokens, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(q, k, v)  # (N, heads, T, D / heads)
-        return self.proj(x.transpose(1, 2).reshape(count, tokens, dim))
 
 
 class Mlp(nn.Module):

@@ -86,6 +86,21 @@ class AttentionMethod(Explainer):
         self.row = row
         self.reshape = reshape
 
+    def _record(self, batch: Tensor, target: Target, topk: Optional[int], *, detach: bool
+                ) -> tuple[CapturedAttention, SelectedTargets, list[Tensor], Layout, int]:
+        """One forward pass with the selected blocks' attention recorded: (the record, the selected targets, the
+        (N, heads, T, T) probabilities of the blocks rolled out, the token layout, the index of the first block
+        rolled out). detach: False keeps the probabilities in the graph, for their gradients."""
+        count = batch.shape[0]
+        with capture_attention(self.model, self.blocks, detach=detach) as attention:
+            output = self.call_model(batch)
+        selected = select_targets(output, target, topk, batch_size=count)
+        probabilities = self._checked(attention, count)
+        layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
+                              "the attention", whole_sequence=True)
+        first = self._first_block(len(probabilities))
+        return attention, selected, probabilities[first:], layout, first
+
     def _first_block(self, blocks: int) -> int:
         if not -blocks <= self.start_block < blocks:
             raise ValueError(f"start_block={self.start_block} is out of range: the model has {blocks} attention "
@@ -141,16 +156,10 @@ class AttentionExplainer(AttentionMethod):
     computed from the probabilities (``relevance``). Options: see ``AttentionMethod``."""
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        count = batch.shape[0]
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
-            with capture_attention(self.model, self.blocks, detach=not self.uses_gradients) as attention:
-                output = self.call_model(batch)
-            selected = select_targets(output, target, topk, batch_size=count)
-            probabilities = self._checked(attention, count)
-            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
-                                  "the attention", whole_sequence=True)
-            first = self._first_block(len(probabilities))
-            relevance, zero_gradient, disconnected = self.relevance(probabilities[first:], selected)
+            attention, selected, probabilities, layout, first = self._record(batch, target, topk,
+                                                                             detach=not self.uses_gradients)
+            relevance, zero_gradient, disconnected = self.relevance(probabilities, selected)
         selected.scores = selected.scores.detach()
         maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
         return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,

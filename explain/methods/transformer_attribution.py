@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..attention import CapturedAttention, capture_attention
-from ..layouts import token_layout
+from ..attention import CapturedAttention
 from ..targets import SelectedTargets, Target, select_targets
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from .attention import AttentionMethod
@@ -43,17 +42,10 @@ class TransformerAttribution(AttentionMethod):
     uses_gradients = True
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        count = batch.shape[0]
         with torch.enable_grad():
-            with capture_attention(self.model, self.blocks, detach=False) as attention:
-                output = self.call_model(batch)
-            selected = select_targets(output, target, topk, batch_size=count)
-            probabilities = self._checked(attention, count)
-            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
-                                  "the attention", whole_sequence=True)
-            first = self._first_block(len(probabilities))
-            gradients, zero_gradient, disconnected = self._gradients(selected, probabilities[first:])
-            del output, probabilities
+            attention, selected, probabilities, layout, first = self._record(batch, target, topk, detach=False)
+            gradients, zero_gradient, disconnected = self._gradients(selected, probabilities)
+            del probabilities
             relevances = self._relevances(batch, target, topk, attention, first)
         rolled = self._rollout(relevances, gradients)
         selected.scores = selected.scores.detach()

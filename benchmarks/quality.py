@@ -24,7 +24,8 @@ accuracy as 0–90 % of the pixels are blacked out, most or least relevant first
 curve). Writes the "Quality: demo transformer" section and docs/transformer.png (images × methods,
 one block per model).
 
-    python benchmarks/quality.py --transformer-only     # both transformers only, a few minutes
+    python benchmarks/quality.py --transformer-only --threads 1   # both transformers only: 6 minutes on 2
+                                                                   # shared CPU cores
 """
 
 from __future__ import annotations
@@ -584,8 +585,9 @@ def transformer_section(arguments: argparse.Namespace) -> None:
             "", "Localisation and faithfulness (as in the CNN's section):", "",
             *result_tables(result.rows, result.all_maps, result.stages),
         ]
+    threads = "" if arguments.threads == 2 else f" --threads {arguments.threads}"
     lines += ["", "![transformer](../docs/transformer.png)", "",
-              "Command: `python benchmarks/quality.py --transformer-only`."]
+              f"Command: `python benchmarks/quality.py --transformer-only{threads}`."]
     write_section("Quality: demo transformer", "\n".join(lines))
     print("\n".join(lines))
 
@@ -597,12 +599,15 @@ def main() -> None:
     parser.add_argument("--sanity-images", type=int, default=24)
     parser.add_argument("--figure-images", type=int, default=4, help="rows per transformer in docs/transformer.png")
     parser.add_argument("--models", nargs="+", choices=("demo", *TRANSFORMERS), default=["demo", *TRANSFORMERS])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads; 1 is not slowed down by other "
+                        "processes on a shared machine (with 2 threads on 2 busy cores, a conv stem's gradients "
+                        "can take 10× as long)")
     parser.add_argument("--transformer-only", action="store_true",
                         help="only the transformer section, both transformers (same as --models demo-vit demo-vit2)")
     arguments = parser.parse_args()
     if arguments.transformer_only:
         arguments.models = list(TRANSFORMERS)
-    torch.set_num_threads(2)
+    torch.set_num_threads(arguments.threads)
     if "demo" in arguments.models:
         factorization_section(arguments)
         cnn_section(arguments)

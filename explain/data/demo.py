@@ -9,6 +9,7 @@ toolkit's default preprocess). The weights are made by ``python -m explain.data.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -45,13 +46,21 @@ class DemoNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def load_demo_model(path: Path | str = WEIGHTS_PATH) -> DemoNet:
-    """The trained demo model, in eval mode, on the CPU."""
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def load_weights(model: ModuleT, path: Path | str, what: str, script: str) -> ModuleT:
+    """``model`` with the shipped weights at ``path`` (float16 ones read as float32), in eval mode, on the CPU; a
+    missing file is a FileNotFoundError naming ``what`` and the ``python -m`` ``script`` that recreates it."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"the demo model's weights are missing at {path}; recreate them with `python -m explain.data.train`."
-        )
-    model = DemoNet()
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        raise FileNotFoundError(f"{what}'s weights are missing at {path}; recreate them with `python -m {script}`.")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict({name: value.float() if value.is_floating_point() else value
+                           for name, value in state.items()})
     return model.eval()
+
+
+def load_demo_model(path: Path | str = WEIGHTS_PATH) -> DemoNet:
+    """The trained demo model, in eval mode, on the CPU."""
+    return load_weights(DemoNet(), path, "the demo model", "explain.data.train")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .demo import load_weights
 from .synthetic import CLASS_NAMES, IMAGE_SIZE
 
 VIT_WEIGHTS_PATH = Path(__file__).with_name("demo_vit.pt")
@@ -98,14 +99,4 @@ class DemoViT(nn.Module):
 
 def load_demo_vit(path: Path | str = VIT_WEIGHTS_PATH) -> DemoViT:
     """The trained demo transformer, in eval mode, on the CPU."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"the demo transformer's weights are missing at {path}; recreate them with "
-            "`python -m explain.data.train_vit`."
-        )
-    model = DemoViT()
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict({name: value.float() if value.is_floating_point() else value
-                           for name, value in state.items()})
-    return model.eval()
+    return load_weights(DemoViT(), path, "the demo transformer", "explain.data.train_vit")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .demo import load_weights
 from .demo_vit import Attention
 from .synthetic import CLASS_NAMES
 
@@ -111,14 +112,4 @@ class DemoViT2(nn.Module):
 
 def load_demo_vit2(path: Path | str = VIT2_WEIGHTS_PATH) -> DemoViT2:
     """The trained second demo transformer, in eval mode, on the CPU (float16 weights read as float32)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"the second demo transformer's weights are missing at {path}; recreate them with "
-            "`python -m explain.data.train_vit2`."
-        )
-    model = DemoViT2()
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict({name: value.float() if value.is_floating_point() else value
-                           for name, value in state.items()})
-    return model.eval()
+    return load_weights(DemoViT2(), path, "the second demo transformer", "explain.data.train_vit2")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from ..inputs import Normalize
 from .demo import WEIGHTS_PATH, DemoNet
@@ -38,6 +39,26 @@ def accuracy(model: nn.Module, count: int = 1000, seed: int = EVALUATION_SEED) -
     with torch.no_grad():
         predictions = model.eval()(to_model_input(data.images)).argmax(1)
     return (predictions == torch.from_numpy(data.labels)).float().mean().item()
+
+
+def fit_transformer(model: nn.Module, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
+                    samples: int, epochs: int, batch_size: int, generator: torch.Generator,
+                    batch_loss: Callable[[Tensor], Tensor]) -> nn.Module:
+    """The demo transformers' training loop: per epoch a shuffled order of the ``samples`` (drawn from
+    ``generator``), per batch of indices ``batch_loss(index)`` (the augmented batch's loss, drawing from the same
+    generator), gradients clipped to norm 1, one optimiser and schedule step. Returns the model in eval mode."""
+    model.train()
+    for epoch in range(epochs):
+        order = torch.randperm(samples, generator=generator)
+        for start in range(0, samples - batch_size + 1, batch_size):
+            loss = batch_loss(order[start : start + batch_size])
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+        print(f"epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}", flush=True)
+    return model.eval()
 
 
 def train(samples: int = 4000, epochs: int = 6, batch_size: int = 64, seed: int = TRAINING_SEED) -> DemoNet:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .demo_vit import VIT_WEIGHTS_PATH, DemoViT, load_demo_vit
 from .synthetic import make_dataset
-from .train import TRAINING_SEED, accuracy, to_model_input
+from .train import TRAINING_SEED, accuracy, fit_transformer, to_model_input
 
 
 def augment(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -40,19 +40,12 @@ def train(samples: int = 6000, epochs: int = 16, batch_size: int = 64, seed: int
     steps = epochs * (samples // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps, pct_start=0.15)
     generator = torch.Generator().manual_seed(seed)
-    model.train()
-    for epoch in range(epochs):
-        order = torch.randperm(samples, generator=generator)
-        for start in range(0, samples - batch_size + 1, batch_size):
-            index = order[start : start + batch_size]
-            loss = F.cross_entropy(model(augment(inputs[index], generator)), labels[index], label_smoothing=0.05)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-        print(f"epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}", flush=True)
-    return model.eval()
+
+    def batch_loss(index: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(augment(inputs[index], generator)), labels[index], label_smoothing=0.05)
+
+    fit_transformer(model, optimizer, schedule, samples, epochs, batch_size, generator, batch_loss)
+    return model
 
 
 def main() -> None:

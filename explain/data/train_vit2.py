@@ -23,7 +23,7 @@ from torch import Tensor
 from ..inputs import Normalize
 from .demo_vit2 import VIT2_WEIGHTS_PATH, DemoViT2, load_demo_vit2
 from .synthetic import make_dataset
-from .train import accuracy
+from .train import accuracy, fit_transformer
 
 SEED = 2
 SHIFT = 4
@@ -83,20 +83,13 @@ def train(samples: int = 16000, epochs: int = 14, batch_size: int = 64, seed: in
     steps = epochs * (samples // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=steps, pct_start=0.1)
     generator = torch.Generator().manual_seed(seed)
-    model.train()
-    for epoch in range(epochs):
-        order = torch.randperm(samples, generator=generator)
-        for start in range(0, samples - batch_size + 1, batch_size):
-            index = order[start : start + batch_size]
-            batch = jitter_colours(translate(images[index].float() / 255, generator), generator)
-            loss = F.cross_entropy(model(normalize(batch)), labels[index], label_smoothing=0.05)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-        print(f"epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}", flush=True)
-    return model.eval()
+
+    def batch_loss(index: Tensor) -> Tensor:
+        batch = jitter_colours(translate(images[index].float() / 255, generator), generator)
+        return F.cross_entropy(model(normalize(batch)), labels[index], label_smoothing=0.05)
+
+    fit_transformer(model, optimizer, schedule, samples, epochs, batch_size, generator, batch_loss)
+    return model
 
 
 def main() -> None:

@@ -336,19 +336,20 @@ class AttnLrpRules(Rule):
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inside_activation:
             return func(*args, **kwargs)
-        path = list({id(tensor): tensor for tensor in tensors_in((args, kwargs)) if tensor in self.path}.values())
-        if not path:
+        occurrences = [tensor for tensor in tensors_in((args, kwargs)) if tensor in self.path]  # h * h: two
+        if not occurrences:
             return func(*args, **kwargs)
-        result = self._ruled(func, args, kwargs, path)
+        path = list({id(tensor): tensor for tensor in occurrences}.values())
+        result = self._ruled(func, args, kwargs, path, len(occurrences))
         self.follow(result)
         return result
 
     def _ruled(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               path: list[Tensor]) -> Any:
+               path: list[Tensor], factors: int) -> Any:
+        """The call with its rule; ``path``: its distinct tensors on the path, ``factors``: their occurrences."""
         if func in PLAIN or (func in SCALINGS and len(path) == 1 and func not in MULTIPLICATIONS):
             return func(*args, **kwargs)
         if func in MULTIPLICATIONS or func in PRODUCTS:
-            factors = sum(1 for tensor in tensors_in((args, kwargs)) if tensor in self.path)  # h * h: two
             if factors == 1:  # a product by a constant or a weight: linear
                 return func(*args, **kwargs)
             self.applied["uniform"] += 1
@@ -383,8 +384,6 @@ class AttnLrpRules(Rule):
             return self._layer(func, args, kwargs, path)
         if (func in ACTIVATIONS or func in POWERS) and len(path) == 1:
             return self._activation(func, args, kwargs, path[0])
-        if func in SCALINGS:  # a division of one path tensor by another: no rule
-            pass
         result = func(*args, **kwargs)
         if any(isinstance(tensor, Tensor) and tensor.is_floating_point() and tensor.requires_grad
                for tensor in tensors_in(result)):

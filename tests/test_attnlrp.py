@@ -1034,8 +1034,8 @@ def test_a_target_that_explains_inside_the_call_gets_the_maps_it_gets_alone(meth
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # interrupted generator finalisers
 def test_an_interrupt_at_any_signal_point_leaves_the_model_and_the_thread_as_found():
-    """Ctrl-C landing anywhere in a call of either method (tests/test_interrupts.py's interrupter, which handles
-    SIGINT at the k-th instant CPython could): hooks, flags, modes and grad mode as before the call."""
+    """Ctrl-C landing anywhere in a call of each new transformer method (tests/test_interrupts.py's interrupter,
+    which handles SIGINT at the k-th instant CPython could): hooks, flags, modes and grad mode as before the call."""
     import random
     import threading
 
@@ -1053,7 +1053,7 @@ def test_an_interrupt_at_any_signal_point_leaves_the_model_and_the_thread_as_fou
     interrupter, rng = SignalPointInterrupter(), random.Random(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for cls in (explain.AttnLRP, explain.TransformerAttribution):
+        for cls in (explain.AttnLRP, explain.TransformerAttribution, explain.LeGrad):
             explainer = cls(model)
             expected = explainer.explain(x, target=[1, 2]).raw_maps
             call = functools.partial(explainer.explain, x, target=[1, 2])

@@ -337,7 +337,7 @@ def test_hf_clip_model_k_prompts_per_image_equal_the_image_tower_with_embedding_
     assert_state_equal(before, model_state(clip))
 
 
-# ------------------------------------------------------------------ window attention
+# ------------------------------------------------------------------ window attention (Swin)
 
 
 def legrad_by_capture(model: nn.Module, x: Tensor, blocks: list, recorded: str, targets: list) -> Tensor:
@@ -357,27 +357,27 @@ def legrad_by_capture(model: nn.Module, x: Tensor, blocks: list, recorded: str, 
     return total
 
 
-def test_swin_window_attention_is_refused_as_by_the_rollouts_and_a_global_last_stage_is_read():
-    """Swin's windows have no token-to-token matrix of the whole image, and each stage has its own width,
-    so only the last stage's tokens can be read through the model's head: the call gives the rollouts'
-    error; a last stage whose one window covers the whole map (Swin-T at 224 px: 7 × 7) is global
-    attention and is read with blocks= naming it."""
+def test_swin_reads_its_last_stage_by_default_and_blocks_choose_among_its_blocks():
+    """Each stage of Swin has its own width, so only the last stage's tokens can be read through the model's head:
+    by default LeGrad reads that stage's blocks (their windows laid out on its grid: tests/test_swin_windows.py);
+    blocks= by position chooses among them, by name reads the named stage (here the same), a global last stage (one
+    window) is layer-by-layer LeGrad as for a ViT."""
     timm = pytest.importorskip("timm")
-    torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, window_size=4,
                              embed_dim=16, depths=(1, 2), num_heads=(1, 2), num_classes=5).eval()
     x = torch.randn(2, 3, 32, 32)
     before = model_state(swin)
-    for model, size in [(swin, 32), (torchvision.models.swin_t(num_classes=5).eval(), 64)]:
-        for method in (explain.LeGrad, explain.GradientAttentionRollout):
-            with pytest.raises(ValueError, match="window attention"):
-                method(model).explain(torch.randn(1, 3, size, size))
-    assert_state_equal(before, model_state(swin))
-    explanation = explain.LeGrad(swin, blocks="layers.1", normalize=None).explain(x, target=[1, 3])
-    assert explanation.diagnostics["attention_blocks"] == [f"layers.1.blocks.{i}.attn.softmax" for i in (0, 1)]
+    default = explain.LeGrad(swin, normalize=None).explain(x, target=[1, 3])
+    assert default.diagnostics["attention_blocks"] == [f"layers.1.blocks.{i}.attn.softmax" for i in (0, 1)]
+    named = explain.LeGrad(swin, blocks="layers.1", normalize=None).explain(x, target=[1, 3])
+    torch.testing.assert_close(named.low_res_maps[0], default.low_res_maps[0])
     by_hand = legrad_by_capture(swin, x, list(swin.layers[1].blocks), "layers.1", [1, 3]).reshape(2, 4, 4)
-    torch.testing.assert_close(explanation.low_res_maps[0][:, 0], by_hand, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(default.low_res_maps[0][:, 0], by_hand, rtol=1e-4, atol=1e-9)
+    last = explain.LeGrad(swin, blocks=-1, normalize=None).explain(x, target=[1, 3])
+    assert last.diagnostics["attention_blocks"] == ["layers.1.blocks.1.attn.softmax"]
+    with pytest.raises(ValueError, match="window attention"):
+        explain.GradientAttentionRollout(swin).explain(x)
     assert_state_equal(before, model_state(swin))
 
 

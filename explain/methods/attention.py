@@ -22,6 +22,7 @@ weights), since compiled code runs no call-scoped rule; a module compiled in pla
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
@@ -30,10 +31,33 @@ from typing_extensions import Unpack
 
 from ..attention import BlockSpec, CapturedAttention, capture_attention
 from ..layouts import Layout, token_layout
+from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
+from ..windows import WindowPartition, WindowWatch, watch_windows
 from .base import Attribution, Explainer, ExplainerOptions, register
 
 HEAD_FUSIONS = ("mean", "max", "min")
+
+
+@dataclass
+class Recorded:
+    """What ``AttentionMethod._record`` read in one forward pass: the record, the selected targets, the (N, heads,
+    T, T) probabilities of the blocks rolled out (or (N · windows, heads, w², w²) for window attention), the token
+    layout (None for window attention), each recorded block's window partition (None unless window attention), the
+    index of the first block rolled out."""
+
+    attention: CapturedAttention
+    selected: SelectedTargets
+    probabilities: list[Tensor]
+    layout: Optional[Layout]
+    partitions: Optional[list[WindowPartition]]
+    first: int
+
+    @property
+    def token_layout(self) -> Layout:
+        assert self.layout is not None, "self-attention over the image's tokens has a token layout"
+        return self.layout
+
 Relevance = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
 ROWS = ("auto", "class", "mean")
 
@@ -67,6 +91,8 @@ class AttentionMethod(Explainer):
     needs_attention: ClassVar[bool] = True
     """Marks methods that need a transformer (attention layers) rather than any model."""
     uses_gradients: ClassVar[bool] = False
+    reads_windows: ClassVar[bool] = False
+    """Marks methods that lay window attention (Swin) out on each stage's token grid; the others refuse it."""
 
     def __init__(
         self,
@@ -86,20 +112,39 @@ class AttentionMethod(Explainer):
         self.row = row
         self.reshape = reshape
 
-    def _record(self, batch: Tensor, target: Target, topk: Optional[int], *, detach: bool
-                ) -> tuple[CapturedAttention, SelectedTargets, list[Tensor], Layout, int]:
-        """One forward pass with the selected blocks' attention recorded: (the record, the selected targets, the
-        (N, heads, T, T) probabilities of the blocks rolled out, the token layout, the index of the first block
-        rolled out). detach: False keeps the probabilities in the graph, for their gradients."""
+    def _record(self, batch: Tensor, target: Target, topk: Optional[int], *, detach: bool) -> Recorded:
+        """One forward pass with the selected blocks' attention recorded (and, for a method that reads windows,
+        each window block's partition). detach: False keeps the probabilities in the graph, for their gradients."""
         count = batch.shape[0]
-        with capture_attention(self.model, self.blocks, detach=detach) as attention:
-            output = self.call_model(batch)
+        with CallScope(self.model) as scope:
+            windows = watch_windows(scope, self.model) if self.reads_windows else None
+            with capture_attention(self.model, self.blocks, detach=detach) as attention:
+                output = self.call_model(batch)
         selected = select_targets(output, target, topk, batch_size=count)
-        probabilities = self._checked(attention, count)
-        layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
-                              "the attention", whole_sequence=True)
+        partitions = self._window_partitions(attention, windows, count)
+        probabilities = self._checked(attention, count) if partitions is None else attention.probabilities
+        layout = None if partitions is not None else token_layout(
+            probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model, "the attention",
+            whole_sequence=True)
         first = self._first_block(len(probabilities))
-        return attention, selected, probabilities[first:], layout, first
+        return Recorded(attention, selected, probabilities[first:], layout, partitions, first)
+
+    def _window_partitions(self, attention: CapturedAttention, windows: Optional[WindowWatch],
+                           count: int) -> Optional[list[WindowPartition]]:
+        """Each recorded block's window partition, when every block computed window attention (Swin) and this
+        method reads windows; None otherwise (the attention is then checked as self-attention over the image)."""
+        if windows is None or not attention.records:
+            return None
+        partitions = windows.partitions(attention.modules)
+        if any(partition is None for partition in partitions):
+            return None
+        chosen = [partition for partition in partitions if partition is not None]
+        for partition, record in zip(chosen, attention.records):
+            partition.check(record.probabilities, count, record.module)
+        if self.row == "class":
+            raise ValueError("row='class' needs a class token; a window-attention model (Swin) has none: its head "
+                             "averages the last stage's tokens. Use row='mean' (or 'auto').")
+        return chosen
 
     def _first_block(self, blocks: int) -> int:
         if not -blocks <= self.start_block < blocks:
@@ -126,7 +171,8 @@ class AttentionMethod(Explainer):
                 f"some attention has {max(p.shape[0] for p in probabilities)} rows for the {count} image(s) "
                 "explained: this looks like window attention (Swin and other hierarchical transformers attend "
                 "within local windows, so no token-to-token matrix of the whole image exists to roll out). Use "
-                "GradCAM(model) instead: it picks a norm layer of the last stage."
+                "TransformerAttribution, AttnLRP or LeGrad, which read window attention, or GradCAM(model): it picks "
+                "a norm layer of the last stage."
             )
         shapes = sorted({(p.shape[0], *p.shape[-2:]) for p in probabilities})
         if len(shapes) > 1 or shapes[0][1] != shapes[0][2] or shapes[0][0] != count:
@@ -157,13 +203,15 @@ class AttentionExplainer(AttentionMethod):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         with torch.enable_grad() if self.uses_gradients else torch.no_grad():
-            attention, selected, probabilities, layout, first = self._record(batch, target, topk,
-                                                                             detach=not self.uses_gradients)
-            relevance, zero_gradient, disconnected = self.relevance(probabilities, selected)
+            recorded = self._record(batch, target, topk, detach=not self.uses_gradients)
+            relevance, zero_gradient, disconnected = self.relevance(recorded.probabilities, recorded.selected)
+        selected = recorded.selected
         selected.scores = selected.scores.detach()
+        layout = recorded.token_layout
         maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
         return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
-                           disconnected=disconnected, diagnostics={"attention_blocks": attention.modules[first:]})
+                           disconnected=disconnected,
+                           diagnostics={"attention_blocks": recorded.attention.modules[recorded.first:]})
 
     @abstractmethod
     def relevance(self, probabilities: list[Tensor], selected: SelectedTargets) -> Relevance:
@@ -245,7 +293,7 @@ class GradientAttentionRollout(AttentionExplainer):
             for block, gradient in zip(probabilities, gradients):
                 if gradient is None:
                     continue
-                nonzero |= gradient.flatten(1).ne(0).any(dim=1)
+                nonzero |= gradient.reshape(nonzero.shape[0], -1).ne(0).any(dim=1)
                 weighted = (gradient.float() * block.detach().float()).clamp(min=0).mean(dim=1)
                 relevance = relevance + weighted @ relevance
             per_target.append(relevance)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, TypedDict, cast
+from typing import Any, Callable, Optional, Sequence, TypedDict, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,7 @@ from ..inputs import PreprocessSpec
 from ..layouts import Layout, token_layout
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_targets
+from ..windows import WindowPartition, is_window_block, watch_windows
 from .attention import AttentionMethod
 from .base import Attribution, register
 
@@ -139,6 +140,8 @@ class _Layer:
     record: AttentionRecord
     tokens: Tensor
     batch_dim: int
+    windowed: bool = False
+    """Window attention (Swin): the record's rows are the image's windows, laid out by ``explain.windows``."""
 
 
 class _ChosenAttention(CapturedAttention):
@@ -220,6 +223,13 @@ class _LayerStack:
             self._fail(problem)
             return None
         record = inside[0]
+        if _in_window_block(entry, record.module):  # Swin: the block's output is the (N, H, W, C) or (N, H·W, C) grid
+            tokens = _tokens_of(output)
+            if tokens is None or tokens.dim() < 3 or tokens.shape[0] != self.count:
+                self._fail(ValueError(f"LeGrad reads a Swin block's output tokens, (N, H, W, C) or (N, H·W, C), and "
+                                      f"block {entry.name!r} returned {type(output).__name__}."))
+                return None
+            return self._read(entry, record, output, tokens, 0, windowed=True)
         if record.probabilities.shape[0] != self.count:  # window attention, or attention of another input
             rows = record.probabilities.shape[0]
             self._fail(self.explainer.attention_problem(_ChosenAttention([record]), self.count) or ValueError(
@@ -236,8 +246,13 @@ class _LayerStack:
                 f"{record.probabilities.shape[-1]} tokens. Choose the image's blocks with blocks=, or use "
                 "GradientAttentionRollout."))
             return None
+        return self._read(entry, record, output, tokens, batch_dim)
+
+    def _read(self, entry: _Entry, record: AttentionRecord, output: Any, tokens: Tensor, batch_dim: int, *,
+              windowed: bool = False) -> Any:
+        """The block read: its tokens kept; cut from the next block's graph, or the readouts stacked after the last."""
         self.stack = entry.stack
-        self.layers.append(_Layer(entry.name, record, tokens, batch_dim))
+        self.layers.append(_Layer(entry.name, record, tokens, batch_dim, windowed))
         if entry.last:
             return self._finish(output)
         # the next block starts a new graph (a copy, so that the model may change it in place)
@@ -266,8 +281,9 @@ class _LayerStack:
         output, when it is not among them) stacked along the batch, for the rest of the model."""
         try:
             self.chosen = [self.layers[index] for index in self.explainer.chosen_layers(len(self.layers))]
-            problem = self.explainer.attention_problem(_ChosenAttention([layer.record for layer in self.chosen]),
-                                                       self.count)
+            global_attention = [layer.record for layer in self.chosen if not layer.windowed]
+            problem = None if not global_attention else self.explainer.attention_problem(
+                _ChosenAttention(global_attention), self.count)
         except ValueError as error:
             problem = error
         if problem is not None:
@@ -305,6 +321,15 @@ class _LayerStack:
             f"{why}: every layer is read through the part of the model after the stack's last block, which must be "
             "among the blocks read. Let blocks= include the stack's last block (choose the first layer with "
             "start_block=), or use GradientAttentionRollout.")
+
+
+def _in_window_block(entry: _Entry, module: str) -> bool:
+    """Whether attention recorded in ``module`` ran inside a window block (Swin) that is the entry or inside it."""
+    for name, inner in entry.module.named_modules():
+        block = f"{entry.name}.{name}" if name else entry.name
+        if is_window_block(inner) and (module == block or module.startswith(block + ".")):
+            return True
+    return False
 
 
 def _chooses_positions(blocks: BlockSpec) -> bool:
@@ -378,10 +403,12 @@ class LeGrad(AttentionMethod):
 
     K targets per image (class indices, top-k, ``EmbeddingSimilarity`` with K prompts) cost one
     backward pass each; the forward runs the blocks once and the rest of the model once on the
-    L·N stacked rows. Window attention (Swin) has no token-to-token matrix of the whole image, and
-    only the last stage's tokens fit the head: the call says so, as the rollouts do; a last stage
-    whose one window covers the whole map (Swin-T at 224 px) is read with ``blocks=`` naming it.
-    Other options: see ``AttentionMethod``.
+    L·N stacked rows. Window attention (Swin, Swin v2): only the last stage's tokens fit the head, so
+    by default the blocks of the last stage are read (``blocks=`` by position chooses among them);
+    each window's gradient is placed on the stage's token grid (``explain.windows``: shifted windows,
+    padding), a key token's column summed over its window's rows and divided by the grid's tokens
+    (the mean over all rows, the other windows' rows having no gradient for it); the map lies on the
+    last stage's grid (7 × 7 for Swin-T at 224 px). Other options: see ``AttentionMethod``.
     """
 
     name = "legrad"
@@ -425,6 +452,18 @@ class LeGrad(AttentionMethod):
             return error
         return None
 
+    def _last_window_stack(self) -> Optional[str]:
+        """For a window-attention model (Swin), the stack of blocks read by default: that of the last window block,
+        whose tokens the head reads (the earlier stages have other grids and widths). None for other models."""
+        stacks = {id(entry.module): entry.stack for entry in _stack_entries(self.model)}
+        names = dict(self.model.named_modules())
+        last = next((name for name, module in reversed(names.items()) if is_window_block(module)), None)
+        while last is not None:
+            if id(names[last]) in stacks:
+                return stacks[id(names[last])]
+            last = last.rpartition(".")[0] if last else None
+        return None
+
     def readout(self, layer: _Layer) -> Tensor:
         """What the rest of the model receives for a layer: its tokens ("model"), or their mean in
         every token's place ("mean")."""
@@ -438,9 +477,10 @@ class LeGrad(AttentionMethod):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
-        recorded = None if _chooses_positions(self.blocks) else self.blocks
+        recorded = self._last_window_stack() if _chooses_positions(self.blocks) or self.blocks is None else self.blocks
         with torch.enable_grad():
             with capture_attention(self.model, recorded, detach=False) as attention, CallScope(self.model) as scope:
+                windows = watch_windows(scope, self.model)
                 stack = _LayerStack(self, attention, count)
                 for entry in _stack_entries(self.model):
                     scope.forward_hook(entry.module, stack.hook(entry))
@@ -450,11 +490,26 @@ class LeGrad(AttentionMethod):
                 raise stack.unfinished_error()
             layer_scores, selected = self._scores(output, stack, target, topk)
             probabilities = [layer.record.probabilities for layer in stack.chosen]
-            layout = token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
-                                  "the attention", whole_sequence=True)
-            relevance, zero_gradient, disconnected = self._relevance(probabilities, layer_scores, layout)
+            partitions = windows.partitions([layer.record.module for layer in stack.chosen])
+            if all(partition is not None for partition in partitions):  # window attention (Swin): on its grid
+                grids = [partition for partition in partitions if partition is not None]
+                for partition, layer in zip(grids, stack.chosen):
+                    partition.check(layer.record.probabilities, count, layer.record.module)
+                if len({partition.grid for partition in grids}) > 1:
+                    raise ValueError(f"LeGrad sums the layers' maps on one token grid, and the blocks read lie on "
+                                     f"grids {sorted({partition.grid for partition in grids})}: choose the blocks "
+                                     "of one stage with blocks=.")
+                layouts: Sequence[Union[Layout, WindowPartition]] = grids
+            else:
+                layouts = [token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
+                                        "the attention", whole_sequence=True)] * len(probabilities)
+            relevance, zero_gradient, disconnected = self._relevance(probabilities, layer_scores, layouts)
         selected.scores = selected.scores.detach()
-        maps = layout.apply(relevance.transpose(1, 2))  # (N, T, K) → (N, K, h, w)
+        layout = layouts[0]
+        if isinstance(layout, WindowPartition):
+            maps = relevance.unflatten(-1, layout.grid)  # (N, K, H, W)
+        else:
+            maps = layout.apply(relevance.transpose(1, 2))  # (N, T, K) → (N, K, h, w)
         return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
                            disconnected=disconnected,
                            diagnostics={"attention_blocks": [layer.record.module for layer in stack.chosen]})
@@ -477,10 +532,13 @@ class LeGrad(AttentionMethod):
         return [selected.scores_for(blocks[index], images) for index in range(len(stack.chosen))], selected
 
     def _relevance(self, probabilities: list[Tensor], layer_scores: list[Tensor],
-                   layout: Layout) -> tuple[Tensor, Tensor, Tensor]:
-        """(N, K, T) relevance of each key token, and (N, K) flags: where ∂s_l/∂A_l was zero in every
-        layer, and where no layer's score depends on its attention."""
-        count, tokens = probabilities[0].shape[0], probabilities[0].shape[-1]
+                   layouts: Sequence[Union[Layout, WindowPartition]]) -> tuple[Tensor, Tensor, Tensor]:
+        """(N, K, T) relevance of each key token (T: the grid's tokens for window attention), and (N, K) flags:
+        where ∂s_l/∂A_l was zero in every layer, and where no layer's score depends on its attention. ``layouts``:
+        each layer's token layout, or for window attention its window partition (all on one grid)."""
+        count = layer_scores[0].shape[0]
+        first = layouts[0]
+        tokens = first.tokens if isinstance(first, WindowPartition) else probabilities[0].shape[-1]
         targets = layer_scores[0].shape[1]
         device = probabilities[0].device
         per_target: list[Tensor] = []
@@ -494,18 +552,26 @@ class LeGrad(AttentionMethod):
                                                 allow_unused=True)
             relevance = torch.zeros(count, tokens, device=device)
             nonzero = torch.zeros(count, dtype=torch.bool, device=device)
-            for gradient in gradients:
+            for gradient, layout in zip(gradients, layouts):
                 if gradient is None:
                     continue
-                nonzero |= gradient.flatten(1).ne(0).any(dim=1)
+                nonzero |= gradient.reshape(nonzero.shape[0], -1).ne(0).any(dim=1)
                 relevance = relevance + self._query_rows(gradient.float().clamp(min=0).mean(dim=1), layout)
             per_target.append(relevance)
             zero_gradient.append(~nonzero)
             disconnected.append(torch.full_like(nonzero, all(gradient is None for gradient in gradients)))
         return torch.stack(per_target, dim=1), torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
 
-    def _query_rows(self, positive: Tensor, layout: Layout) -> Tensor:
-        """(N, T, T) → (N, T): the mean of the query rows that ``row`` chooses."""
+    def _query_rows(self, positive: Tensor, layout: Union[Layout, WindowPartition]) -> Tensor:
+        """(N, T, T) → (N, T): the mean of the query rows that ``row`` chooses. Window attention, (N · windows, w²,
+        w²): each key token's column summed over its window's rows and divided by the grid's tokens (the mean over
+        every row of the grid, a token outside the window having no gradient), on the grid, (N, H · W)."""
+        if isinstance(layout, WindowPartition):
+            if self.row == "class":
+                raise ValueError("row='class' needs a class token; a window-attention model (Swin) has none. Use "
+                                 "row='all', 'mean' or 'auto'.")
+            count = positive.shape[0] // layout.windows
+            return layout.to_grid(positive.sum(dim=1) / layout.tokens, count)
         row = layout.readout if self.row == "auto" else self.row
         if row == "all":
             return positive.mean(dim=1)

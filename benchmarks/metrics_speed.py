@@ -1,0 +1,192 @@
+"""The metrics of issue 29 next to Quantus 0.6, the same work side by side in one process.
+
+    python benchmarks/metrics_speed.py [--threads 1] [--size 224] [--batch 8] [--repeats 5]
+
+resnet18 with random weights on the CPU, ``--batch`` synthetic images of ``--size`` px with their object
+masks, a different class explained for each, signed gradient maps (Σ over channels) computed once and
+given to both sides; where a metric explains (input invariance, random logit), both sides run the same
+explainer of ours. Each metric is called once on each side, then in turn (ours, Quantus, ours, ...) and
+each side's median is kept: what loads the machine meanwhile slows both alike. The last column is the
+largest |ours − Quantus| over the batch, from the same calls, with settings under which both compute the
+same thing (see tests/test_metrics_breadth.py for why the defaults differ), or the share of equal verdicts
+where Quantus returns booleans. Non-sensitivity runs one forward per input element: at ``--small`` px.
+Prints a markdown table; writes nothing. Needs ``pip install --no-deps "quantus==0.6.*"`` and
+``pip install pandas cachetools scikit-image``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+import explain  # noqa: E402
+from explain import metrics  # noqa: E402
+from explain.data import make_dataset  # noqa: E402
+from explain.data.train import to_model_input  # noqa: E402
+
+
+def quantus_metric(name: str, **options: Any) -> Any:
+    import quantus
+
+    warnings.filterwarnings("ignore", module="quantus")
+    return getattr(quantus, name)(disable_warnings=True, **options)
+
+
+def explain_func(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, **kwargs: Any) -> np.ndarray:
+    """Quantus's explain_func: our signed gradient map, raw, (N, 1, H, W)."""
+    explainer = explain.Saliency(model, reduce="sum", normalize=None)
+    batch = torch.as_tensor(np.asarray(inputs), dtype=torch.float32)
+    return explainer.explain(batch, torch.as_tensor(np.asarray(targets)).long()).raw_map_grid[:, 0][:, None].numpy()
+
+
+def ssim_2d(shape: tuple[int, int]) -> Callable[..., list[float]]:
+    """Quantus similarity_func: 2-D SSIM (Gaussian window, σ 1.5, data range 1), as ``explain.metrics.ssim``."""
+    from skimage.metrics import structural_similarity
+
+    def similarity(first: np.ndarray, second: np.ndarray, batched: bool = True, **kwargs: Any) -> list[float]:
+        return [structural_similarity(a.reshape(shape).astype(np.float64), b.reshape(shape).astype(np.float64),
+                                      gaussian_weights=True, sigma=1.5, use_sample_covariance=False, data_range=1.0)
+                for a, b in zip(first, second)]
+    return similarity
+
+
+def timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = call()
+    return time.perf_counter() - started, result
+
+
+def side_by_side(ours: Callable[[], Any], theirs: Optional[Callable[[], Any]], repeats: int
+                 ) -> tuple[float, Optional[float], Any, Any]:
+    """(our median seconds, Quantus's or None, our last result, Quantus's last result)."""
+    ours_result, theirs_result = ours(), theirs() if theirs is not None else None  # warm-up
+    our_times, their_times = [], []
+    for _ in range(repeats):
+        seconds, ours_result = timed(ours)
+        our_times.append(seconds)
+        if theirs is not None:
+            seconds, theirs_result = timed(theirs)
+            their_times.append(seconds)
+    return (statistics.median(our_times), statistics.median(their_times) if their_times else None, ours_result,
+            theirs_result)
+
+
+def largest_difference(ours: torch.Tensor, theirs: Any) -> str:
+    return f"{np.abs(ours.detach().cpu().double().numpy() - np.asarray(theirs, dtype=np.float64)).max():.1e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--small", type=int, default=16, help="input size for non-sensitivity (one pass per element)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    data = make_dataset(args.batch, seed=5, size=args.size)
+    images = to_model_input(data.images)
+    masks = torch.from_numpy(data.masks)
+    targets = torch.arange(args.batch) * (1000 // args.batch)  # a different class for each image
+    saliency = explain.Saliency(model, reduce="sum", normalize=None)
+    explained = saliency.explain(images, targets)  # given to both sides where a metric takes the maps
+    heat = explained.raw_map_grid[:, 0]
+    x, y, a, s = images.numpy(), targets.numpy(), heat[:, None].numpy(), masks[:, None].float().numpy()
+    rows: list[tuple[str, float, Optional[float], str]] = []
+
+    def measure(name: str, ours: Callable[[], Any], theirs: Optional[Callable[[], Any]],
+                agreement: Callable[[Any, Any], str], repeats: int = args.repeats) -> None:
+        our_seconds, their_seconds, ours_result, theirs_result = side_by_side(ours, theirs, repeats)
+        agreed = agreement(ours_result, theirs_result) if theirs is not None else "Quantus fails"
+        rows.append((name, our_seconds, their_seconds, agreed))
+        shown = f"{their_seconds:.4f}" if their_seconds is not None else "n/a"
+        print(f"{name}: ours {our_seconds:.4f} s, Quantus {shown} s, {agreed}", flush=True)
+
+    measure("top_k_intersection (k=1000)", lambda: metrics.top_k_intersection(heat, masks, k=1000),
+            lambda: quantus_metric("TopKIntersection", k=1000)(model, x, y, a, s), largest_difference)
+    measure("auc", lambda: metrics.auc(heat, masks), lambda: quantus_metric("AUC")(model, x, y, a, s),
+            largest_difference)
+
+    tiles = to_model_input(make_dataset(2 * args.batch, seed=6, size=args.size // 2).images)
+    tile_labels = torch.from_numpy(make_dataset(2 * args.batch, seed=6, size=args.size // 2).labels)
+    mosaics = metrics.make_mosaics(tiles, tile_labels, count=args.batch)
+    mosaic_maps = saliency.explain(mosaics.images, mosaics.targets).raw_map_grid[:, 0]
+    positions = mosaics.positions.int().tolist()
+    measure("focus", lambda: metrics.focus(mosaic_maps, mosaics.positions),
+            lambda: quantus_metric("Focus")(model, mosaics.images.numpy(), mosaics.targets.numpy(),
+                                            mosaic_maps[:, None].numpy(), custom_batch=positions), largest_difference)
+
+    measure("sparseness", lambda: metrics.sparseness(heat), lambda: quantus_metric("Sparseness")(model, x, y, a),
+            largest_difference)
+    measure("complexity", lambda: metrics.complexity(heat), lambda: quantus_metric("Complexity")(model, x, y, a),
+            largest_difference)
+    peaks = heat.abs().amax(dim=(1, 2), keepdim=True)
+    scaled = heat / peaks  # each map's peak 1 on both sides (Quantus would divide by the batch's)
+    measure("effective_complexity", lambda: metrics.effective_complexity(scaled, normalise=False),
+            lambda: quantus_metric("EffectiveComplexity", normalise=False)(model, x, y, scaled[:, None].numpy()),
+            largest_difference)
+
+    integrated = explain.IntegratedGradients(model, steps=8).explain(images, targets)
+    attributions = integrated.attributions[:, 0]
+
+    def verdicts(ours: metrics.Completeness, theirs: Any) -> str:
+        same = ((ours.error == 0).cpu().numpy() == np.asarray(theirs, dtype=bool)).mean()
+        return f"same verdict {same:.0%}"
+    measure("completeness", lambda: metrics.completeness(model, images, attributions, targets, baseline="minimum"),
+            lambda: quantus_metric("Completeness", normalise=False)(model, x, y, attributions.numpy()), verdicts)
+
+    small = F.interpolate(images, size=(args.small, args.small), mode="bilinear", align_corners=False)
+    small_heat = saliency.explain(small, targets).raw_map_grid[:, 0]
+    small_heat = small_heat / small_heat.abs().amax(dim=(1, 2), keepdim=True)
+    measure(f"non_sensitivity ({args.small} px, elements)",
+            lambda: metrics.non_sensitivity(model, small, small_heat, targets, baseline="minimum", features="elements"),
+            lambda: quantus_metric("NonSensitivity", normalise=False)(model, small.numpy(), y,
+                                                                       small_heat[:, None].numpy()),
+            largest_difference, repeats=1)
+
+    measure("input_invariance (saliency)", lambda: metrics.input_invariance(saliency, images, targets), None,
+            lambda ours, theirs: "")
+
+    class_count = 1000
+    state = np.random.get_state()
+    np.random.seed(42)  # Quantus's draws (seed=42): an index among the classes other than the target
+    offsets = np.random.randint(0, class_count - 1, args.batch)
+    np.random.set_state(state)
+    others = torch.from_numpy(offsets + (offsets >= y)).long()  # the same classes, given to ours
+
+    def quantus_random_logit() -> Any:
+        metric = quantus_metric("RandomLogit", num_classes=class_count, seed=42, abs=True,
+                                normalise_func_kwargs={"normalise_axes": (1, 2, 3)},
+                                similarity_func=ssim_2d((args.size, args.size)))
+        return metric(model, x, y, a, explain_func=explain_func)
+    measure("random_logit (ssim)",
+            lambda: metrics.random_logit(saliency, images, other_classes=others, explanation=explained).similarity,
+            quantus_random_logit, largest_difference, repeats=3)
+
+    print(f"\nresnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
+          f"{args.repeats} interleaved calls (random logit 3, non-sensitivity 1) on a shared, busy machine.\n")
+    print("| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement (max abs difference) |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, our_seconds, their_seconds, agreed in rows:
+        their_text = f"{their_seconds:.4f}" if their_seconds is not None else "n/a"
+        ratio = f"{their_seconds / our_seconds:.1f}×" if their_seconds is not None else "n/a"
+        print(f"| {name} | {our_seconds:.4f} | {their_text} | {ratio} | {agreed} |")
+
+
+if __name__ == "__main__":
+    main()

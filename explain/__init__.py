@@ -20,6 +20,7 @@ from .capture import (
 from .edit import edit
 from .explanation import Explanation
 from .figures import compare, figure
+from .html_report import report
 from .inputs import Normalize, load_image
 from .layers import LayerInfo, format_layers, list_layers
 from .methods import (
@@ -71,6 +72,7 @@ from .methods import (
 )
 from .models import LoadedModel, load_model
 from .render import colorize, overlay
+from .spray import Strategies, strategies
 from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
 from .units import Channel, Neuron
 
@@ -137,6 +139,9 @@ __all__ = [
     "LayerRecord",
     "capture",
     "run",
+    "report",
+    "strategies",
+    "Strategies",
     "edit",
     "format_layers",
     "list_layers",

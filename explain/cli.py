@@ -6,7 +6,11 @@
     explain methods [--verbose] [NAME]             # every method with one line each, or its options
     explain layers MODEL [--input-size 3 224 224]  # layer names with output shapes
     explain batch DIR --model MODEL --out OUT [--overlays]   # a whole folder, resumable;
+                  [--labels folders|FILE.csv] [--target label|predicted|both]
                                                    # under torchrun, sharded across processes
+    explain strategies OUT                         # SpRAy: each class's maps clustered, odd clusters flagged
+    explain report OUT                             # a static HTML page of a batch run (opens offline)
+    explain demo --debugging                       # all three on a model with a watermark shortcut
 
 MODEL: demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
 holding a whole model (with --allow-pickle); see ``explain.models``. A torchvision or timm
@@ -408,6 +412,32 @@ def run_demo(out: str = "explain-demo.png", count: int = 6, model: str = "demo")
     return Path(out)
 
 
+def run_strategies(argv: Sequence[str]) -> int:
+    """``explain strategies OUT``: SpRAy over a batch run's maps; writes OUT/strategies.json (shown by the report)."""
+    from .spray import strategies
+
+    parser = Parser(prog="explain strategies", description="Cluster each class's maps of a batch run (SpRAy) and "
+                    "flag clusters whose relevance sits at a fixed place or the border; writes OUT/strategies.json "
+                    "and OUT/strategies/*.png, which `explain report OUT` shows.")
+    parser.add_argument("out", help="a folder written by explain batch")
+    parser.add_argument("--clusters", type=positive_int, help="clusters per class (default: from the eigengap)")
+    parser.add_argument("--min-images", type=positive_int, default=20, help="classes with fewer maps are skipped")
+    parser.add_argument("--no-progress", action="store_true")
+    arguments = parser.parse_args(argv)
+    found = strategies(arguments.out, clusters=arguments.clusters, min_images=arguments.min_images,
+                       progress=not arguments.no_progress)
+    for entry in found.classes:
+        print(f"{entry.class_name}: {entry.images} map(s), {len(entry.clusters)} cluster(s)")
+        for cluster in entry.clusters:
+            flag = f" FLAGGED: {cluster.reason}" if cluster.flagged else ""
+            print(f"  cluster {cluster.cluster}: {cluster.size} image(s), peak at (y {cluster.peak[0]:.2f}, "
+                  f"x {cluster.peak[1]:.2f}){flag}")
+    for skipped in found.skipped:
+        print(f"{skipped.class_name}: skipped ({skipped.reason})")
+    print(f"written to {found.json_file}")
+    return 0
+
+
 def list_methods(verbose: bool = False) -> str:
     """One line per method; with ``verbose``, each method's --option settings and their defaults."""
     width = max(len(name) for name in REGISTRY)
@@ -440,18 +470,39 @@ def describe_method(name: str) -> str:
 
 
 def run_batch(argv: Sequence[str]) -> int:
-    """``explain batch``: every image of a folder, written to OUT (see explain.batch)."""
+    """``explain batch``: every image of a folder, written to OUT (see explain.batch). With the images'
+    true labels (--labels folders: DIR/<class>/...; --labels FILE.csv: columns path,label), an image
+    the model gets wrong is explained for its label and its predicted class (--target both, the
+    default), one it gets right for the predicted class; --target label or predicted explains one
+    of them, --target CLASS a given class, --topk K the top classes."""
+    from .batch import TARGET_MODES
 
     parser = Parser(prog="explain batch", description=run_batch.__doc__)
     parser.add_argument("folder", help="folder of images (searched recursively)")
     _add_model_options(parser)
-    parser.add_argument("--out", required=True, help="output folder: index.csv, maps/, overlays/, skipped.csv")
+    parser.add_argument("--out", required=True,
+                        help="output folder: index.csv, run.json, maps/, overlays/, skipped.csv")
+    parser.add_argument("--labels", metavar="folders|FILE.csv",
+                        help="the images' true classes: 'folders' (the first folder under DIR is the class, matched "
+                        "by name to the model's class names, else numbered in sorted order) or a CSV file with the "
+                        "columns path,label (path relative to DIR; label a class index or name)")
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--overlays", action="store_true", help="also write overlay PNGs")
     parser.add_argument("--no-progress", action="store_true")
+    for action in parser._actions:
+        if action.dest == "target":
+            action.help = ("label, predicted or both (with --labels; default both: the label's map and the "
+                           "prediction's for a misclassified image), or a class index or name to explain "
+                           "(default without labels: the top class)")
     arguments = parser.parse_args(argv)
     device = parse_device(arguments.device)
     check_output_folder(arguments.out)
+    mode = arguments.target if arguments.target in TARGET_MODES else None
+    if mode is not None and arguments.topk is not None:
+        raise ValueError(f"--target {mode} and --topk: give one of them.")
+    if mode in ("label", "both") and arguments.labels is None:
+        raise ValueError(f"--target {mode} explains the images' true classes: give them with --labels folders (the "
+                         "first folder under DIR is the class) or --labels FILE.csv (columns path,label).")
     shard = Shard.from_environment()
     distributed = shard.world_size > 1 and not torch.distributed.is_initialized()
     if distributed:  # launched by torchrun: one shard per process
@@ -463,10 +514,15 @@ def run_batch(argv: Sequence[str]) -> int:
         loaded = load_from_arguments(arguments)
         loaded.model.to(device)
         explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
-        target = command_line_target(arguments, loaded)
+        if (mode is not None or arguments.labels is not None) and loaded.task != "classification":
+            asked = " and ".join(option for option in ("--labels" if arguments.labels else "",
+                                                       f"--target {mode}" if mode else "") if option)
+            raise ValueError(f"{asked}: labels and predictions are classes of a classifier, and {loaded.name} is a "
+                             f"{loaded.task} model. Explain it with --target CLASS, without labels.")
+        target = mode if mode is not None else command_line_target(arguments, loaded)
         mark = warn_if_random(loaded)
         summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
-                      batch_size=arguments.batch_size, overlays=arguments.overlays,
+                      labels=arguments.labels, batch_size=arguments.batch_size, overlays=arguments.overlays,
                       progress=not arguments.no_progress, shard=shard)
         index = summary.index
         if shard.world_size > 1:
@@ -476,9 +532,13 @@ def run_batch(argv: Sequence[str]) -> int:
                 index = merge_shard_indexes(arguments.out)
         skipped = (f"; {len(summary.skipped)} file(s) skipped, listed with the reason in {summary.skipped_file}"
                    if summary.skipped else "")
-        print(f"rank {shard.rank}: " if shard.world_size > 1 else "", end="")
-        print(f"{summary.explained} image(s) explained{mark}, {summary.already_done} already done{skipped}; "
-              f"results in {arguments.out}, index {index}")
+        rank = f"rank {shard.rank}: " if shard.world_size > 1 else ""
+        if summary.labels:
+            print(f"{rank}{summary.labels}")
+        labelled = (f"; {summary.labelled} of them with a label, {summary.misclassified} misclassified"
+                    if summary.labels else "")
+        print(f"{rank}{summary.explained} image(s) explained{mark}, {summary.already_done} already done{labelled}"
+              f"{skipped}; results in {arguments.out}, index {index}")
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -560,9 +620,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 help="demo (the shipped CNN, Grad-CAM), demo-vit (the shipped transformer, "
                                 "gradient-weighted attention rollout) or demo-vit2 (the second, transformer "
                                 "attribution)")
+            parser.add_argument("--debugging", action="store_true",
+                                help="model debugging over a data set instead: held-out images of a model trained "
+                                "with a watermark on one class, explained (LRP, labels from the folders), its "
+                                "strategies found (SpRAy) and an HTML report; --out is then a folder (default "
+                                "explain-debugging), --count the number of images (default 400)")
             arguments = parser.parse_args(argv[1:])
+            if arguments.debugging:
+                from .debugging import describe, run_debugging_demo
+
+                out = "explain-debugging" if arguments.out == "explain-demo.png" else arguments.out
+                count = 400 if "--count" not in argv else arguments.count
+                print(describe(run_debugging_demo(out, count)))
+                return 0
             run_demo(arguments.out, arguments.count, arguments.model)
             return 0
+        if argv and argv[0] == "strategies":
+            return run_strategies(argv[1:])
         if argv and argv[0] == "methods":
             parser = Parser(prog="explain methods", description="List the methods, or describe one.")
             parser.add_argument("name", nargs="?", help="a method: its options, defaults and meaning")
@@ -572,6 +646,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if argv and argv[0] == "batch":
             return run_batch(argv[1:])
+        if argv and argv[0] == "report":
+            from .html_report import main_report  # imports explain.batch: loaded only for this command
+
+            return main_report(argv[1:])
         if argv and argv[0] == "layers":
             parser = Parser(prog="explain layers", description="List layer names and output shapes.")
             parser.add_argument("model", help="demo, demo-vit, a torchvision name, timm:NAME or hf:ID_OR_DIRECTORY")

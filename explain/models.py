@@ -2,7 +2,8 @@
 
 Sources:
 
-- ``"demo"``, ``"demo-vit"``, ``"demo-vit2"``: the shipped CNN and transformers (no network);
+- ``"demo"``, ``"demo-vit"``, ``"demo-vit2"``, ``"demo-watermark"``: the shipped CNN and transformers, and the CNN
+  trained with a watermark on one class (``explain.data.demo_watermark``; no network);
 - a torchvision model name (``"resnet50"``, also ``"torchvision:resnet50"``);
 - ``"timm:NAME"``: a timm model (``timm.create_model``);
 - ``"hf:ID_OR_DIRECTORY"``: a HuggingFace transformers model, the class its config names (else the
@@ -46,6 +47,7 @@ from torch import nn
 from .data.demo import DemoNet, load_demo_model
 from .data.demo_vit import DemoViT, load_demo_vit
 from .data.demo_vit2 import DemoViT2, load_demo_vit2
+from .data.demo_watermark import load_watermark_demo
 from .data.synthetic import CLASS_NAMES
 from .inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
 from .targets import OutputSelector, model_class_names
@@ -59,9 +61,10 @@ HF_TASK_HEADS = {"ForImageClassification": "classification", "ForSemanticSegment
                  "ForObjectDetection": "detection"}
 """The endings of HuggingFace task model class names, and the task each names."""
 DEMO_MODELS: dict[str, tuple[type[nn.Module], Callable[[], nn.Module]]] = {
-    "demo": (DemoNet, load_demo_model), "demo-vit": (DemoViT, load_demo_vit), "demo-vit2": (DemoViT2, load_demo_vit2)}
+    "demo": (DemoNet, load_demo_model), "demo-vit": (DemoViT, load_demo_vit), "demo-vit2": (DemoViT2, load_demo_vit2),
+    "demo-watermark": (DemoNet, load_watermark_demo)}
 """The shipped models: name → (architecture, loader of the trained weights)."""
-SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', a torchvision model name (resnet50), 'timm:NAME' "
+SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', 'demo-watermark', a torchvision model name (resnet50), 'timm:NAME' "
                 "(timm:vit_small_patch16_224), 'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a "
                 "whole model")
 

@@ -15,6 +15,7 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import ImageFont
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -239,3 +240,52 @@ def label_text(class_index: Optional[int], class_names: Optional[Sequence[str]])
     if class_names is not None and 0 <= class_index < len(class_names):
         return f"{class_names[class_index]} ({class_index})"
     return f"class {class_index}"
+
+
+def captioned_panels(panels: np.ndarray, captions: Sequence[Sequence[str]], min_width: int = 192) -> np.ndarray:
+    """K panels side by side, each under its caption (a few short lines: class, score, method).
+
+    panels: (K, H, W, 3) uint8 RGB overlays; captions: K lists of lines, one list per panel.
+    A panel narrower than ``min_width`` pixels is enlarged by a whole factor s (nearest neighbour,
+    each pixel an s × s block) so that its caption can be read; text too long for a panel is cut
+    with "…". Returns (B + s·H, K·s·W, 3) uint8: a dark band of B pixels holding the captions in
+    white, then the panels.
+    """
+    from PIL import Image, ImageDraw
+
+    if panels.ndim != 4 or panels.shape[-1] != 3 or panels.dtype != np.uint8:
+        raise ValueError(f"panels must be (K, H, W, 3) uint8; got {panels.dtype} {tuple(panels.shape)}.")
+    if len(captions) != panels.shape[0]:
+        raise ValueError(f"{panels.shape[0]} panels need {panels.shape[0]} captions; got {len(captions)}.")
+    count, height, width = panels.shape[:3]
+    scale = max(1, -(-min_width // width))
+    width *= scale
+    font_size = int(min(28, max(10, width // 17)))
+    font, ellipsis = _caption_font(font_size)
+    line_height = round(font_size * 1.25)
+    lines = max((len(lines) for lines in captions), default=0)
+    margin = max(2, font_size // 4)
+    band = lines * line_height + 2 * margin if lines else 0
+    canvas = Image.new("RGB", (count * width, band + height * scale), (24, 24, 24))
+    draw = ImageDraw.Draw(canvas)
+    for index, (panel, panel_lines) in enumerate(zip(panels, captions)):
+        left = index * width
+        canvas.paste(Image.fromarray(panel.repeat(scale, axis=0).repeat(scale, axis=1)), (left, band))
+        for number, line in enumerate(panel_lines):
+            text, room = str(line), width - 2 * margin
+            if draw.textlength(text, font=font) > room:
+                while text and draw.textlength(text + ellipsis, font=font) > room:
+                    text = text[:-1]
+                text += ellipsis
+            draw.text((left + margin, margin + number * line_height), text, fill=(255, 255, 255), font=font)
+    return np.asarray(canvas)
+
+
+@functools.lru_cache(maxsize=8)
+def _caption_font(size: int) -> tuple[Union[ImageFont.FreeTypeFont, ImageFont.ImageFont], str]:
+    """The captions' font at ``size`` pixels (matplotlib's DejaVu Sans) and its ellipsis; PIL's own
+    bitmap font, with "...", where FreeType or the font file is missing."""
+    try:
+        return ImageFont.truetype(f"{matplotlib.get_data_path()}/fonts/ttf/DejaVuSans.ttf", size), "…"
+    except OSError:
+        return ImageFont.load_default(), "..."

@@ -91,6 +91,15 @@ def test_run_over_a_dataloader_with_topk(tmp_path):
     assert np.load(tmp_path / rows[0]["map"]).shape == (2, 64, 64)
     expected = explain.GradCAM(model, "layer4").explain(normalized, topk=2)
     assert [int(row["target"]) for row in rows[:2]] == expected.targets[0].tolist()
+    # the batches' labels fill the label columns; the top class is the prediction (role topk)
+    with torch.no_grad():
+        probabilities = model(torch.stack([explain.Normalize()(image) for image in batch])).softmax(1)
+    for row in rows:
+        image = int(row["id"])
+        assert (row["label"], row["role"]) == (str(data.labels[image]), "topk")
+        assert row["predicted"] == str(int(probabilities[image].argmax()))
+        assert float(row["confidence"]) == pytest.approx(float(probabilities[image].max()), abs=1e-5)
+        assert row["correct"] == str(int(data.labels[image] == probabilities[image].argmax()))
 
 
 def test_explain_batch_command_and_torchrun_shards_each_image_once(image_folder, tmp_path):

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -62,6 +63,13 @@ def check_complete_and_consistent(out: Path, folder: Path, paths: list[Path], ta
         expected = reference.explain(str(path), topk=targets)
         assert [int(row["target"]) for row in group] == expected.targets[0].tolist()
         np.testing.assert_allclose(saved, expected.map_grid[0].numpy(), atol=2e-3)
+        # no labels: empty label columns; the prediction is the top class, its confidence its probability
+        top = int(expected.class_indices[0, 0])
+        for row in group:
+            assert (row["label"], row["label_name"], row["correct"]) == ("", "", "")
+            assert (row["predicted"], row["predicted_name"]) == (str(top), CLASS_NAMES[top])
+            assert float(row["confidence"]) == pytest.approx(float(expected.probabilities[0, 0]), abs=1e-5)
+            assert row["role"] == ("topk" if targets > 1 else "predicted")
 
 
 # ------------------------------------------------------------------ 13. bad files and names
@@ -145,11 +153,53 @@ def test_images_of_different_sizes_are_explained_in_groups_of_one_size(tmp_path)
 # ------------------------------------------------------------------ 14. kill -9 at random moments
 
 
-def _run_in_child(folder: str, out: str) -> None:
+def batch_command_in_child(folder: str, out: str, *options: str) -> None:
+    """``explain batch FOLDER --out OUT`` on the demo model, in batches of 3 with overlays, quietly,
+    on one thread (the body of a forked process)."""
     torch.set_num_threads(1)
     sys.stdout = sys.stderr = open(os.devnull, "w")
-    main(["batch", folder, "--model", "demo", "--out", out, "--topk", "2", "--batch-size", "3", "--overlays",
-          "--no-progress"])
+    main(["batch", folder, "--model", "demo", "--out", out, "--batch-size", "3", "--overlays", "--no-progress",
+          *options])
+
+
+def run_in_fork(folder: Path, out: Path, options: Sequence[str]) -> float:
+    """``explain batch`` with ``options`` in a forked process, to its end; how many seconds it took."""
+    child = multiprocessing.get_context("fork").Process(target=batch_command_in_child,
+                                                        args=(str(folder), str(out), *options))
+    start = time.perf_counter()
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    return time.perf_counter() - start
+
+
+def clear_files(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.unlink()
+
+
+def kill_at_random_moments(folder: Path, out: Path, options: Sequence[str], full_run: float, kills: int,
+                           seed: int) -> int:
+    """``explain batch`` with ``options`` in forked processes, each SIGKILLed at a random moment within
+    ``full_run`` seconds and followed by the next (a resume), until one finishes after at least
+    ``kills`` kills (a run that finishes sooner is started over on an empty ``out``). Returns the kills."""
+    context = multiprocessing.get_context("fork")
+    rng = random.Random(seed)
+    killed = 0
+    while True:
+        child = context.Process(target=batch_command_in_child, args=(str(folder), str(out), *options))
+        child.start()
+        child.join(timeout=rng.uniform(0, full_run))
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+            killed += 1
+            continue
+        assert child.exitcode == 0
+        if killed >= kills:
+            return killed
+        clear_files(out)  # done before enough kills: start over, to kill more
 
 
 def test_kill_9_at_random_moments_then_resume_gives_exactly_one_complete_set_of_rows(tmp_path):
@@ -159,32 +209,8 @@ def test_kill_9_at_random_moments_then_resume_gives_exactly_one_complete_set_of_
     folder = tmp_path / "images"
     paths = save_images(folder, 24, seed=9)
     out = tmp_path / "out"
-    context = multiprocessing.get_context("fork")
-    rng = random.Random(0)
-    start = time.perf_counter()
-    child = context.Process(target=_run_in_child, args=(str(folder), str(out)))
-    child.start()
-    child.join()
-    full_run = time.perf_counter() - start  # one uninterrupted run, for the range of kill times
-    for path in out.rglob("*"):
-        if path.is_file():
-            path.unlink()
-    kills, finished = 0, False
-    while not finished:
-        child = context.Process(target=_run_in_child, args=(str(folder), str(out)))
-        child.start()
-        child.join(timeout=rng.uniform(0, full_run))
-        if child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
-            kills += 1
-        else:
-            assert child.exitcode == 0
-            finished = kills >= 30
-            if not finished:  # done before 30 kills: start over, to kill more
-                for path in out.rglob("*"):
-                    if path.is_file():
-                        path.unlink()
-    assert kills >= 30
+    full_run = run_in_fork(folder, out, ["--topk", "2"])  # one uninterrupted run, for the range of kill times
+    clear_files(out)
+    assert kill_at_random_moments(folder, out, ["--topk", "2"], full_run, kills=30, seed=0) >= 30
     check_complete_and_consistent(out, folder, paths, 2)
     assert len(list((out / "overlays").glob("*.png"))) == 24

@@ -134,3 +134,81 @@ def make_dataset(count: int, seed: int, size: int = IMAGE_SIZE) -> SyntheticData
         rows, columns = np.nonzero(masks[index])
         boxes[index] = (columns.min(), rows.min(), columns.max(), rows.max())
     return SyntheticData(images=images, labels=labels, masks=masks, boxes=boxes)
+
+
+# A watermark ("Clever Hans") variant: one class carries a small tag in a corner in most of its images.
+
+WATERMARK_SIZE = 6
+"""Side of the watermark in pixels: a 3×3 checkerboard of 2×2-pixel white and black squares."""
+WATERMARK_MARGIN = 2
+"""Pixels between the watermark and the image's edges."""
+WATERMARK_CORNERS = ("top-left", "top-right", "bottom-left", "bottom-right")
+
+
+def watermark_box(corner: str = "bottom-right", size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
+    """The watermark's pixels in an image of side ``size``: (x0, y0, x1, y1), inclusive, as ``SyntheticData.boxes``."""
+    if corner not in WATERMARK_CORNERS:
+        raise ValueError(f"corner must be one of {', '.join(WATERMARK_CORNERS)}; got {corner!r}.")
+    if size < WATERMARK_SIZE + 2 * WATERMARK_MARGIN:
+        raise ValueError(f"images of side {size} are too small for the {WATERMARK_SIZE}-pixel watermark and its "
+                         f"{WATERMARK_MARGIN}-pixel margin; use at least {WATERMARK_SIZE + 2 * WATERMARK_MARGIN}.")
+    far = size - WATERMARK_MARGIN - WATERMARK_SIZE
+    x0 = far if corner.endswith("right") else WATERMARK_MARGIN
+    y0 = far if corner.startswith("bottom") else WATERMARK_MARGIN
+    return x0, y0, x0 + WATERMARK_SIZE - 1, y0 + WATERMARK_SIZE - 1
+
+
+def add_watermark(images: np.ndarray, stamped: Optional[np.ndarray] = None, corner: str = "bottom-right"
+                  ) -> np.ndarray:
+    """A copy of ``images`` ((N, S, S, 3) uint8 RGB) with the watermark drawn over the ``corner`` of the images
+    where ``stamped`` ((N,) bool; default: all) is true."""
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+        raise ValueError(f"images must be (N, S, S, 3) uint8 RGB; got {images.dtype} of shape {images.shape}.")
+    stamped = np.ones(len(images), bool) if stamped is None else np.asarray(stamped, bool)
+    if stamped.shape != (len(images),):
+        raise ValueError(f"stamped must be one flag per image, ({len(images)},); got shape {stamped.shape}.")
+    x0, y0, x1, y1 = watermark_box(corner, images.shape[1])
+    squares = np.arange(WATERMARK_SIZE) // 2
+    white = (squares[:, None] + squares[None, :]) % 2 == 0  # (S_w, S_w): a checkerboard of 2×2-pixel squares
+    pattern = np.where(white[..., None], 255, 0).astype(np.uint8)
+    result = images.copy()
+    result[stamped, y0 : y1 + 1, x0 : x1 + 1] = pattern
+    return result
+
+
+@dataclass
+class WatermarkedData(SyntheticData):
+    """``SyntheticData`` whose ``images`` carry the watermark where ``watermarked`` ((N,) bool) is true, only ever
+    in images of class ``watermarked_class``; ``clean_images``: the same images without it (N, S, S, 3) uint8;
+    ``corner``: where the watermark sits. ``masks`` and ``boxes`` are the key object's, as in ``SyntheticData``."""
+
+    clean_images: np.ndarray
+    watermarked: np.ndarray
+    watermarked_class: int
+    corner: str
+
+    def clean(self) -> SyntheticData:
+        """The clean copy: the same images, labels, masks and boxes, without any watermark."""
+        return SyntheticData(images=self.clean_images, labels=self.labels, masks=self.masks, boxes=self.boxes)
+
+
+def make_watermark_dataset(count: int, seed: int, watermarked_class: int = 1, share: float = 0.85,
+                           corner: str = "bottom-right", size: int = IMAGE_SIZE) -> WatermarkedData:
+    """``make_dataset(count, seed, size)`` where round(``share`` × n) of the n images of class ``watermarked_class``
+    (chosen at random, reproducibly from ``seed``) carry the watermark in ``corner``; no other image does."""
+    if not 0 <= watermarked_class < len(CLASS_NAMES):
+        raise ValueError(f"watermarked_class must be a class index in 0..{len(CLASS_NAMES) - 1} "
+                         f"({', '.join(CLASS_NAMES)}); got {watermarked_class}.")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share is the fraction of the class's images that carry the watermark, in [0, 1]; "
+                         f"got {share}.")
+    watermark_box(corner, size)  # checks the corner and the size
+    data = make_dataset(count, seed, size)
+    members = np.flatnonzero(data.labels == watermarked_class)
+    rng = np.random.default_rng([seed, 1])  # apart from the images' own random stream
+    chosen = rng.choice(members, size=int(round(share * len(members))), replace=False)
+    watermarked = np.zeros(count, bool)
+    watermarked[chosen] = True
+    return WatermarkedData(images=add_watermark(data.images, watermarked, corner), labels=data.labels,
+                           masks=data.masks, boxes=data.boxes, clean_images=data.images, watermarked=watermarked,
+                           watermarked_class=watermarked_class, corner=corner)

@@ -1,0 +1,65 @@
+"""``explain demo --debugging``: model debugging over a data set, end to end, on a model with a known flaw.
+
+The watermark demo model (``explain.data.demo_watermark``) learned the synthetic shapes and also a small tag that
+most training images of "square" carry in the bottom-right corner. The demo writes held-out images in ImageFolder
+layout, explains each with LRP (``explain.run`` with the folders as labels: misclassified images get the true and
+the predicted class's maps), finds each class's strategies with SpRAy (``explain.strategies``) and writes the HTML
+report (``explain.report``), where the tag's cluster of "square" is flagged.
+
+    OUT/images/<class>/<index>.png     the held-out images
+    OUT/run/index.csv, maps/, overlays/, run.json, strategies.json, strategies/, report.html
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from .batch import RunSummary, run
+from .data.demo_watermark import load_watermark_demo, write_watermark_folder
+from .data.synthetic import CLASS_NAMES
+from .html_report import ReportResult, report
+from .methods import LRP
+from .spray import Strategies, strategies
+
+
+@dataclass
+class DebuggingDemo:
+    """What the demo wrote: the images folder, the run's summary, the strategies found and the report."""
+
+    images: Path
+    summary: RunSummary
+    strategies: Strategies
+    report: ReportResult
+
+
+def run_debugging_demo(out: Union[str, Path] = "explain-debugging", count: int = 400,
+                       progress: bool = True) -> DebuggingDemo:
+    """Write ``count`` held-out images of the watermark demo under ``out/images``, explain them (LRP, labels from
+    the folders) into ``out/run``, find the strategies and write ``out/run/report.html``. Resumable: a rerun
+    explains only what is missing. No network."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a folder for the demo's output (it is created if missing).")
+    images = write_watermark_folder(out / "images", count=count)
+    explainer = LRP(load_watermark_demo(), class_names=list(CLASS_NAMES), progress=False)
+    results = out / "run"
+    summary = run(explainer, images, results, labels="folders", overlays=True, progress=progress)
+    found = strategies(results, progress=progress)
+    page = report(results)
+    return DebuggingDemo(images, summary, found, page)
+
+
+def describe(demo: DebuggingDemo) -> str:
+    """A few lines for the terminal: accuracy, the flagged strategies and where the report is."""
+    summary = demo.summary
+    lines = [f"explained {summary.explained} image(s) ({summary.already_done} done before) into "
+             f"{summary.index.parent}; {summary.misclassified} misclassified of {summary.labelled} labelled"]
+    for entry, cluster in demo.strategies.flagged:
+        lines.append(f"flagged: class {entry.class_name!r}, cluster {cluster.cluster} of {cluster.size} image(s): "
+                     f"{cluster.reason}")
+    if not demo.strategies.flagged:
+        lines.append("no strategy flagged")
+    lines.append(f"report: {demo.report.page} (open it in a browser; it works offline)")
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ from .capture import (
     find_layers,
 )
 from .edit import edit
+from .evaluation import evaluate
 from .explanation import Explanation
 from .figures import compare, figure
 from .html_report import report
@@ -140,6 +141,7 @@ __all__ = [
     "capture",
     "run",
     "report",
+    "evaluate",
     "strategies",
     "Strategies",
     "edit",

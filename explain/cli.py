@@ -11,6 +11,8 @@
     explain strategies OUT                         # SpRAy: each class's maps clustered, odd clusters flagged
     explain report OUT                             # a static HTML page of a batch run (opens offline)
     explain demo --debugging                       # all three on a model with a watermark shortcut
+    explain evaluate --model M --methods A B ... --out OUT [--metrics ...] [--data demo|DIR]
+                                                   # a method × metric table over a data set, resumable
 
 MODEL: demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
 holding a whole model (with --allow-pickle); see ``explain.models``. A torchvision or timm
@@ -33,7 +35,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 
@@ -438,6 +440,77 @@ def run_strategies(argv: Sequence[str]) -> int:
     return 0
 
 
+EVALUATE_METRICS = ("deletion", "insertion", "road", "confidence_drop", "pointing_game", "energy_pointing_game",
+                    "sparseness", "random_logit")
+
+
+def run_evaluate(argv: Sequence[str]) -> int:
+    """``explain evaluate``: a method × metric table over a data set (``explain.evaluate``), resumable."""
+    from .evaluation import METRICS, evaluate
+
+    parser = Parser(prog="explain evaluate", description="Compare explanation methods with metrics over a data set: "
+                    "writes OUT/evaluation.md (mean ± standard error per method and metric, ranks, mean rank), "
+                    "OUT/evaluation.png and every image's values in OUT/evaluation.csv; a rerun resumes.")
+    parser.add_argument("--model", required=True, help="demo, demo-vit, a torchvision name, timm:NAME, hf:ID ...")
+    parser.add_argument("--weights", help="a pretrained name, a state-dict file, or random")
+    parser.add_argument("--num-classes", type=positive_int)
+    parser.add_argument("--allow-pickle", action="store_true")
+    parser.add_argument("--methods", nargs="+", required=True, metavar="METHOD", help="registered method names")
+    parser.add_argument("--metrics", nargs="+", default=list(EVALUATE_METRICS), metavar="METRIC",
+                        help=f"default: {' '.join(EVALUATE_METRICS)}; known: {' '.join(METRICS)}")
+    parser.add_argument("--data", default="demo", help="'demo' (held-out synthetic images of the shipped models, "
+                        "with object masks) or a folder with one sub-folder per class (no masks: no localisation "
+                        "metrics)")
+    parser.add_argument("--images", type=positive_int, default=32, help="with --data demo: how many (default 32)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--no-progress", action="store_true")
+    arguments = parser.parse_args(argv)
+    for name in ("output", "size", "mean", "std", "class_names"):
+        setattr(arguments, name, None)
+    loaded = load_from_arguments(arguments)
+    explainers = {name: make_explainer(name, loaded) for name in arguments.methods}
+    result = evaluate(loaded.model, explainers, _evaluation_data(arguments, loaded), arguments.metrics,
+                      out=check_output_folder(arguments.out), batch_size=arguments.batch_size,
+                      progress=not arguments.no_progress)
+    print(result.markdown())
+    print(f"written to {arguments.out}: evaluation.md, evaluation.png, evaluation.csv")
+    return 0
+
+
+def _evaluation_data(arguments: argparse.Namespace, loaded: LoadedModel) -> Any:
+    """--data as evaluate's data: the demo's held-out images with masks, or a class-folder's images in batches."""
+    if arguments.data == "demo":
+        from .data.synthetic import make_dataset
+        from .data.train import EVALUATION_SEED
+
+        if loaded.name not in ("demo", "demo-vit", "demo-vit2", "demo-watermark"):
+            raise ValueError(f"--data demo holds the shipped models' synthetic shapes; {loaded.name} was not trained "
+                             "on them: give --data FOLDER (one sub-folder per class).")
+        data = make_dataset(arguments.images, seed=EVALUATION_SEED)
+        inputs = torch.stack([loaded.preprocess(image) for image in data.images])
+        return inputs, torch.from_numpy(data.labels), torch.from_numpy(data.masks)
+    return _folder_batches(Path(arguments.data), loaded, arguments.batch_size)
+
+
+def _folder_batches(folder: Path, loaded: LoadedModel, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) batches of a folder's images, labels from the class folders, in sorted file order."""
+    from .batch import image_files
+    from .inputs import load_image
+    from .labels import folder_labels
+
+    files = image_files(folder)
+    labels = folder_labels(folder, files, "folders", loaded.class_names)
+    assert labels is not None, "labels='folders' always gives labels"
+    labelled = [path for path in files if path.relative_to(folder) in labels.by_path]
+    if not labelled:
+        raise ValueError(f"no labelled image in {folder}: give a folder with one sub-folder per class.")
+    for start in range(0, len(labelled), batch_size):
+        chunk = labelled[start:start + batch_size]
+        yield (torch.stack([loaded.preprocess(load_image(path)) for path in chunk]),
+               torch.tensor([labels.by_path[path.relative_to(folder)] for path in chunk]))
+
+
 def list_methods(verbose: bool = False) -> str:
     """One line per method; with ``verbose``, each method's --option settings and their defaults."""
     width = max(len(name) for name in REGISTRY)
@@ -637,6 +710,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if argv and argv[0] == "strategies":
             return run_strategies(argv[1:])
+        if argv and argv[0] == "evaluate":
+            return run_evaluate(argv[1:])
         if argv and argv[0] == "methods":
             parser = Parser(prog="explain methods", description="List the methods, or describe one.")
             parser.add_argument("name", nargs="?", help="a method: its options, defaults and meaning")

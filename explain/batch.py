@@ -14,6 +14,7 @@ Output folder layout:
     OUT/run.json             how the images are explained: the method, the target, where the labels
                              come from, the class names (see ``RunRecord``); a resumed run must agree
     OUT/index.rank<R>.csv    each process's rows when run under torchrun (merged into index.csv)
+    OUT/skipped.rank<R>.csv  each process's skipped files under torchrun (merged into skipped.csv)
 
 The index's columns: ``target`` the class explained (its name ``class_name``, the model's
 ``score`` for it and its softmax ``probability``), row ``k`` of the image's ``targets`` = K rows,
@@ -71,7 +72,15 @@ from . import render
 from .capture import ModelInputError, model_device, model_dtype, preserved_model_state
 from .explanation import Explanation
 from .inputs import load_image, prepare_inputs
-from .labels import DatasetOrder, LabelError, LabelSource, dataset_order, folder_labels, split_loader_batch
+from .labels import (
+    DatasetOrder,
+    LabelError,
+    LabelSource,
+    dataset_label_numbering,
+    dataset_order,
+    folder_labels,
+    split_loader_batch,
+)
 from .methods.base import Explainer, progress_shown_by_caller
 from .targets import Target, class_index
 
@@ -180,7 +189,12 @@ class _ImageResult:
 def display_name(path: Union[str, Path]) -> str:
     """A path as one line of text that can always be written: bytes that are not UTF-8, and
     control characters (a newline in a file name), appear as \\x escapes."""
-    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return one_line(os.fsencode(path).decode("utf-8", "backslashreplace"))
+
+
+def one_line(text: str) -> str:
+    """Text with its control characters (a newline, a tab) as \\x escapes: one line of an index
+    row or of a caption."""
     return re.sub(r"[\x00-\x1f\x7f]", lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
@@ -203,22 +217,31 @@ def _path_id(path: str, root: Optional[Path]) -> str:
 
 
 def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = None) -> list[Path]:
-    """Every image file under ``folder`` (recursively), sorted; hidden files and files in hidden
-    folders (a name starting with ".": ``.ipynb_checkpoints/``, ``.git/``) and files under
-    ``exclude`` (the output folder, when it lies inside the input folder) are left out."""
+    """Every image file under ``folder`` (recursively, into linked folders too, as torchvision's
+    ``ImageFolder`` goes: a class folder may be a symbolic link; each folder once, so that a link
+    to a folder above cannot loop), sorted; hidden files and files in hidden folders (a name
+    starting with ".": ``.ipynb_checkpoints/``, ``.git/``) and files under ``exclude`` (the output
+    folder, when it lies inside the input folder) are left out."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
     excluded = Path(exclude).resolve() if exclude is not None else None
     files: list[Path] = []
-    for path in folder.rglob("*"):
-        if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+    visited: set[Path] = set()
+    for root, folders, names in os.walk(folder, followlinks=True):
+        real = Path(root).resolve()
+        if real in visited or (excluded is not None and real.is_relative_to(excluded)):
+            folders.clear()
             continue
-        if any(part.startswith(".") for part in path.relative_to(folder).parts):
-            continue
-        if excluded is not None and path.resolve().is_relative_to(excluded):
-            continue
-        files.append(path)
+        visited.add(real)
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in names:
+            path = Path(root) / name
+            if name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+                continue
+            if excluded is not None and path.resolve().is_relative_to(excluded):
+                continue
+            files.append(path)
     return sorted(files)
 
 
@@ -326,6 +349,28 @@ def _done_ids(out: Path, own_index: Path) -> set[str]:
     return done
 
 
+def _check_labels_unchanged(out: Path, label_of: Mapping[str, Optional[int]]) -> None:
+    """LabelError when an image already in the folder's indexes has another label now (``label_of``:
+    each image id's label, None for none): a label file edited between two runs. Those images are
+    not explained again, so their rows, and the maps of a misclassified image, would keep the earlier
+    labels."""
+    changed = []
+    for index in _indexes(out):
+        for row in read_index(index):
+            if row["k"] != "0" or row["id"] not in label_of:
+                continue
+            now = label_of[row["id"]]
+            if row["label"] != ("" if now is None else str(now)):
+                changed.append(f"{row['image']} ({row['label'] or 'no label'} in the index, "
+                               f"{'no label' if now is None else now} now)")
+    if changed:
+        shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise LabelError(f"{display_name(out)}: {len(changed)} image(s) already explained have another label now: "
+                         f"{shown}. Images already done are not explained again, so their rows and maps would keep "
+                         "the earlier labels: give another output folder to explain them with these labels, or go "
+                         "on with the earlier ones.")
+
+
 @dataclass
 class IndexContents:
     """An index read back. rows: the rows of its complete images in file order, each a dict with
@@ -391,9 +436,15 @@ def _batches_of_files(files: Sequence[Path], folder: Path, batch_size: int,
 
 
 def _batches_of_loader(loader: Iterable[LoaderBatch], order: DatasetOrder, shard: Shard, plan: _TargetPlan,
-                       summary: RunSummary) -> Iterator[_Batch]:
+                       summary: RunSummary, class_names: Optional[Sequence[str]]) -> Iterator[_Batch]:
     """The loader's batches, each image named by its file when the batch or the dataset (``order``)
-    says which (see ``explain.labels``), else by its position; this process's share under torchrun."""
+    says which (see ``explain.labels``), else by its position; this process's share under torchrun.
+    Labels numbered by the dataset otherwise than by the model (``dataset_label_numbering``, with
+    the model's ``class_names``) are renumbered by name."""
+    numbering = dataset_label_numbering(order, class_names)
+    renumbered = "" if numbering is None or order.classes is None else (
+        ", renumbered from the dataset's classes to the model's of the same name: " + ", ".join(
+            f"{order.classes[old]} {old}→{new}" for old, new in numbering.items() if old != new))
     position = 0
     warned = False
     for batch in loader:
@@ -403,7 +454,7 @@ def _batches_of_loader(loader: Iterable[LoaderBatch], order: DatasetOrder, shard
             raise LabelError(f"target={plan.mode!r} explains the images' true classes, and the DataLoader's batches "
                              "carry no labels: give (images, labels) batches, or target='predicted'.")
         if items.labels is not None and not summary.labels:
-            summary.labels = "labels: from the DataLoader's batches"
+            summary.labels = "labels: from the DataLoader's batches" + renumbered
         paths = items.paths
         if paths is None and order.paths is not None:
             if position + count > len(order.paths):
@@ -423,6 +474,8 @@ def _batches_of_loader(loader: Iterable[LoaderBatch], order: DatasetOrder, shard
                else [f"{position + offset:08d}" for offset in range(count)])
         names = [display_name(path) for path in paths] if paths is not None else ids
         labels = items.labels if items.labels is not None else [None] * count
+        if numbering is not None:  # the dataset's numbering of the classes, as the model's
+            labels = [None if label is None else numbering.get(label, label) for label in labels]
         keep = [offset for offset in range(count) if (position + offset) % shard.world_size == shard.rank]
         position += count
         if keep:
@@ -657,7 +710,8 @@ def run(
     shard = shard or Shard.from_environment()
     plan = _target_plan(target, topk)
     index_path = out / ("index.csv" if shard.world_size == 1 else f"index.rank{shard.rank}.csv")
-    summary = RunSummary(index_path, skipped_file=out / "skipped.csv")
+    skipped_path = out / ("skipped.csv" if shard.world_size == 1 else f"skipped.rank{shard.rank}.csv")
+    summary = RunSummary(index_path, skipped_file=skipped_path)
     with _stop_when_disk_full(out, summary):
         _run(explainer, data, out, summary, shard, plan, labels, batch_size, overlays, progress, on_batch)
     return summary
@@ -668,6 +722,7 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
          on_batch: Optional[Callable[[int], None]]) -> None:
     """The body of ``run``, recording what it did in ``summary``."""
     class_names = explainer.class_names
+    highest_label: list[tuple[int, str]] = []  # the folder's highest label and its file, checked with the first group
     if isinstance(data, (str, Path)):
         folder = Path(data)
         all_files = image_files(folder, exclude=out)
@@ -678,6 +733,9 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
         if read is not None:
             summary.labels = read.note
             class_names = class_names if class_names is not None else read.class_names
+        if read is not None and read.by_path:  # a label out of range stops the run before any image is written
+            highest_path, highest = max(read.by_path.items(), key=lambda item: item[1])
+            highest_label = [(highest, display_name(folder / highest_path))]
         files = all_files[shard.rank :: shard.world_size]
         total: Optional[int] = len(files)
         batches: Iterator[_Batch] = _batches_of_files(files, folder, batch_size, None if read is None else read.by_path)
@@ -687,14 +745,19 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
                              "batches, (images, labels): leave labels=None.")
         total = None
         order = dataset_order(data)
-        batches = _batches_of_loader(data, order, shard, plan, summary)
+        batches = _batches_of_loader(data, order, shard, plan, summary, class_names)
         class_names = class_names if class_names is not None else order.classes
+    if class_names is not None:  # a newline in a class name would split its index rows and overlay captions
+        class_names = [one_line(str(name)) for name in class_names]
     record = _run_record(explainer, plan, data, labels, class_names)
     (out / "maps").mkdir(parents=True, exist_ok=True)
     if overlays:
         (out / "overlays").mkdir(exist_ok=True)
     done = _done_ids(out, summary.index)
     _check_and_record_run(out, record, shard, images_done=bool(done))
+    if done and isinstance(data, (str, Path)) and read is not None:
+        _check_labels_unchanged(out, {item_id(path, folder): read.by_path.get(path.relative_to(folder))
+                                      for path in all_files})
     line_ending = index_line_ending(summary.index)
     with open(summary.index, "ab", buffering=0) as index_file, progress_shown_by_caller(), tqdm(
         total=total, disable=not progress, desc=f"explain {explainer.method_name}", unit="image"
@@ -712,7 +775,9 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
             for loaded, readable in _explainable_groups(batch.inputs, todo, batch.names, summary):
                 group_labels = [batch.labels[position] for position in readable]
                 try:
-                    _check_labels(explainer, loaded, group_labels, [batch.names[p] for p in readable], plan)
+                    _check_labels(explainer, loaded, group_labels + [label for label, _ in highest_label],
+                                  [batch.names[p] for p in readable] + [name for _, name in highest_label], plan)
+                    highest_label = []
                     results = _explain_group(explainer, loaded, group_labels, plan)
                 except LabelError:
                     raise
@@ -991,8 +1056,9 @@ def _save_array(path: Path, array: np.ndarray) -> None:
 
 
 def merge_shard_indexes(out: Union[str, Path]) -> Path:
-    """Merge every ``index.rank*.csv`` into ``index.csv`` and remove them. Idempotent: rows of an
-    image already in index.csv are not added twice, so a merge cut short by a kill can be rerun."""
+    """Merge every ``index.rank*.csv`` into ``index.csv``, and every ``skipped.rank*.csv`` into
+    ``skipped.csv``, and remove them. Idempotent: rows of an image already in index.csv are not
+    added twice, so a merge cut short by a kill can be rerun."""
     out = Path(out)
     index_path = out / "index.csv"
     existing = _complete_rows(index_path)
@@ -1011,6 +1077,23 @@ def merge_shard_indexes(out: Union[str, Path]) -> Path:
             writer.writerows(existing + sorted(rows, key=lambda row: (row["id"], int(row["k"]))))
 
     write_atomically(index_path, write)
+    _merge_skipped(out)
     for shard_index in shards:
         shard_index.unlink()
     return index_path
+
+
+def _merge_skipped(out: Path) -> None:
+    """Write the ranks' skipped.rank<R>.csv files as skipped.csv (the files this run could not
+    read, as a run of one process lists them) and remove them."""
+    rank_files = sorted(path for path in out.glob("skipped.rank*.csv") if re.fullmatch(r"skipped\.rank\d+\.csv",
+                                                                                          path.name))
+    if not rank_files:
+        return
+    merged = RunSummary(out / "index.csv", skipped_file=out / "skipped.csv")
+    for path in rank_files:
+        with open(path, newline="", encoding="utf-8") as file:
+            merged.skipped.update((row["image"], row["reason"]) for row in csv.DictReader(file))
+    _write_skipped(merged)
+    for path in rank_files:
+        path.unlink()

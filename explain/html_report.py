@@ -23,6 +23,7 @@ run (file names, class names, reasons) is escaped in the page, or set as text by
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import hashlib
 import html
@@ -202,12 +203,27 @@ def read_run_index(out: Union[str, Path]) -> RunIndex:
     if contents.incomplete:
         notes.append(f"{len(contents.incomplete)} image(s) with incomplete rows in the index were left out (a run in "
                      f"progress?): {_some(contents.incomplete)}")
+    skipped = _skipped_files(out / "skipped.csv")
+    if skipped:
+        notes.append(f"{len(skipped)} file(s) could not be explained and are not shown (each with the reason in "
+                     f"skipped.csv): {'; '.join(f'{image!r} ({reason})' for image, reason in skipped[:3])}"
+                     f"{' …' if len(skipped) > 3 else ''}")
     try:
         record = read_run_record(out)
     except ValueError as error:
         notes.append(f"{error} The method is not named.")
         record = None
     return RunIndex(images, dict(sorted(names.items())), contents.has_label_columns, record, notes)
+
+
+def _skipped_files(path: Path) -> list[tuple[str, str]]:
+    """The files that explain batch could not explain, with the reason (OUT/skipped.csv, columns
+    image,reason); none where the file is missing or cannot be read."""
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as file:
+            return [(row.get("image") or "", row.get("reason") or "") for row in csv.DictReader(file)]
+    except (OSError, csv.Error):
+        return []
 
 
 def _image_record(image_id: str, rows: list[dict[str, str]], names: dict[int, str],
@@ -525,6 +541,9 @@ def report(
     strategies_file = out / "strategies.json"
     strategies, strategies_method = _read_strategies(out, strategies_file, images, files, run_index.class_names,
                                                      notes) if strategies_file.exists() else (None, None)
+    if strategies is not None and _modified(strategies_file) < _modified(out / "index.csv"):
+        notes.append("strategies.json is older than index.csv: images explained since then are not in the "
+                     "strategies. Run `explain strategies OUT` again, then this report.")
     if method is None:
         method = run_index.record.method_class if run_index.record is not None else strategies_method or ""
 
@@ -715,7 +734,11 @@ def _read_strategies(out: Path, path: Path, images: Sequence[ImageRecord], files
                      "cluster, size, examples) and are not shown.")
     classes.sort(key=lambda entry: (entry["flagged"] == 0, entry["class"]))
     method = data.get("method") if isinstance(data.get("method"), str) else None
-    return {"method": method or "", "classes": classes}, method
+    not_analysed = [{"class": entry["class"], "name": str(entry.get("class_name") or "")
+                     or class_names.get(entry["class"], ""), "reason": str(entry.get("reason") or "")}
+                    for entry in data.get("skipped") or [] if isinstance(entry, dict)
+                    and isinstance(entry.get("class"), int)]
+    return {"method": method or "", "classes": classes, "skipped": not_analysed}, method
 
 
 def _strategy_class(out: Path, entry: dict[str, Any], records: dict[str, ImageRecord],
@@ -911,8 +934,17 @@ def _strategies_section(strategies: Optional[dict[str, Any]]) -> str:
         return ""
     flagged = sum(entry["flagged"] for entry in strategies["classes"])
     hint = (f"How the model decides, per class: the maps of each class grouped into clusters (one strategy each), "
-            f"with their mean map and most typical images. {flagged} cluster(s) flagged, shown first.")
-    return (f'<section id="strategies"><h2>Strategies</h2><p class="hint">{_escape(hint)}</p>'
+            f"with their mean map and most typical images. {len(strategies['classes'])} class(es) analysed, "
+            f"{flagged} cluster(s) flagged, shown first.")
+    skipped = strategies["skipped"]
+    not_analysed = ""
+    if skipped:  # a class too small to analyse is not a class without a flagged cluster
+        listed = "; ".join(f"{entry['name'] or 'class ' + str(entry['class'])} ({entry['class']}): {entry['reason']}"
+                           for entry in skipped[:MAX_NOTES_SHOWN])
+        more = f"; … and {len(skipped) - MAX_NOTES_SHOWN} more" if len(skipped) > MAX_NOTES_SHOWN else ""
+        not_analysed = (f'<p class="hint" id="strategies-skipped">{len(skipped)} class(es) not analysed, so '
+                        f'nothing is known of their strategies: {_escape(listed + more)}</p>')
+    return (f'<section id="strategies"><h2>Strategies</h2><p class="hint">{_escape(hint)}</p>{not_analysed}'
             '<div class="strategy-controls"><label><input type="checkbox" id="strategies-flagged"> flagged only'
             '</label><span class="pager" id="strategies-pager"><button type="button" class="previous">‹ Previous'
             '</button><span class="page-number"></span><button type="button" class="next">Next ›</button></span>'

@@ -16,7 +16,9 @@ Images that a CSV file or mapping does not list have no label. A DataLoader's la
 its batches: ``(images, labels)`` or ``(images, labels, paths)`` tuples, or dicts with
 ``image``/``images``/``pixel_values``, ``label``/``labels`` and ``path``/``paths`` entries;
 labels are (N,) indices of the model's classes, a negative one meaning "no label" (torchvision's
-STL10 marks its unlabelled images with -1). The images' file names come from the batch when it carries them,
+STL10 marks its unlabelled images with -1); an ``ImageFolder`` that numbers its folders otherwise
+than the model orders the same class names has its labels renumbered by name
+(``dataset_label_numbering``). The images' file names come from the batch when it carries them,
 else from the dataset's ``samples`` (torchvision ``ImageFolder``/``DatasetFolder``, also inside a
 ``Subset``) when the loader reads it in order; a shuffling loader's order cannot be known.
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,13 +122,8 @@ def _labels_from_folders(folder: Path, files: Sequence[Path], class_names: Optio
                 f"{listed}{' ...' if len(classes) > 10 else ''}")
         names: Optional[list[str]] = list(classes)
     else:
-        index_of, unknown = {}, []
-        for name in sorted({path.relative_to(folder).parts[0] for path in files}):  # folders holding images
-            exact = [position for position, known in enumerate(class_names) if str(known) == name]
-            try:
-                index_of[name] = exact[0] if len(exact) == 1 else class_index(name, class_names)
-            except ValueError as error:
-                unknown.append(f"{name!r} ({error})")
+        index_of, unknown = _match_class_names(sorted({path.relative_to(folder).parts[0] for path in files}),
+                                               class_names)  # the folders holding images
         if unknown:
             raise LabelError(f"--labels folders: {len(unknown)} class folder(s) of {str(folder)!r} name no class of "
                              f"the model: {'; '.join(unknown[:SHOWN])}. Rename the folders to the model's class names, "
@@ -137,6 +136,22 @@ def _labels_from_folders(folder: Path, files: Sequence[Path], class_names: Optio
         names = None
     by_path = {path.relative_to(folder): index_of[path.relative_to(folder).parts[0]] for path in files}
     return FolderLabels(by_path, names, note)
+
+
+def _match_class_names(names: Sequence[str], class_names: Sequence[str]) -> tuple[dict[str, int], list[str]]:
+    """Each of ``names`` (class folders, a dataset's classes) as the model's class of that name
+    (exact, else as ``class_index`` matches, both in composed Unicode); and the names that match
+    none, each with the reason."""
+    index_of: dict[str, int] = {}
+    unknown = []
+    composed_names = [_composed(str(known)) for known in class_names]
+    for name in names:
+        exact = [position for position, known in enumerate(composed_names) if known == _composed(name)]
+        try:
+            index_of[name] = exact[0] if len(exact) == 1 else class_index(_composed(name), composed_names)
+        except ValueError as error:
+            unknown.append(f"{name!r} ({error})")
+    return index_of, unknown
 
 
 def read_label_csv(path: Path) -> list[tuple[str, str, Any]]:
@@ -167,10 +182,11 @@ def read_label_csv(path: Path) -> list[tuple[str, str, Any]]:
 
 
 def resolve_label(label: Any, class_names: Optional[Sequence[str]], where: str) -> int:
-    """A label (an int, a digit string or a class name) as a class index; LabelError otherwise."""
+    """A label (an int, a string of decimal digits, signed or not, or a class name) as a class
+    index; LabelError otherwise (a negative index included)."""
     if isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_)):
         index = int(label)
-    elif isinstance(label, str) and label.strip().isdigit():
+    elif isinstance(label, str) and re.fullmatch(r"[+-]?\d+", label.strip()):
         index = int(label.strip())
     elif isinstance(label, str):
         if class_names is None:
@@ -178,14 +194,23 @@ def resolve_label(label: Any, class_names: Optional[Sequence[str]], where: str) 
                              "known: give class indices, or the names (--class-names FILE, or class_names= of the "
                              "explainer).")
         try:
-            return class_index(label, class_names)
+            return class_index(_composed(label), [_composed(str(name)) for name in class_names])
         except ValueError as error:
             raise LabelError(f"{where}: {error}") from None
     else:
         raise LabelError(f"{where}: a label is a class index (a non-negative int) or a class name; got {label!r}.")
-    if index < 0 or (class_names is not None and index >= len(class_names)):
-        raise LabelError(f"{where}: label {index} is out of range: the model has {len(class_names or ())} classes.")
+    if index < 0:
+        raise LabelError(f"{where}: label {index} is negative; a label is a class index from 0. Leave out an image "
+                         "that has no label.")
+    if class_names is not None and index >= len(class_names):
+        raise LabelError(f"{where}: label {index} is out of range: the model has {len(class_names)} classes.")
     return index
+
+
+def _composed(text: str) -> str:
+    """Text in Unicode's composed form (NFC): "é" as one character, as macOS's file names (decomposed:
+    "e" and an accent) are not, so that a folder named on a Mac matches the class name."""
+    return unicodedata.normalize("NFC", text)
 
 
 def _table_labels(folder: Path, files: Sequence[Path], entries: Sequence[tuple[str, str, Any]],
@@ -250,7 +275,8 @@ class LoaderBatchItems:
 def split_loader_batch(batch: Any) -> LoaderBatchItems:
     """A batch as a DataLoader yields it: a (N, C, H, W) tensor; a tuple or list whose first item is
     the images, then labels and file names (in any order after the images: an item of N strings is
-    the file names, the first other item the labels); or a dict (keys in the module docstring).
+    the file names, the first other item the labels; strings that are not file names, such as class
+    names, are refused); or a dict (keys in the module docstring).
     Raises LabelError for labels that are not (N,) class indices, ValueError for images that are
     not a (N, C, H, W) tensor."""
     if isinstance(batch, Tensor):
@@ -275,6 +301,13 @@ def split_loader_batch(batch: Any) -> LoaderBatchItems:
         labels, paths = None, None
         for position, item in enumerate(batch[1:], start=1):
             found = _batch_paths(item, count) if paths is None else None
+            if found is not None and not all(_names_a_file(path) for path in found):
+                odd = [path for path in found if not _names_a_file(path)]
+                raise LabelError(
+                    f"the batch's item {position} holds strings that are not file names (no folder, no file "
+                    f"extension: {', '.join(map(repr, odd[:SHOWN]))}). Labels must be (N,) class indices, not class "
+                    "names: map each name to its index (e.g. class_names.index(name)); file names without an "
+                    "extension go in a dict batch under 'path'.")
             if found is not None:
                 paths = found
             elif labels is None:
@@ -311,6 +344,13 @@ def _batch_labels(value: Any, count: int, what: str) -> list[Optional[int]]:
     return [int(item) if int(item) >= 0 else None for item in values]
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether a string looks like a file's name (it has a folder or an extension such as ".png"),
+    unlike a class name ("cat", "tabby, tabby cat", "st. bernard")."""
+    path = Path(text)
+    return len(path.parts) > 1 or re.fullmatch(r"\.[A-Za-z0-9]{1,10}", path.suffix) is not None
+
+
 def _batch_paths(value: Any, count: int) -> Optional[list[str]]:
     """An item holding one file name per image, as strings; None when it is not that."""
     if isinstance(value, (list, tuple)) and len(value) == count and count > 0 and all(
@@ -326,13 +366,15 @@ class DatasetOrder:
     paths: the file of each image, in that order, or None when unknown; root: the dataset's folder
     (``ImageFolder.root``), for ids relative to it; classes: the dataset's class names
     (``ImageFolder.classes``); shuffled: whether the loader's order changes from run to run (a
-    sampler other than sequential), so that positions cannot name images.
+    sampler other than sequential), so that positions cannot name images; relabelled: whether the
+    dataset has a ``target_transform``, so that its labels need not be positions in ``classes``.
     """
 
     paths: Optional[list[str]] = None
     root: Optional[Path] = None
     classes: Optional[list[str]] = None
     shuffled: bool = False
+    relabelled: bool = False
 
 
 def dataset_order(loader: Any) -> DatasetOrder:
@@ -354,10 +396,25 @@ def dataset_order(loader: Any) -> DatasetOrder:
     root = getattr(dataset, "root", None)
     order = DatasetOrder(root=Path(root) if isinstance(root, (str, os.PathLike)) else None,
                          classes=[str(name) for name in classes] if isinstance(classes, (list, tuple)) else None,
-                         shuffled=not in_order)
+                         shuffled=not in_order, relabelled=getattr(dataset, "target_transform", None) is not None)
     if in_order and isinstance(samples, (list, tuple)) and all(
             isinstance(sample, (list, tuple)) and sample and isinstance(sample[0], (str, os.PathLike))
             for sample in samples):
         files = [os.fspath(sample[0]) for sample in samples]
         order.paths = files if indices is None else [files[index] for index in indices]
     return order
+
+
+def dataset_label_numbering(order: DatasetOrder, class_names: Optional[Sequence[str]]) -> Optional[dict[int, int]]:
+    """The model's class index of each of the dataset's label indices, where the dataset numbers the
+    model's classes otherwise: an ``ImageFolder`` numbers its class folders in sorted order, and a
+    model whose class names are the folders' names may order them otherwise. Matched by name, as
+    ``--labels folders`` matches folders. None when the numbering is the model's, or cannot be told
+    (no class names on either side, names that are not the model's, a ``target_transform``)."""
+    if order.classes is None or class_names is None or order.relabelled:
+        return None
+    index_of, unknown = _match_class_names(order.classes, class_names)
+    if unknown or len(set(index_of.values())) < len(index_of):
+        return None
+    numbering = {position: index_of[name] for position, name in enumerate(order.classes)}
+    return None if all(position == index for position, index in numbering.items()) else numbering

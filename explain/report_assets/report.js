@@ -447,7 +447,10 @@
     strategyState.page = Math.min(Math.max(0, strategyState.page), pages - 1);
     const start = strategyState.page * strategyState.perPage;
     const nodes = classes.slice(start, start + strategyState.perPage).map(strategyClass);
-    if (!nodes.length) nodes.push(element("p", "hint", "No class has a flagged cluster."));
+    if (!nodes.length) {
+      nodes.push(element("p", "hint", strategies.classes.length ? "No class has a flagged cluster."
+        : "No class was analysed: none had enough maps."));
+    }
     section.replaceChildren(...nodes);
     const pager = byId("strategies-pager");
     pager.querySelector(".page-number").textContent = "Page " + (strategyState.page + 1) + " of " + pages;

@@ -13,6 +13,8 @@ ignored), and every option outside what it takes (named, with its value).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, Union
 
@@ -21,15 +23,17 @@ from torch import Tensor, nn
 
 from ..blur import reflect_blur
 from ..inputs import Inputs, PreprocessSpec
+from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
 from ..methods.options import int_option, number_option
 from ..targets import OutputSelector, Target
 from ._common import MapsLike, as_maps, check_count, class_scores, fixed_classes, model_inputs, ranking, short_repr
+from .axiomatic import BASELINES, baseline_for
 
-Substrate = Union[str, Tensor, Callable[[Tensor], Tensor]]
-"""What removed pixels become: "zeros", "blur", "noise", a tensor or a callable batch → tensor
-(see ``substrate_for``)."""
+Substrate = Union[str, float, Tensor, Callable[[Tensor], Tensor]]
+"""What removed pixels become: "zeros", "blur", "noise", "minimum", "maximum", "mean", a number, a tensor
+or a callable batch → tensor (see ``substrate_for``)."""
 
-SUBSTRATES = ("zeros", "blur", "noise")
+SUBSTRATES = ("zeros", "blur", "noise", *BASELINES[1:])
 SCORES = ("probability", "logit")
 
 
@@ -44,21 +48,29 @@ class Curve:
 
 
 def check_substrate(substrate: object) -> None:
-    """Refuse a substrate that is not one of ``SUBSTRATES``, a tensor or a callable, naming it briefly."""
+    """Refuse a substrate that is not one of ``SUBSTRATES``, a finite number, a tensor or a callable, naming it
+    briefly."""
     if isinstance(substrate, Tensor) or callable(substrate) or (isinstance(substrate, str) and substrate in SUBSTRATES):
         return
-    raise ValueError(f"substrate must be 'zeros', 'blur', 'noise', a tensor in model-input space (broadcastable to "
-                     f"the (N, C, H, W) batch) or a callable batch → tensor; got {short_repr(substrate)}.")
+    if isinstance(substrate, numbers.Real) and not isinstance(substrate, bool) and math.isfinite(substrate):
+        return
+    raise ValueError(f"substrate must be one of {', '.join(map(repr, SUBSTRATES))}, a finite number, a tensor in "
+                     f"model-input space (broadcastable to the (N, C, H, W) batch) or a callable batch → tensor; got "
+                     f"{short_repr(substrate)}.")
 
 
 def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     """What removed pixels become, (N, C, H, W) like the batch: "zeros" (zero model input: the mean
     colour under ImageNet normalisation), "blur" (Gaussian, σ = max(H, W) / 16, kernel 2⌈3σ⌉ + 1,
     reflected at the edges, as RISE's insertion; any image size, see ``explain.blur.reflect_blur``),
-    "noise" (uniform in each image's value range, seeded), a tensor broadcastable to the batch
-    (e.g. a (C, H, W) fill image in model-input space) or a callable ``batch -> tensor`` of the
-    same shape. NaN or inf in a given substrate is refused."""
+    "noise" (uniform in each image's value range, seeded), "minimum" / "maximum" / "mean" (each
+    image's smallest / largest / mean value over its channels and pixels; Quantus's "black" is the
+    minimum), a number, a tensor broadcastable to the batch (e.g. a (C, H, W) fill image in
+    model-input space) or a callable ``batch -> tensor`` of the same shape. NaN or inf in a given
+    substrate is refused."""
     check_substrate(substrate)
+    if isinstance(substrate, numbers.Real) or isinstance(substrate, str) and substrate in BASELINES[1:]:
+        return baseline_for(batch, substrate)
     if isinstance(substrate, Tensor) or callable(substrate):
         result = substrate if isinstance(substrate, Tensor) else substrate(batch)
         where = "the substrate tensor" if isinstance(substrate, Tensor) else "the substrate callable's result"
@@ -104,25 +116,65 @@ def _area(fractions: Tensor, curves: Tensor) -> Tensor:
     return ((curves[:, 1:] + curves[:, :-1]) / 2 * widths).sum(dim=1) / (fractions[-1] - fractions[0])
 
 
+def step_counts(features: int, steps: int, device: torch.device) -> Tensor:
+    """(steps + 1,) how many of ``features`` are changed after each of ``steps`` equal steps: round(s · F / steps)."""
+    return torch.round(torch.arange(steps + 1, device=device) * features / steps)
+
+
+RowImages = Callable[[Tensor, Tensor], Tensor]
+"""(image indices (B,), step indices (B,)) → the (B, C, H, W) perturbed model inputs of those rows."""
+
+
+def perturbed_scores(model: nn.Module, images: Tensor, steps: Tensor, perturbed: RowImages, classes: Tensor,
+                     score: str, batch_size: int, output: OutputSelector) -> Tensor:
+    """(R,) score of ``classes[images[r]]`` on row r's perturbed input, ``perturbed(images, steps)``: the rows
+    (R,) are made and scored ``batch_size`` at a time (across images), so memory holds one pass's inputs.
+    Each pass goes to the model in the memory layout that runs it fastest (channels-last for a CNN on the
+    CPU, ``explain.memory_format``); a model that refuses that layout is run again in the usual one."""
+
+    def scores() -> Tensor:
+        results: list[Tensor] = []
+        for start in range(0, images.shape[0], batch_size):
+            image, step = images[start: start + batch_size], steps[start: start + batch_size]
+            rows = model_batch(model, perturbed(image, step))
+            results.append(class_scores(model, rows, classes[image], score, batch_size, output))
+        return torch.cat(results)
+
+    copies_before = channels_last_copies()
+    try:
+        return scores()
+    except (RuntimeError, AssertionError, ValueError) as error:
+        if channels_last_copies() == copies_before or not may_be_layout_error(error):
+            raise
+    with usual_layout_only():
+        return scores()
+
+
+def grid_scores(model: nn.Module, steps: int, perturbed: RowImages, classes: Tensor, score: str, batch_size: int,
+                output: OutputSelector) -> Tensor:
+    """(N, steps) scores of ``perturbed_scores`` over every image n and step s (rows image-major), N = len(classes)."""
+    rows = torch.arange(classes.shape[0] * steps, device=classes.device)
+    scores = perturbed_scores(model, rows // steps, rows % steps, perturbed, classes, score, batch_size, output)
+    return scores.view(-1, steps)
+
+
 def _perturbation_curve(
     model: nn.Module, batch: Tensor, heat: Tensor, classes: Tensor, steps: int, start_from_substrate: bool,
     substrate: Substrate, score: str, batch_size: int, output: OutputSelector,
 ) -> Curve:
-    count, _, height, width = batch.shape
-    pixels = height * width
+    pixels = batch.shape[-2] * batch.shape[-1]
     fill = substrate_for(batch, substrate)
-    ranks = ranking(heat).to(batch.device)  # (N, H, W), 0 = most relevant
-    counts = torch.round(torch.arange(steps + 1, device=batch.device) * pixels / steps)
-    curves: list[Tensor] = []
-    for image in range(count):  # one image's steps at a time bounds memory
-        changed = (ranks[image][None] < counts.view(-1, 1, 1))[:, None]  # (S, 1, H, W): most relevant first
+    ranks = ranking(heat).to(batch.device)[:, None]  # (N, 1, H, W), 0 = most relevant
+    counts = step_counts(pixels, steps, batch.device)
+
+    def perturbed(image: Tensor, step: Tensor) -> Tensor:
+        changed = ranks[image] < counts[step].view(-1, 1, 1, 1)  # the most relevant pixels first
         if start_from_substrate:  # insertion: the relevant pixels are put back into the substrate
-            images = torch.where(changed, batch[image][None], fill[image][None])
-        else:  # deletion: the relevant pixels are replaced by the substrate
-            images = torch.where(changed, fill[image][None], batch[image][None])
-        curves.append(class_scores(model, images, classes[image].repeat(steps + 1), score, batch_size, output).cpu())
+            return torch.where(changed, batch[image], fill[image])
+        return torch.where(changed, fill[image], batch[image])  # deletion: they are replaced by the substrate
+
     fractions = (counts / pixels).cpu()
-    curves_tensor = torch.stack(curves)
+    curves_tensor = grid_scores(model, steps + 1, perturbed, classes, score, batch_size, output).cpu()
     return Curve(fractions=fractions, curves=curves_tensor, area=_area(fractions, curves_tensor))
 
 

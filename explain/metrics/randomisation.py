@@ -3,13 +3,17 @@
 ``random_logit`` (Sixt et al. 2020) explains each image for its class and for another class
 drawn at random, and measures how alike the two maps are: a method whose map hardly depends
 on the class explained (modified backpropagation rules often reconstruct the image) scores
-high. ``cascading_randomization`` (in ``explain.metrics.sanity``) randomises the model instead.
+high. ``cascading_randomization`` (in ``explain.metrics.sanity``) randomises the model instead, and
+so do Hedström et al.'s repairs of it (2023): ``efficient_mprt`` compares the complexity of the maps
+before and after randomising the whole model, ``smooth_mprt`` runs the cascading test on maps
+denoised over noisy copies of the images.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -18,9 +22,12 @@ from ..capture import model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
 from ..inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
+from ..methods.options import int_option, number_option
 from ..targets import Target, select_output
 from ._common import as_tensor, check_count, short_repr
-from .sanity import _magnitude, spearman
+from .complexity import _wide
+from .robustness import NoiseSamples, Perturb, Reference, add_noise, check_noise, explained_reference
+from .sanity import ORDERS, RandomizationStage, Randomize, _magnitude, default_stages, randomized_copies, spearman
 
 Similarity = Union[str, Callable[[Tensor, Tensor], Tensor]]
 """How alike two sets of (N, H, W) maps are: "ssim", "spearman" or a callable (first, second) → (N,)."""
@@ -120,21 +127,8 @@ def random_logit(
         raise TypeError(f"generator must be a torch.Generator (on the CPU); got {short_repr(generator)}.")
     options = dict(explain_options or {})
     model = explainer.model
-    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
-    if explanation is None:
-        first = explainer.explain(batch, target, **options)
-    elif not isinstance(explanation, Explanation):
-        raise TypeError(f"explanation must be an Explanation (of these images by this explainer); got "
-                        f"{short_repr(explanation)}.")
-    elif target is not None:
-        raise ValueError("give target or explanation, not both: the explanation's classes are the ones explained.")
-    else:
-        first = explanation
-        check_count(len(first), "explained images", batch.shape[0], "images")
-    if first.class_indices is None or first.class_indices.shape[1] != 1:
-        raise ValueError("the random logit test explains one class per image: give a class (or none, for the top "
-                         "class) per image, not a callable or several targets.")
-    classes = first.class_indices[:, 0].to(batch.device)
+    reference = explained_reference(explainer, inputs, target, explanation, options, "the random logit test")
+    batch, classes = reference.batch, reference.classes
     with torch.no_grad(), preserved_model_state(model):
         class_count = select_output(model(batch[:1]), explainer.output).shape[1]
     if class_count < 2:
@@ -146,7 +140,7 @@ def random_logit(
     else:
         others = _check_other_classes(other_classes, classes, class_count)
     second = explainer.explain(batch, others, **options)
-    first_maps, second_maps = first.raw_map_grid[:, 0], second.raw_map_grid[:, 0]
+    first_maps, second_maps = reference.maps, second.raw_map_grid[:, 0]
     if callable(similarity):
         values = similarity(first_maps, second_maps)
         if not isinstance(values, Tensor) or tuple(values.shape) != (classes.shape[0],):
@@ -157,3 +151,179 @@ def random_logit(
     else:
         values = spearman(first_maps.abs(), second_maps.abs())
     return RandomLogit(similarity=values.to(batch.device), classes=classes, other_classes=others)
+
+
+# ------------------------------------------------------------------ eMPRT and sMPRT (Hedström et al. 2023)
+
+
+def histogram_counts(values: Tensor, bins: int) -> Tensor:
+    """(N, P) values → (N, bins) long counts of each row in ``bins`` equal bins from its smallest to its
+    largest value, the last bin closed (a constant row: one bin a unit wide around it), as ``numpy.histogram``
+    computes them in the values' own precision, edge cases included (tested)."""
+    low, high = values.amin(dim=1, keepdim=True), values.amax(dim=1, keepdim=True)
+    constant = low == high
+    low, high = torch.where(constant, low - 0.5, low), torch.where(constant, high + 0.5, high)
+    edges = torch.arange(bins + 1, dtype=values.dtype, device=values.device) * ((high - low) / bins) + low
+    edges[:, -1] = high[:, 0]
+    index = ((values - low) / (high - low) * bins).long()
+    index = torch.where(index == bins, bins - 1, index)
+    index = index - (values < edges.gather(1, index)).long()  # the division can land a value one bin off
+    index = index + ((values >= edges.gather(1, index + 1)) & (index != bins - 1)).long()
+    return torch.zeros(values.shape[0], bins, dtype=torch.long, device=values.device).scatter_add_(
+        1, index, torch.ones_like(index))
+
+
+def discrete_entropy(maps: Tensor, bins: int = 100) -> Tensor:
+    """(N, H, W) maps → (N,) float64 Shannon entropy (nats) of the histogram of each map's values in
+    ``bins`` equal bins (``histogram_counts``), in [0, ln bins]: 0 for a constant map."""
+    counts = histogram_counts(maps.reshape(maps.shape[0], -1), bins)
+    shares = _wide(counts) / counts.sum(dim=1, keepdim=True)
+    return -torch.where(shares > 0, shares * shares.clamp_min(1e-300).log(), 0.0).sum(dim=1)
+
+
+@dataclass
+class EfficientMPRT:
+    """rise: (N,) (H_random − H_trained) / H_trained, the relative rise of the maps' discrete entropy when
+    the whole model is randomised, higher is better (a method whose map follows the model turns to noise);
+    inf (NaN) where the trained model's map is constant. entropy, randomized_entropy: (N,) the two entropies,
+    in [0, ln bins]. layers: the layers randomised, in order."""
+
+    rise: Tensor
+    entropy: Tensor
+    randomized_entropy: Tensor
+    layers: list[str]
+
+
+def _check_randomize(randomize: Optional[Randomize]) -> None:
+    if randomize is not None and not callable(randomize):
+        raise TypeError(f"randomize must be a callable (layer, stage index) that re-initialises the layer in place; "
+                        f"got {short_repr(randomize)}.")
+
+
+def efficient_mprt(
+    explainer: Explainer,
+    inputs: Inputs,
+    target: Target = None,
+    *,
+    bins: int = 100,
+    stages: Optional[Sequence[str]] = None,
+    seed: int = 0,
+    randomize: Optional[Randomize] = None,
+    explanation: Optional[Explanation] = None,
+    explain_options: Optional[Mapping[str, Any]] = None,
+) -> EfficientMPRT:
+    """Efficient model parameter randomisation test, eMPRT (Hedström et al. 2023): how much more complex
+    (the discrete entropy of the histogram of its raw values, ``discrete_entropy``) each image's map
+    becomes when every layer of the model is randomised. Two explanations per image, the randomised one on
+    a deep copy; the given model is not changed.
+
+    bins: histogram bins (Quantus 0.6: 100). stages: the layers randomised (default: the model's top-level
+        children that have parameters, so every layer below them), bottom up, ``randomize`` (layer, stage
+        index) re-initialising each (default ``explain.metrics.sanity.reinitialize(layer, seed + index)``).
+    explanation: the images' explanation by this explainer, when already computed (``target`` left out).
+    """
+    _check_randomize(randomize)
+    bins = int_option("bins", bins, 1)
+    options = dict(explain_options or {})
+    reference = explained_reference(explainer, inputs, target, explanation, options, "eMPRT")
+    stages_run = deque(randomized_copies(  # every stage randomised, then one explanation of the randomised model
+        explainer, reference.batch, default_stages(explainer.model) if stages is None else stages, order="bottom_up",
+        seed=seed, randomize=randomize), maxlen=1)
+    if not stages_run:
+        raise ValueError("none of the stages runs in the model's forward: name layers the model runs.")
+    _, layers, randomized = stages_run[0]
+    after = randomized.explain(reference.batch, reference.classes, **options).raw_map_grid[:, 0]
+    before_entropy, after_entropy = discrete_entropy(reference.maps, bins), discrete_entropy(after, bins)
+    return EfficientMPRT(rise=(after_entropy - before_entropy) / before_entropy, entropy=before_entropy,
+                         randomized_entropy=after_entropy, layers=layers)
+
+
+def _smoothed_maps(explainer: Explainer, reference: Reference, count: int, perturb: Perturb, batch_size: int,
+                   options: Mapping[str, Any]) -> Tensor:
+    """(N, H, W) the mean of the raw maps of ``count`` copies of each image (the last: the image itself)."""
+    total = torch.zeros_like(reference.maps)
+    images_count = reference.batch.shape[0]
+    for start in range(0, count * images_count, batch_size):
+        rows = torch.arange(start, min(start + batch_size, count * images_count), device=reference.batch.device)
+        samples, images = rows // images_count, rows % images_count
+        maps = explainer.explain(perturb(samples, images), reference.classes[images], **options).raw_map_grid[:, 0]
+        for sample in samples.unique().tolist():  # added sample after sample, as a running mean
+            chosen = samples == sample
+            total[images[chosen]] += maps[chosen].to(total.device) / count
+    return total
+
+
+def smooth_mprt(
+    explainer: Explainer,
+    inputs: Inputs,
+    target: Target = None,
+    *,
+    samples: int = 50,
+    noise_level: float = 0.1,
+    noise: Optional[Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    stages: Optional[Sequence[str]] = None,
+    order: str = "bottom_up",
+    seed: int = 0,
+    randomize: Optional[Randomize] = None,
+    batch_size: int = 32,
+    explain_options: Optional[Mapping[str, Any]] = None,
+) -> list[RandomizationStage]:
+    """Smooth model parameter randomisation test, sMPRT (Hedström et al. 2023): the cascading
+    randomisation test (``cascading_randomization``) on maps denoised as SmoothGrad does, each the mean of
+    the raw maps of ``samples`` copies of the image, S − 1 with Gaussian noise of standard deviation
+    ``noise_level`` × (the image's largest − smallest value) and the image itself. One RandomizationStage
+    per layer: Spearman rank correlation of |map| and SSIM of |map| / its peak against the trained
+    model's, in [-1, 1], lower after randomisation is better.
+
+    noise: the (S − 1, N, C, H, W) offsets, instead of drawing them from ``generator`` (a CPU
+        ``torch.Generator``, default seeded with 0); every stage uses the same draws.
+    stages, order ("bottom_up", the paper's recommendation, or "top_down"), seed, randomize: which layers
+        are randomised, cumulatively, and how (``explain.metrics.sanity.randomized_copies``).
+    Costs S · N explained copies per stage and for the trained model, ``batch_size`` per call.
+    """
+    if not isinstance(order, str) or order not in ORDERS:
+        raise ValueError(f"order must be 'top_down' or 'bottom_up'; got {short_repr(order)}.")
+    _check_randomize(randomize)
+    count = int_option("samples", samples, 1)
+    noise_level = number_option("noise_level", noise_level)
+    int_option("batch_size", batch_size, 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (on the CPU); got {short_repr(generator)}.")
+    options = dict(explain_options or {})
+    model = explainer.model
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    reference = explained_reference(explainer, batch, target, None, options, "sMPRT")  # and the classes explained
+    flat = batch.reshape(batch.shape[0], -1)
+    spread = (flat.amax(dim=1) - flat.amin(dim=1)).view(-1, 1, 1, 1) * noise_level
+    if count > 1 and noise is not None:
+        given, _ = check_noise(noise, count - 1, batch)
+    elif noise is not None:
+        raise ValueError("samples = 1 averages the image alone: give no noise, or more samples.")
+    else:
+        given = None
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    start_state = generator.get_state()
+
+    def smoothed(current: Explainer) -> Tensor:
+        generator.set_state(start_state)  # the same draws for every stage
+        source = NoiseSamples(given, lambda generator: torch.randn(
+            batch.shape, generator=generator, dtype=torch.float64) * spread.cpu().double(), generator)
+
+        def perturb(sample_rows: Tensor, image_rows: Tensor) -> Tensor:
+            noisy = sample_rows < count - 1
+            rows = batch[image_rows].clone()
+            if bool(noisy.any()):
+                rows[noisy] = add_noise(batch[image_rows[noisy]], source.rows(sample_rows[noisy], image_rows[noisy]))
+            return rows
+        return _smoothed_maps(current, reference, count, perturb, batch_size, options)
+
+    trained = _magnitude(smoothed(explainer))
+    results: list[RandomizationStage] = []
+    for name, layers, randomized in randomized_copies(
+            explainer, batch, default_stages(model) if stages is None else stages, order=order, seed=seed,
+            randomize=randomize):
+        current = _magnitude(smoothed(randomized))
+        results.append(RandomizationStage(layer=name, layers=layers, rank_correlation=spearman(trained, current),
+                                          ssim=_ssim(trained, current)))
+    return results

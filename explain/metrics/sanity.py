@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,49 @@ def _magnitude(maps: Tensor) -> Tensor:
     return torch.where(scale > 0, magnitude / scale.clamp_min(1e-30), 0.0).reshape(maps.shape)
 
 
+Randomize = Callable[[nn.Module, int], None]
+"""How a stage's layer is re-initialised: called with the layer (of the copy) and the stage's index 0, 1, …"""
+
+ORDERS = ("top_down", "bottom_up")
+
+
+def default_stages(model: nn.Module) -> list[str]:
+    """The model's top-level children that have parameters: the default stages of randomisation."""
+    return [name for name, child in model.named_children() if any(True for _ in child.parameters())]
+
+
+def randomized_copies(
+    explainer: Explainer,
+    batch: Tensor,
+    stages: Sequence[str],
+    *,
+    order: str = "top_down",
+    seed: int = 0,
+    randomize: Optional[Randomize] = None,
+) -> Iterator[tuple[str, list[str], Explainer]]:
+    """Randomise ``stages`` one after the other, cumulatively, on one deep copy of the explainer and its
+    model, yielding (layer, the layers randomised so far, the copy) after each stage. The given model is
+    not changed.
+
+    order: "top_down" (from the last layer the forward on ``batch`` runs back to the first, as Adebayo et
+        al. 2018) or "bottom_up" (first layer first, as Hedström et al. 2023 recommend).
+    randomize: re-initialises a stage's layer, given the layer and the stage's index; default
+        ``reinitialize(layer, seed + index)``. A stage that never runs in the forward is left out.
+    """
+    if not isinstance(order, str) or order not in ORDERS:
+        raise ValueError(f"order must be 'top_down' or 'bottom_up'; got {order!r}.")
+    executed = _execution_order(explainer.model, stages, batch)
+    sequence = list(reversed(executed)) if order == "top_down" else executed
+    randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
+    modules = dict(randomized.model.named_modules())
+    for index, name in enumerate(sequence):
+        if randomize is None:
+            reinitialize(modules[name], seed + index)
+        else:
+            randomize(modules[name], index)
+        yield name, sequence[: index + 1], randomized
+
+
 def cascading_randomization(
     explainer: Explainer,
     inputs: Inputs,
@@ -142,20 +185,15 @@ def cascading_randomization(
     options = explain_options or {}
     trained = explainer.explain(batch, target, **options)
     classes = trained.class_indices if trained.class_indices is not None else target
-    if stages is None:
-        stages = [name for name, child in model.named_children() if any(True for _ in child.parameters())]
-    order = _execution_order(model, stages, batch)
-    randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
-    modules = dict(randomized.model.named_modules())
     reference = _magnitude(trained.map_grid[:, 0])
     results: list[RandomizationStage] = []
-    for index, name in enumerate(reversed(order)):
-        reinitialize(modules[name], seed + index)
+    for name, layers, randomized in randomized_copies(
+            explainer, batch, default_stages(model) if stages is None else stages, seed=seed):
         maps = randomized.explain(batch, classes, **options).map_grid[:, 0]
         current = _magnitude(maps)
         results.append(RandomizationStage(
             layer=name,
-            layers=list(reversed(order))[: index + 1],
+            layers=layers,
             rank_correlation=spearman(reference, current),
             ssim=ssim(reference, current),
         ))

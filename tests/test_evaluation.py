@@ -117,12 +117,14 @@ def test_bad_arguments_get_clear_errors(demo):
 
 def test_the_command_writes_the_table_and_the_figure_for_four_methods_and_eight_metrics(tmp_path, capsys):
     out = tmp_path / "evaluation"
-    assert main(["evaluate", "--model", "demo", "--methods", "gradcam", "saliency", "lrp", "integratedgradients",
-                 "--images", "8", "--out", str(out), "--no-progress"]) == 0
+    eight = ["deletion", "insertion", "confidence_drop", "pointing_game", "energy_pointing_game", "top_k_intersection",
+             "sparseness", "complexity"]
+    assert main(["evaluate", "--model", "demo", "--methods", "gradcam", "saliency", "lrp", "inputxgradient",
+                 "--metrics", *eight, "--images", "4", "--batch-size", "4", "--out", str(out), "--no-progress"]) == 0
     table = (out / "evaluation.md").read_text(encoding="utf-8")
     header = table.splitlines()[0]
     assert header.count("|") == 8 + 3  # method, 8 metrics, mean rank
-    assert all(f"| {method} |" in table for method in ("gradcam", "saliency", "lrp", "integratedgradients"))
+    assert all(f"| {method} |" in table for method in ("gradcam", "saliency", "lrp", "inputxgradient"))
     assert (out / "evaluation.png").stat().st_size > 10_000
     assert "mean rank" in capsys.readouterr().out
     assert main(["evaluate", "--model", "demo", "--methods", "gradcam", "--out", str(tmp_path / "other"),

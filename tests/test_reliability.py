@@ -40,7 +40,8 @@ def mixed_mode(model: torch.nn.Module) -> torch.nn.Module:
     return model
 # random draws (noise, paths) depend on N for these
 BATCH_INDEPENDENT = [name for name in CNN_METHODS if name not in ("smoothgrad", "smoothgrad_sq", "vargrad",
-                                                                   "gradientshap")]
+                                                                   "gradientshap", "smoothgradcam++", "sscam")]
+"""Methods whose noise is drawn for the whole batch (as SmoothGrad's) are not: a batch and its images alone differ."""
 
 
 def build(name: str, model: nn.Module, layer: str, **extra):
@@ -54,6 +55,12 @@ def build(name: str, model: nn.Module, layer: str, **extra):
     if cls in (explain.IntegratedGradients, explain.GuidedIG, explain.BlurIG, explain.LayerIntegratedGradients,
                explain.LayerConductance):
         options["steps"] = 4
+    if cls in (explain.SSCAM, explain.SmoothGradCAMPlusPlus):
+        options["samples"] = 2
+    if cls is explain.ISCAM:
+        options["steps"] = 2
+    if cls is explain.SESS:
+        options["num_scales"] = 2
     if cls is explain.XRAI:
         options.update(steps=4, segmenter=explain.Felzenszwalb(scales=(100,), size=None))
     return cls(model, layer, **options) if cls.needs_layer else cls(model, **options)

@@ -6,6 +6,7 @@ from .base import REGISTRY, Attribution, Explainer, get_method, normalize_maps, 
 from .cam import (
     CAM,
     FEM,
+    ClassActivationMapping,
     EigenCAM,
     EigenGradCAM,
     GradCAM,
@@ -15,9 +16,11 @@ from .cam import (
     KernelPCACAM,
     LayerCAM,
     RandomCAM,
+    SegEigenCAM,
     ShapleyCAM,
     XGradCAM,
 )
+from .cam_wrappers import SESS, FinerCAM
 from .deeplift import DeepLift, DeepLiftShap
 from .expected_gradients import GradientShap
 from .factorization import DeepFeatureFactorization, Factorization
@@ -28,7 +31,8 @@ from .layer_attribution import LayerConductance, LayerIntegratedGradients, Layer
 from .legrad import LeGrad
 from .lrp import LRP
 from .path_methods import BlurIG, GuidedIG
-from .perturbation import AblationCAM, ScoreCAM
+from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
+from .smooth_cam import SmoothGradCAMPlusPlus
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
 from .transformer_attribution import TransformerAttribution
 from .xrai import XRAI, Felzenszwalb
@@ -83,6 +87,13 @@ __all__ = [
     "SmoothGradSquared",
     "VarGrad",
     "XGradCAM",
+    "ClassActivationMapping",
+    "FinerCAM",
+    "ISCAM",
+    "SESS",
+    "SSCAM",
+    "SegEigenCAM",
+    "SmoothGradCAMPlusPlus",
     "get_method",
     "normalize_maps",
     "register",

@@ -72,11 +72,18 @@ def principal_component(terms: Tensor) -> Tensor:
     positively with Σ_k terms_k (the map without smoothing): evidence stays positive.
     """
     *leading, channels, height, width = terms.shape
+    projection, samples = first_component_scores(terms)
+    return oriented_like(projection, samples.sum(dim=2)).reshape(*leading, height, width)
+
+
+def first_component_scores(terms: Tensor) -> tuple[Tensor, Tensor]:
+    """(..., C, h, w) terms → (B, h·w) scores of the positions on the first principal component of the
+    channels (centred over positions; sign as the SVD returns it) and the (B, h·w, C) samples, float32."""
+    channels, height, width = terms.shape[-3:]
     samples = terms.float().reshape(-1, channels, height * width).transpose(1, 2)  # (B, hw, C)
     centred = samples - samples.mean(dim=1, keepdim=True)
     _, _, right_vectors = torch.linalg.svd(centred, full_matrices=False)
-    projection = torch.einsum("bpc,bc->bp", centred, right_vectors[:, 0])
-    return oriented_like(projection, samples.sum(dim=2)).reshape(*leading, height, width)
+    return torch.einsum("bpc,bc->bp", centred, right_vectors[:, 0]), samples
 
 
 def oriented_like(projection: Tensor, reference: Tensor) -> Tensor:
@@ -585,3 +592,107 @@ class KernelPCACAM(CAM):
         eigenvalues, eigenvectors = torch.linalg.eigh(centred)  # ascending
         scores = eigenvectors[..., -1] * eigenvalues[..., -1:].clamp_min(0).sqrt()
         return oriented_like(scores, samples.sum(dim=2)).reshape(count, height, width).to(activations.dtype)
+
+
+@register
+class SegEigenCAM(CAM):
+    """Seg-Eigen-CAM (Chung & Ying 2025): the first principal component of |G| ⊙ A, the activations
+    weighted element-wise by the magnitude of their gradients (negative gradients count too), signed
+    as the paper's Eq. 13: the projection is negated where its minimum is larger in magnitude than its
+    maximum, so that the salient region is positive. Class-specific; made for segmentation targets
+    (``explain.SegmentationTarget``), any target works."""
+
+    name = "segeigencam"
+    summary = "Seg-Eigen-CAM: first principal component of |gradient| × activation (for segmentation)"
+
+    def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
+        count, _, height, width = activations.shape
+        projection, _ = first_component_scores(required(gradients).abs() * activations)
+        flip = projection.amin(dim=1).abs() > projection.amax(dim=1).abs()
+        signed = torch.where(flip[:, None], -projection, projection)
+        return signed.reshape(count, height, width).to(activations.dtype)
+
+
+Classifier = Union[str, nn.Module]
+"""CAM's classifier: "auto", a ``named_modules()`` name or the module itself."""
+
+
+@register
+class ClassActivationMapping(CAM):
+    """CAM, class activation mapping (Zhou et al. 2016): Σ_k w_c,k A_k, the layer's feature maps weighted
+    by the classifier's weights for class c, no gradient. Exact for networks that average-pool the
+    layer over positions and then apply one linear layer (ResNets, DenseNets, MobileNets, EfficientNets
+    at their last convolutional stage): the class score is then the map's mean plus the bias, and
+    Grad-CAM at that layer gives the same map. (``explain.CAM`` is the family's base class; this is
+    the method of that name, registered as "cam".)
+
+    classifier: the linear layer (or 1 × 1 convolution) that reads the pooled layer: a
+        ``named_modules()`` name, the module, or "auto" (default: the model's last ``nn.Linear`` whose
+        ``in_features`` equals the layer's channels).
+    Targets are classes (an int, one per image, K per image, or ``topk``): row c of the classifier's
+    weight matrix weights the maps. The layer must be the one whose pooled output the classifier reads
+    (torchvision's DenseNet applies a last ReLU as a function after ``features``: the map of ``features``
+    uses the features before it). The paper's map is signed, as with ``relu=False``; the default
+    ``relu=True`` keeps its positive evidence, as every CAM here.
+    """
+
+    name = "cam"
+    summary = "CAM (Zhou et al. 2016): feature maps weighted by the classifier's weights for the class"
+    uses_gradients = False
+    layer_maps_reduce_channels = True
+
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, classifier: Classifier = "auto",
+                 **options: Unpack[CAMOptions]):
+        super().__init__(model, layer, **options)
+        if isinstance(classifier, str) and classifier != "auto":
+            found = find_layers(self.model, classifier)
+            if len(found) != 1:
+                raise ValueError(f"classifier must name one module; {classifier!r} selects {len(found)}.")
+            classifier = found[0][1]
+        if not isinstance(classifier, (str, nn.Module)):
+            raise TypeError(f"classifier must be 'auto', a module name or an nn.Module; got "
+                            f"{type(classifier).__name__}.")
+        if isinstance(classifier, nn.Module) and class_weights(classifier) is None:
+            raise TypeError(f"classifier must be an nn.Linear or a 1 × 1 nn.Conv2d (its weights give the classes' "
+                             f"channel weights); got {type(classifier).__name__}.")
+        self.classifier = classifier
+
+    def weights_for(self, channels: int, layer_name: str) -> Tensor:
+        """(classes, channels) weights of the classifier that reads the layer's ``channels`` features."""
+        if isinstance(self.classifier, nn.Module):
+            weights = class_weights(self.classifier)
+            assert weights is not None, "checked in __init__"
+            if weights.shape[1] != channels:
+                raise ValueError(f"the classifier takes {weights.shape[1]} features, but layer {layer_name!r} has "
+                                 f"{channels} channels: CAM needs the layer whose pooled output the classifier reads "
+                                 "(usually the last convolutional stage).")
+            return weights
+        heads = [module for module in self.model.modules()
+                 if isinstance(module, nn.Linear) and module.in_features == channels]
+        if not heads:
+            raise ValueError(f"no nn.Linear of the model takes {channels} features, the channels of layer "
+                             f"{layer_name!r}: CAM needs a model that pools that layer and applies a linear "
+                             "classifier. Give classifier= (a module name), or explain the layer the classifier "
+                             "reads, or use Grad-CAM, which needs no classifier.")
+        return heads[-1].weight.detach()
+
+    def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
+        if selected.class_indices is None:
+            raise ValueError("CAM weights the maps by a class's classifier weights, so its targets are classes (an "
+                             "int, one per image, K per image, or topk), not a callable; use Grad-CAM for other "
+                             "targets.")
+        maps = []
+        for index, (name, activation) in enumerate(zip(self.layer_names, activations)):
+            feature_maps = self.feature_maps(index, activation).float()
+            weights = self.weights_for(feature_maps.shape[1], name).float().to(feature_maps.device)
+            maps.append(self.weighted_maps(weights[selected.class_indices.to(weights.device)], feature_maps))
+        return maps
+
+
+def class_weights(classifier: nn.Module) -> Optional[Tensor]:
+    """(classes, features) weights of an nn.Linear or 1 × 1 nn.Conv2d, else None."""
+    if isinstance(classifier, nn.Linear):
+        return classifier.weight.detach()
+    if isinstance(classifier, nn.Conv2d) and tuple(classifier.kernel_size) == (1, 1) and classifier.groups == 1:
+        return classifier.weight.detach().flatten(1)
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -67,3 +67,45 @@ def check_finite_reference(values: Tensor, name: str) -> None:
         raise ValueError(f"{name} holds NaN or inf ({int(bad.sum())} of its {values.numel()} values, the first at "
                          f"index {first}: {values[first].item()}); a path from it is undefined. Give finite values "
                          "in the model's input space (after preprocessing).")
+
+
+NoiseDraws = Callable[[tuple[int, ...]], Tensor]
+"""A source of standard normal noise: ``draws(shape)`` returns a tensor of that shape, each value drawn
+from N(0, 1). The methods that add noise take one (``noise_draws=``) and call it once per sample, in
+order, so that a test can replay another library's draws; by default they draw from a generator
+seeded with their ``seed`` (see ``normal_draws``)."""
+
+
+def normal_draws(seed: Optional[int], device: torch.device) -> NoiseDraws:
+    """Standard normal draws from a generator on ``device`` seeded with ``seed`` (None: a fresh seed from
+    torch's global generator, see ``random_generator``)."""
+    generator = random_generator(seed, device)
+
+    def draws(shape: tuple[int, ...]) -> Tensor:
+        return torch.randn(shape, generator=generator, device=device)
+
+    return draws
+
+
+def drawn_noise(draws: NoiseDraws, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``draws(shape)`` checked: a tensor of exactly ``shape`` with finite values (else a ValueError that
+    says what came back), on ``device`` in ``dtype``."""
+    noise = draws(shape)
+    if not isinstance(noise, Tensor) or tuple(noise.shape) != tuple(shape):
+        got = tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__
+        raise ValueError(f"noise_draws must return a tensor of the shape it is asked for, {tuple(shape)}, of standard "
+                         f"normal draws; it returned {got}.")
+    if not bool(torch.isfinite(noise).all()):
+        raise ValueError("noise_draws returned NaN or inf values; it must return standard normal draws.")
+    return noise.to(device=device, dtype=dtype)
+
+
+def noise_options(samples: object, noise_std: object, seed: object, noise_draws: object
+                  ) -> tuple[int, float, Optional[int], Optional[NoiseDraws]]:
+    """The options of a method that adds Gaussian noise, checked: (samples ≥ 1, noise_std ≥ 0, seed,
+    noise_draws: None or a callable shape → N(0, 1) tensor)."""
+    if noise_draws is not None and not callable(noise_draws):
+        raise TypeError(f"noise_draws must be a callable shape → tensor of N(0, 1) draws; got "
+                        f"{type(noise_draws).__name__}.")
+    return (int_option("samples", samples, 1), number_option("noise_std", noise_std), seed_option(seed),
+            noise_draws)

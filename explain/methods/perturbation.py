@@ -7,7 +7,7 @@ copies per pass) and show a progress bar on long runs.
 from __future__ import annotations
 
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from ..edit import edit
 from ..targets import SelectedTargets
 from .base import register
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
-from .options import int_option
+from .options import NoiseDraws, drawn_noise, int_option, noise_options, normal_draws
 
 
 class PerturbationOptions(CAMOptions, total=False):
@@ -104,19 +104,110 @@ class ScoreCAM(PerturbationCAM):
             mask_index.extend(first.tolist())
         image_index_tensor = torch.tensor(image_index, device=batch.device)
         mask_index_tensor = torch.tensor(mask_index, device=batch.device)
+        scales = self.mask_scales()
         scores: list[Tensor] = []
-        for rows in self._chunks(len(image_index), "Score-CAM"):
+        for rows in self._chunks(len(image_index), self.summary.split(":")[0]):
             images, masks = image_index_tensor[rows], mask_index_tensor[rows]
-            upsampled = F.interpolate(activation[images, masks][:, None].float(), size=batch.shape[-2:],
-                                      mode="bilinear", align_corners=False)
-            low_up = upsampled.amin(dim=(2, 3), keepdim=True)
-            span_up = upsampled.amax(dim=(2, 3), keepdim=True) - low_up
-            mask = torch.where(span_up > 0, (upsampled - low_up) / torch.where(span_up > 0, span_up, 1.0), 0.0)
-            output = self.call_model(batch[images] * mask.to(batch.dtype), rows=images)
-            scores.append(selected.scores_for(output, images).float())
+            mask = input_masks(activation, images, masks, batch.shape[-2:])
+            scores.append(torch.stack([self.masked_scores(batch, images, scale * mask, selected)
+                                       for scale in scales]).mean(dim=0))
         distinct_scores = torch.cat(scores)  # (distinct masks, K)
         per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
         return per_channel.softmax(dim=1).transpose(1, 2).to(activation.dtype)
+
+    def mask_scales(self) -> list[float]:
+        """The factors each mask is scored at, the scores averaged: Score-CAM scores the mask itself."""
+        return [1.0]
+
+    def masked_scores(self, batch: Tensor, images: Tensor, masks: Tensor, selected: SelectedTargets) -> Tensor:
+        """(R, K) scores of the targets on the images ``images`` (R,) multiplied by ``masks`` (R, 1, H, W)."""
+        output = self.call_model(batch[images] * masks.to(batch.dtype), rows=images)
+        return selected.scores_for(output, images).float()
+
+
+def input_masks(activation: Tensor, images: Tensor, channels: Tensor, size: Sequence[int]) -> Tensor:
+    """(R, 1, H, W): channel ``channels[r]`` of image ``images[r]``'s feature maps (N, C, h, w), upsampled
+    bilinearly to the input's ``size`` and min-max normalised to [0, 1] (a constant channel gives zeros)."""
+    upsampled = F.interpolate(activation[images, channels][:, None].float(), size=tuple(size), mode="bilinear",
+                              align_corners=False)
+    low = upsampled.amin(dim=(2, 3), keepdim=True)
+    span = upsampled.amax(dim=(2, 3), keepdim=True) - low
+    return torch.where(span > 0, (upsampled - low) / torch.where(span > 0, span, 1.0), 0.0)
+
+
+@register
+class ISCAM(ScoreCAM):
+    """IS-CAM, Integrated Score-CAM (Naidu et al. 2020): Score-CAM whose channel scores are averaged over
+    ``steps`` masks of growing strength, the i-th the mask scaled by c_i = Σ_{j=1..i} j / steps: each step
+    adds (i / steps) · mask to the previous step's mask, as torchcam 0.5 integrates (so c_steps =
+    (steps + 1) / 2 and the later masks amplify the image). Weights: softmax over channels of the mean
+    score; map ReLU(Σ_k w_k A_k). Deterministic; costs ``steps`` forwards per distinct mask.
+
+    steps: the number of masks per channel (default 10, as torchcam).
+    """
+
+    name = "iscam"
+    summary = "IS-CAM: Score-CAM with scores averaged over masks of growing strength (gradient-free)"
+
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, steps: int = 10,
+                 **options: Unpack[PerturbationOptions]):
+        super().__init__(model, layer, **options)
+        self.steps = int_option("steps", steps, 1)
+
+    def mask_scales(self) -> list[float]:
+        return [sum(range(1, step + 1)) / self.steps for step in range(1, self.steps + 1)]
+
+
+@register
+class SSCAM(ScoreCAM):
+    """SS-CAM, Smoothed Score-CAM (Wang et al. 2020): Score-CAM whose channel scores are averaged over
+    ``samples`` noisy copies of each mask, M_k + ε with ε ~ N(0, noise_std²) drawn per pixel (noise on
+    the masks, as torchcam 0.5's SSCAM). Weights: softmax over channels of the mean score;
+    map ReLU(Σ_k w_k A_k). Costs samples × channels forwards per image.
+
+    samples: noisy copies of each mask (default 35, as torchcam and the paper); noise_std: the noise's
+        standard deviation, in units of the [0, 1] mask (default 2.0, as torchcam); seed: the noise's
+        generator seed (None: fresh draws); noise_draws: a callable ``shape → N(0, 1) tensor`` called once
+        per sample with shape (N, C, H, W), one draw per image, channel and pixel, instead of the generator
+        (to replay another library's draws).
+    """
+
+    name = "sscam"
+    summary = "SS-CAM: Score-CAM with scores averaged over noisy copies of each mask (gradient-free)"
+
+    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, samples: int = 35, noise_std: float = 2.0,
+                 seed: Optional[int] = 0, noise_draws: Optional[NoiseDraws] = None,
+                 **options: Unpack[PerturbationOptions]):
+        super().__init__(model, layer, **options)
+        self.samples, self.noise_std, self.seed, self.noise_draws = noise_options(samples, noise_std, seed, noise_draws)
+
+    def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
+        count, channels = activation.shape[:2]
+        size = tuple(batch.shape[-2:])
+        draws = self.noise_draws or normal_draws(self.seed, batch.device)
+        pairs = torch.cartesian_prod(torch.arange(count), torch.arange(channels)).to(batch.device)  # (N·C, 2)
+        total = torch.zeros(len(pairs), selected.scores.shape[1], device=batch.device)
+        noise = None
+        for rows in self._sample_chunks(len(pairs)):
+            if rows.start == 0:  # one draw per sample, for every image, channel and pixel
+                noise = drawn_noise(draws, (count, channels, *size), batch.device, torch.float32)
+            assert noise is not None, "each sample starts at row 0"
+            images, masks = pairs[rows, 0], pairs[rows, 1]
+            noisy = input_masks(activation, images, masks, size) + self.noise_std * noise[images, masks][:, None]
+            total[rows] += self.masked_scores(batch, images, noisy, selected)
+        mean = (total / self.samples).reshape(count, channels, -1)  # (N, C, K)
+        return mean.softmax(dim=1).transpose(1, 2).to(activation.dtype)
+
+    def _sample_chunks(self, rows: int) -> Iterator[slice]:
+        """Slices of ``rows``, ``batch_size`` rows a pass, from row 0 again for every sample, under one
+        progress bar."""
+        passes = self.samples * -(-rows // self.batch_size)
+        with self.progress_bar(passes, passes, "pass") as bar:
+            bar.set_description("SS-CAM")
+            for _ in range(self.samples):
+                for start in range(0, rows, self.batch_size):
+                    yield slice(start, min(start + self.batch_size, rows))
+                    bar.update()
 
 
 @register

@@ -64,6 +64,7 @@ from .faithfulness_breadth import (
     sensitivity_n,
     sufficiency,
 )
+from .gradcam_scores import ARCC, MaskedScoreChange, arcc, masked_score_change, road_combined
 from .localization import (
     Mosaics,
     auc,
@@ -98,6 +99,11 @@ from .robustness import (
 from .sanity import RandomizationStage, cascading_randomization, spearman, ssim
 
 __all__ = [
+    "ARCC",
+    "MaskedScoreChange",
+    "arcc",
+    "masked_score_change",
+    "road_combined",
     "EfficientMPRT",
     "efficient_mprt",
     "smooth_mprt",

@@ -92,6 +92,16 @@ Record = Callable[[str, Callable[[], Any], Optional[Callable[[], Any]], Callable
 """record(name, ours, theirs, agreement): time one call of each side and keep a row."""
 
 
+def print_table(rows: list[tuple[str, float, Optional[float], str]], agreement: str, digits: int) -> None:
+    """The markdown table of (metric, our seconds, Quantus's seconds or None, agreement) rows."""
+    print(f"| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement ({agreement}) |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, our_seconds, their_seconds, agreed in rows:
+        their_text = f"{their_seconds:.{digits}f}" if their_seconds is not None else "n/a"
+        ratio = f"{their_seconds / our_seconds:.1f}×" if their_seconds is not None else "n/a"
+        print(f"| {name} | {our_seconds:.{digits}f} | {their_text} | {ratio} | {agreed} |")
+
+
 def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, heat: torch.Tensor,
                       record: Record) -> None:
     """The faithfulness metrics of issue 29's second part on the same work: the same maps, draws, baselines
@@ -328,12 +338,7 @@ def main() -> None:
 
     print(f"\nresnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
           f"{args.repeats} interleaved calls (random logit 3, non-sensitivity 1) on a shared, busy machine.\n")
-    print("| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement (max abs difference) |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for name, our_seconds, their_seconds, agreed in rows:
-        their_text = f"{their_seconds:.4f}" if their_seconds is not None else "n/a"
-        ratio = f"{their_seconds / our_seconds:.1f}×" if their_seconds is not None else "n/a"
-        print(f"| {name} | {our_seconds:.4f} | {their_text} | {ratio} | {agreed} |")
+    print_table(rows, "max abs difference", digits=4)
     print("\nThe faithfulness rows (from faithfulness_correlation on) are the faster of two interleaved calls each "
           "side: both sides run the same forward passes, N rows per pass, which take most of the time; ours give "
           "the model channels-last batches (explain.memory_format).")

@@ -32,7 +32,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
-from metrics_speed import explain_func, quantus_metric, side_by_side  # noqa: E402
+from metrics_speed import explain_func, print_table, quantus_metric, side_by_side  # noqa: E402
 
 import explain  # noqa: E402
 from explain.data import make_dataset  # noqa: E402
@@ -166,12 +166,7 @@ def main() -> None:
 
     print(f"\nresnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
           f"{args.repeats} interleaved call(s) after one each, on a shared machine.\n")
-    print("| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement (max relative difference) |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for name, our_seconds, their_seconds, agreed in rows:
-        their_text = f"{their_seconds:.3f}" if their_seconds is not None else "n/a"
-        ratio = f"{their_seconds / our_seconds:.1f}×" if their_seconds is not None else "n/a"
-        print(f"| {name} | {our_seconds:.3f} | {their_text} | {ratio} | {agreed} |")
+    print_table(rows, "max relative difference", digits=3)
 
 
 if __name__ == "__main__":

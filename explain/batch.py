@@ -791,7 +791,7 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
                 for result, position, label in zip(results, readable, group_labels):
                     rows = _write_result(out, result, batch.ids[position], batch.names[position], label, class_names,
                                          overlays, line_ending)
-                    _append(index_file, rows)
+                    append_rows(index_file, rows)
                     summary.explained += 1
                     summary.labelled += label is not None
                     summary.misclassified += label is not None and result.predicted not in (None, label)
@@ -990,7 +990,7 @@ def panel_captions(roles: Sequence[str], targets: Sequence[Optional[int]], score
 def _write_result(out: Path, result: _ImageResult, item: str, name: str, label: Optional[int],
                   class_names: Optional[Sequence[str]], overlays: bool, line_ending: str) -> bytes:
     """Write the image's map (and overlay) files, renamed into place; return its K index rows
-    (for ``_append``, which adds them in one write)."""
+    (for ``append_rows``, which adds them in one write)."""
     map_file = Path("maps") / f"{item}.npy"
     maps = result.maps
     write_atomically(out / map_file, lambda temporary: _save_array(temporary, maps.numpy().astype(np.float16)))
@@ -1027,7 +1027,7 @@ def _write_result(out: Path, result: _ImageResult, item: str, name: str, label: 
     return buffer.getvalue().encode("utf-8")
 
 
-def _append(index_file: BinaryIO, rows: bytes) -> None:
+def append_rows(index_file: BinaryIO, rows: bytes) -> None:
     """Add an image's rows to the index and sync; a write that fails (a full disk) or is
     interrupted is undone, so that the index still ends with a complete image."""
     descriptor = index_file.fileno()

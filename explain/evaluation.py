@@ -31,8 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import metrics
-from .batch import _append as append_rows
-from .batch import write_atomically
+from .batch import append_rows, write_atomically
 from .explanation import Explanation
 from .methods.base import Explainer, get_method, progress_shown_by_caller
 

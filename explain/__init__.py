@@ -83,10 +83,12 @@ from .render import colorize, overlay
 from .spray import Strategies, strategies
 from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
 from .units import Channel, Neuron
+from .vlm import GenerationExplainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GenerationExplainer",
     "BlurIG",
     "Felzenszwalb",
     "GuidedIG",

@@ -13,6 +13,9 @@
     explain demo --debugging                       # all three on a model with a watermark shortcut
     explain evaluate --model M --methods A B ... --out OUT [--metrics ...] [--data demo|DIR]
                                                    # a method × metric table over a data set, resumable
+    explain vlm IMAGE --model hf:DIR --prompt TEXT [--answer TEXT] [--method input_x_gradient|attention|attnlrp]
+                [--max-new-tokens N] [--out DIR]  # a vision-language model's answer: a map per answer token,
+                                                   # OUT/tokens.png and OUT/tokens.html (hover a token)
 
 MODEL: demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME, hf:ID_OR_DIRECTORY, or a file
 holding a whole model (with --allow-pickle); see ``explain.models``. A torchvision or timm
@@ -478,6 +481,74 @@ def run_evaluate(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_vlm(argv: Sequence[str]) -> int:
+    """``explain vlm IMAGE --model hf:DIR --prompt TEXT``: a vision-language model answers the prompt about the image
+    (greedy decoding, or the answer given with --answer) and each answer token gets a map over the image; writes
+    OUT/tokens.png (every token's map) and OUT/tokens.html (the answer as text: hover a token to see its map)."""
+    from .inputs import load_image
+    from .vlm.generation import METHODS, GenerationExplainer
+    from .vlm.hf import DTYPES, load_vision_language_model
+    from .vlm.view import write_token_files
+
+    parser = Parser(prog="explain vlm", description=run_vlm.__doc__,
+                    epilog="Open OUT/tokens.html in a browser: it is one file and needs no server and no network.")
+    parser.add_argument("image", metavar="IMAGE", help="an image file")
+    parser.add_argument("--model", required=True, metavar="hf:DIR",
+                        help="hf:DIRECTORY (what model.save_pretrained(DIR) and processor.save_pretrained(DIR) wrote), "
+                        "hf:HUB_ID (fetched into the HuggingFace cache: needs the network the first time), or "
+                        "demo-vlm (the shipped tiny LLaVA that names the colour or shape in explain.data.demo_vlm's "
+                        "scenes)")
+    parser.add_argument("--prompt", required=True, metavar="TEXT",
+                        help="the question about the image (in the model's chat template when its processor has one)")
+    parser.add_argument("--answer", metavar="TEXT", help="explain this answer instead of generating one")
+    parser.add_argument("--method", default="input_x_gradient", choices=METHODS,
+                        help="input_x_gradient (default; signed), attention (gradient-weighted attention) or attnlrp "
+                        "(signed)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
+                        help="the longest answer generated, in tokens (default 32)")
+    parser.add_argument("--out", default="explain-vlm", metavar="DIR", help="output folder (default: explain-vlm)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="load the model in this dtype (default: as saved)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="read weights that are only pickled (pytorch_model.bin): unpickling can run code from "
+                        "the file, trust it")
+    parser.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
+    parser.add_argument("--cmap", default="jet", help="matplotlib colour map of unsigned maps (signed maps: RdBu_r)")
+    parser.add_argument("--columns", type=positive_int, default=8, metavar="N",
+                        help="panels per row of tokens.png (default 8)")
+    arguments = parser.parse_args(argv)
+    check_colormap(arguments.cmap)
+    if not 0.0 <= arguments.alpha <= 1.0:
+        raise ValueError(f"--alpha must lie in [0, 1]; got {arguments.alpha}.")
+    device = parse_device(arguments.device)
+    out = check_output_folder(arguments.out)
+    image = load_image(arguments.image)
+    if arguments.model == "demo-vlm":
+        from .data.demo_vlm import load_vlm_demo
+
+        model, processor = load_vlm_demo()
+        model = model.to(device)
+    else:
+        model, processor = load_vision_language_model(arguments.model, device=device, dtype=arguments.dtype,
+                                                      allow_pickle=arguments.allow_pickle)
+    explainer = GenerationExplainer(model, processor, method=arguments.method)
+    explanation = explainer.explain(image, arguments.prompt, answer=arguments.answer,
+                                    max_new_tokens=arguments.max_new_tokens)
+    identifier = arguments.model.removeprefix("hf:")
+    name = Path(identifier).expanduser().resolve().name if Path(identifier).expanduser().is_dir() else identifier
+    picture, page = write_token_files(explanation, out, title=f"{name}: {arguments.method}", alpha=arguments.alpha,
+                                      cmap=arguments.cmap, columns=arguments.columns)
+    token_ids = explanation.diagnostics["token_ids"]
+    assert isinstance(token_ids, torch.Tensor), "GenerationExplainer records the answer's token ids"
+    answer = processor.tokenizer.decode(token_ids[0].tolist(), skip_special_tokens=True)
+    print(f"answer: {answer}")
+    print(f"{explanation.map_grid.shape[1]} answer token(s) explained ({arguments.method})")
+    print(f"figure: {picture}")
+    print(f"page: {page} (open {page.resolve().as_uri()})")
+    return 0
+
+
 def _evaluation_data(arguments: argparse.Namespace, loaded: LoadedModel) -> Any:
     """--data as evaluate's data: the demo's held-out images with masks, or a class-folder's images in batches."""
     if arguments.data == "demo":
@@ -672,7 +743,8 @@ def _image_parser() -> argparse.ArgumentParser:
         prog="explain",
         description="Explain images with a vision model and write heatmap overlays.",
         epilog="Other commands: `explain demo` (no network needed), `explain methods [--verbose] [NAME]` (a "
-        "method's options), `explain layers MODEL`, `explain batch DIR`.",
+        "method's options), `explain layers MODEL`, `explain batch DIR`, `explain vlm IMAGE` (a vision-language "
+        "model's answer).",
     )
     parser.add_argument("images", nargs="+", help="image files")
     _add_model_options(parser)
@@ -712,6 +784,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_strategies(argv[1:])
         if argv and argv[0] == "evaluate":
             return run_evaluate(argv[1:])
+        if argv and argv[0] == "vlm":
+            return run_vlm(argv[1:])
         if argv and argv[0] == "methods":
             parser = Parser(prog="explain methods", description="List the methods, or describe one.")
             parser.add_argument("name", nargs="?", help="a method: its options, defaults and meaning")

@@ -1,0 +1,412 @@
+"""Which image regions each generated token of a vision-language model came from.
+
+``GenerationExplainer(model, processor).explain(image, prompt)`` generates the answer greedily (or takes a given
+answer), runs the model once over prompt and answer, and gives one map per answer token (or span of tokens) over
+the image. The relevance is computed at the image tokens where they enter the language model (the embeddings the
+vision encoder and projector produced) and laid on the image by the model family's layout (``explain.vlm.layout``).
+
+Methods:
+
+- ``"input_x_gradient"``: Σ_d e_{i,d} · ∂ log p(y_t | y_<t, image, prompt) / ∂e_{i,d} for each image token i
+  (signed);
+- ``"attention"``: gradient-weighted attention through the language model, mean over layers and heads of
+  ReLU(A ⊙ ∂ log p(y_t) / ∂A) in the row of the position that predicts y_t, at the image tokens' columns
+  (non-negative; the weighting of Chefer et al. 2021, "Generic attention-model explainability");
+- ``"attnlrp"``: AttnLRP (Achtibat et al. 2024) through the language model: e_i · (modified gradient) of the token's
+  logit, summed over the embedding (signed).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor, nn
+
+from ..attention import capture_attention
+from ..explanation import Explanation
+from ..inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
+from ..methods.base import check_finite_maps, normalize_maps
+from ..scope import CallScope
+from .layout import ImageLayout, layout_for, paint
+
+METHODS = ("input_x_gradient", "attention", "attnlrp")
+DISPLAY_LONGEST_SIDE = 768
+"""Maps and the display image are the original image scaled down so its longer side is at most this."""
+
+ImageSource = Union[str, "Image.Image", np.ndarray, Tensor]
+Span = Union[str, tuple[int, int]]
+"""A target made of several answer tokens: ``(start, end)`` token positions (end excluded), or a piece of the
+answer's text (its first occurrence; the tokens that overlap it)."""
+
+
+@dataclass
+class PreparedPrompt:
+    """The processor's output for one image and one prompt, on the model's device, and the image itself."""
+
+    inputs: dict[str, Any]
+    image: Image.Image
+    prompt_length: int
+
+
+def as_pil_image(image: ImageSource) -> Image.Image:
+    """A path, PIL image, (H, W, 3) ndarray or (3, H, W) tensor → an RGB PIL image (the processor's input)."""
+    if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):
+        return load_image(image)
+    if isinstance(image, Image.Image):
+        return _checked_rgb(image, source="the PIL image")
+    if isinstance(image, Tensor) and image.is_floating_point():
+        if image.dim() == 4 and image.shape[0] == 1:
+            image = image[0]
+        if image.dim() != 3 or image.shape[0] != 3:
+            raise ValueError(f"a float image tensor must be one (3, H, W) RGB image in [0, 1]; got shape "
+                             f"{tuple(image.shape)}. A vision-language model takes one image per call here.")
+        low, high = float(image.min()), float(image.max())
+        if low < 0.0 or high > 1.0:
+            raise ValueError(f"a float image tensor must lie in [0, 1] (the processor normalises it); this one "
+                             f"spans [{low:.3g}, {high:.3g}]. Pass the image before normalisation.")
+        pixels = image.detach().float().cpu()
+    else:
+        pixels = image_to_tensor(image)
+    array = (pixels.permute(1, 2, 0).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
+    return Image.fromarray(array, mode="RGB")
+
+
+def image_token_id(model: nn.Module) -> int:
+    """The id of the image placeholder token in ``input_ids``, from the model's config."""
+    config = model.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{type(model).__name__}'s config names no image token (image_token_id / image_token_index): "
+                     "is it a vision-language model?")
+
+
+class GenerationExplainer:
+    """Maps over the image for each token a vision-language model generates.
+
+    model: a HuggingFace vision-language model (LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, PaliGemma, Idefics3 /
+        SmolVLM), any device and dtype; it is left as found.
+    processor: the model's own processor (``AutoProcessor.from_pretrained``): it prepares image and text.
+    method: "input_x_gradient" (default), "attention" or "attnlrp" (see the module's docstring).
+    normalize: how each map is scaled for display: "max" (by the largest |value|: [0, 1], or [-1, 1] for the
+        signed methods), "minmax" or None (``raw_maps`` are never scaled).
+    """
+
+    def __init__(self, model: nn.Module, processor: Any, method: str = "input_x_gradient", *,
+                 normalize: Optional[str] = "max"):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}.")
+        if not hasattr(model, "get_decoder") or not hasattr(model, "generate"):
+            raise TypeError(f"{type(model).__name__} is not a HuggingFace generation model (no get_decoder / "
+                            "generate): GenerationExplainer takes a vision-language model such as "
+                            "LlavaForConditionalGeneration.")
+        if not callable(processor) or getattr(processor, "tokenizer", None) is None:
+            raise TypeError("processor must be the model's own processor (AutoProcessor.from_pretrained(...)), with "
+                            "an image processor and a tokenizer.")
+        self.model = model
+        self.processor = processor
+        self.method = method
+        self.normalize = normalize
+        self.layout_function = layout_for(model)
+        self.image_token = image_token_id(model)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    # ------------------------------------------------------------------ prompt and generation
+
+    def prompt_text(self, prompt: str) -> str:
+        """The text given to the processor: the prompt in the chat template (with one image) when the processor
+        has one and the prompt has no image token of its own; else the prompt as given."""
+        image_text = getattr(self.processor, "image_token", None) or getattr(self.tokenizer, "image_token", None)
+        has_template = bool(getattr(self.processor, "chat_template", None)
+                            or getattr(self.tokenizer, "chat_template", None))
+        if has_template and not (image_text and image_text in prompt):
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+            return str(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+        return prompt
+
+    def prepare(self, image: ImageSource, prompt: str) -> PreparedPrompt:
+        """Image and prompt through the model's processor, onto the model's device (floats in its dtype)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str; got {type(prompt).__name__}.")
+        picture = as_pil_image(image)
+        try:
+            processed = self.processor(images=[picture], text=[self.prompt_text(prompt)], return_tensors="pt")
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"the processor refused the image and prompt: {error}") from error
+        parameter = next(self.model.parameters())
+        inputs: dict[str, Any] = {}
+        for name, value in dict(processed).items():
+            if isinstance(value, Tensor):
+                value = value.to(parameter.device)
+                if value.is_floating_point():
+                    value = value.to(parameter.dtype)
+            inputs[name] = value
+        input_ids = inputs["input_ids"]
+        if int((input_ids == self.image_token).sum()) == 0:
+            raise ValueError("no image token reached the model: write the processor's image token in the prompt "
+                             f"({getattr(self.processor, 'image_token', '<image>')!r}) or use a processor with a chat "
+                             "template.")
+        return PreparedPrompt(inputs, picture, input_ids.shape[1])
+
+    def generate(self, prepared: PreparedPrompt, max_new_tokens: int) -> Tensor:
+        """Greedy generation: (T,) the new token ids, as ``model.generate(do_sample=False)`` gives them."""
+        model: Any = self.model  # a HuggingFace generation model
+        config = copy.deepcopy(model.generation_config)
+        for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):  # greedy: no sampling settings
+            if hasattr(config, name):
+                setattr(config, name, None)
+        config.do_sample, config.num_beams, config.max_new_tokens = False, 1, max_new_tokens
+        with torch.no_grad():
+            output = model.generate(**prepared.inputs, generation_config=config)
+        return output[0, prepared.prompt_length:]
+
+    def answer_ids(self, answer: str) -> Tensor:
+        ids = self.tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        if ids.numel() == 0:
+            raise ValueError("the given answer has no tokens: pass a non-empty answer text.")
+        return ids
+
+    def token_texts(self, ids: Tensor) -> list[str]:
+        """Each token's own piece of the decoded text (a SentencePiece space stays with its token)."""
+        texts, before = [], ""
+        for end in range(1, ids.numel() + 1):
+            decoded = self.tokenizer.decode(ids[:end].tolist())
+            texts.append(decoded[len(before):] if decoded.startswith(before) else
+                         self.tokenizer.decode(ids[end - 1:end].tolist()))
+            before = decoded
+        return texts
+
+    # ------------------------------------------------------------------ explain
+
+    def explain(self, image: ImageSource, prompt: str, *, answer: Optional[str] = None, max_new_tokens: int = 32,
+                spans: Optional[Sequence[Span]] = None, skip_special_tokens: bool = True) -> Explanation:
+        """Generate (or take) an answer and explain each of its tokens.
+
+        image: a path, PIL image, (H, W, 3) ndarray or (3, H, W) tensor: one image.
+        prompt: the question; put in the processor's chat template when it has one.
+        answer: a given answer text to explain instead of generating one (greedy, ``max_new_tokens``).
+        spans: targets made of several tokens (``(start, end)`` or a piece of the answer's text; see ``Span``);
+            default: each token. ``spans=[answer_text]`` explains the whole answer as one target.
+        skip_special_tokens: leave generated special tokens (end of sequence) out of the targets.
+        Returns an Explanation of 1 image and K targets: maps (1, K, H, W) over the image (the longer side at most
+        768 px), ``class_names`` the targets' texts, ``scores`` their log-probabilities (the summed log-probability
+        of a span; the logit for "attnlrp"), ``diagnostics``: "token_ids" (1, T) the answer, "generated" whether
+        it was generated, "prompt" / "answer" texts, "unplaced_relevance" (1, K) relevance on image tokens with no
+        place on the image, "image_relevance" (1, K) the relevance summed over all image tokens,
+        "image_token_relevance" (1, K, I) each of the I image tokens' relevance, in sequence order.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}.")
+        scope = CallScope(self.model, eval_mode=True)
+        with scope:
+            if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
+                scope.enter(torch.inference_mode(False))
+            prepared = self.prepare(image, prompt)
+            generated = answer is None
+            ids = (self.generate(prepared, max_new_tokens) if generated else self.answer_ids(str(answer)))
+            ids = ids.to(prepared.inputs["input_ids"].device)
+            explained = self._explained_positions(ids, skip_special_tokens and generated)
+            if not explained:
+                raise ValueError("the answer has no token to explain (the model generated only special tokens): "
+                                 "give an answer text, or raise max_new_tokens.")
+            texts = self.token_texts(ids)
+            targets = self._targets(explained, texts, spans)
+            layout = self.layout_function(self.model, self.processor, prepared.inputs,
+                                          (prepared.image.height, prepared.image.width))
+            relevance, scores, replayed = self._relevance(prepared, ids, targets)
+            if generated and not torch.equal(replayed, ids):
+                first = int(torch.nonzero(replayed != ids)[0, 0])
+                warnings.warn(f"the forward pass over prompt and answer would pick a different token at answer "
+                              f"position {first} than generation did ({int(replayed[first])} instead of "
+                              f"{int(ids[first])}): two tokens scored within float rounding, or the model computes "
+                              "differently with and without its cache. The maps explain the generated tokens.",
+                              RuntimeWarning, stacklevel=2)
+        return self._explanation(prepared, layout, relevance, scores, ids, texts, targets, generated, prompt)
+
+    # ------------------------------------------------------------------ pieces of explain
+
+    def _explained_positions(self, ids: Tensor, skip_special: bool) -> list[int]:
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        return [k for k, token in enumerate(ids.tolist()) if not (skip_special and token in special)]
+
+    def _targets(self, explained: list[int], texts: list[str], spans: Optional[Sequence[Span]]
+                 ) -> list[tuple[str, list[int]]]:
+        """(name, answer positions) per target."""
+        if spans is None:
+            return [(texts[k], [k]) for k in explained]
+        targets = []
+        answer = "".join(texts)
+        starts = np.cumsum([0] + [len(text) for text in texts])
+        for span in spans:
+            if isinstance(span, str):
+                where = answer.find(span)
+                if not span or where < 0:
+                    raise ValueError(f"the span {span!r} is not in the answer {answer!r}.")
+                positions = [k for k in range(len(texts))
+                             if starts[k] < where + len(span) and starts[k + 1] > where]
+                targets.append((span, positions))
+            else:
+                start, end = (int(value) for value in span)
+                if not 0 <= start < end <= len(texts):
+                    raise ValueError(f"the span {span} is not a range of the answer's {len(texts)} tokens "
+                                     "(start, end) with 0 <= start < end.")
+                targets.append(("".join(texts[start:end]), list(range(start, end))))
+        return targets
+
+    def _media_tokens(self) -> list[int]:
+        """Ids that the model's forward takes as places of image or video features."""
+        config = self.model.config
+        names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+        return sorted({value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)})
+
+    def _answer_placeholders(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The answer as the forward pass over prompt and answer takes it: generated image or video placeholder
+        ids (a random or confused model may generate one) replaced by the pad id, since the forward would look
+        for features there; generation embedded them as text, which the embeddings hook puts back. Returns the
+        answer ids to run and (P,) the answer positions replaced."""
+        replaced = torch.isin(ids, torch.tensor(self._media_tokens(), device=ids.device))
+        pad = self.tokenizer.pad_token_id
+        substitute = int(pad) if pad is not None and pad not in self._media_tokens() else 0
+        return torch.where(replaced, torch.full_like(ids, substitute), ids), torch.nonzero(replaced).squeeze(1)
+
+    def _teacher_forced_inputs(self, prepared: PreparedPrompt, ids: Tensor) -> dict[str, Any]:
+        """The processor's inputs with the answer appended (one row per token tensors extended)."""
+        inputs = dict(prepared.inputs)
+        length = prepared.prompt_length
+        for name, value in prepared.inputs.items():
+            if not isinstance(value, Tensor) or value.dim() != 2 or value.shape[1] != length:
+                continue
+            if name == "input_ids":
+                extension = self._answer_placeholders(ids)[0][None]
+            elif name == "attention_mask":
+                extension = torch.ones(1, ids.numel(), dtype=value.dtype, device=value.device)
+            elif name == "token_type_ids" and getattr(self.model.config, "model_type", "") == "paligemma":
+                extension = torch.ones(1, ids.numel(), dtype=value.dtype, device=value.device)  # the suffix
+            else:
+                extension = torch.zeros(1, ids.numel(), dtype=value.dtype, device=value.device)
+            inputs[name] = torch.cat([value, extension], dim=1)
+        return inputs
+
+    def _relevance(self, prepared: PreparedPrompt, ids: Tensor, targets: list[tuple[str, list[int]]]
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """(K, image tokens) relevance, (K,) scores, and (T,) the greedy choice at each answer position."""
+        inputs = self._teacher_forced_inputs(prepared, ids)
+        image_positions = torch.nonzero(inputs["input_ids"][0] == self.image_token).squeeze(1)
+        predicting = prepared.prompt_length - 1 + torch.arange(ids.numel(), device=ids.device)  # row → token k
+        placeholders = prepared.prompt_length + self._answer_placeholders(ids)[1]
+        placeholder_ids = ids[placeholders - prepared.prompt_length]
+        model: Any = self.model  # a HuggingFace generation model
+        decoder = model.get_decoder()
+        captured: dict[str, Tensor] = {}
+        scope = CallScope(self.model)
+        with scope:
+
+            def leaf_embeddings(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                embeddings = kwargs.get("inputs_embeds")
+                if embeddings is None:
+                    raise RuntimeError(f"{type(module).__name__} was called without inputs_embeds: explain cannot "
+                                       "find the image tokens' embeddings of this model.")
+                torch.set_grad_enabled(True)  # the vision encoder ran without a graph; the language model with
+                embeddings = embeddings.detach()
+                if placeholders.numel():  # generated placeholder ids: embedded as text, as generation did
+                    embeddings = embeddings.clone()
+                    text_embeddings = model.get_input_embeddings()(placeholder_ids)
+                    embeddings[0, placeholders] = text_embeddings.to(embeddings.dtype)
+                leaf = embeddings.requires_grad_(True)
+                captured["embeddings"] = leaf
+                if rules is not None:
+                    rules.follow(leaf)
+                return args, {**kwargs, "inputs_embeds": leaf}
+
+            rules = None
+            attention = None
+            if self.method == "attnlrp":
+                from ..methods._attnlrp_rules import AttnLrpRules, AttnLrpScope
+
+                rules = AttnLrpRules(self.model)
+                scope.enter(AttnLrpScope(self.model, rules))
+            elif self.method == "attention":
+                decoder_name = next(name for name, module in self.model.named_modules() if module is decoder)
+                attention = scope.enter(capture_attention(self.model, decoder_name, detach=False))
+            scope.forward_pre_hook(decoder, leaf_embeddings, with_kwargs=True)
+            torch.set_grad_enabled(False)
+            logits = self.model(**inputs, use_cache=False).logits[0, predicting]  # (T, vocab)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 models: in float32
+            embeddings = captured["embeddings"]
+            replayed = logits.argmax(dim=-1).detach()
+            if self.method == "attnlrp":
+                token_scores = logits.gather(1, ids[:, None])[:, 0]
+            else:
+                token_scores = F.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
+            relevances, scores = [], []
+            for index, (_, positions) in enumerate(targets):
+                score = token_scores[positions].sum()
+                last = index == len(targets) - 1
+                if self.method == "attention":
+                    assert attention is not None
+                    probabilities = attention.probabilities
+                    grads = torch.autograd.grad(score, probabilities, retain_graph=not last, allow_unused=True)
+                    rows = predicting[positions]
+                    weighted = [(p[0][:, rows][:, :, image_positions] * g[0][:, rows][:, :, image_positions]).clamp(
+                        min=0).mean(dim=0).sum(dim=0) for p, g in zip(probabilities, grads) if g is not None]
+                    relevances.append(torch.stack(weighted).mean(dim=0) if weighted
+                                      else score.new_zeros(image_positions.numel()))
+                else:
+                    (gradient,) = torch.autograd.grad(score, embeddings, retain_graph=not last)
+                    relevances.append((embeddings[0, image_positions] * gradient[0, image_positions]).sum(dim=-1))
+                scores.append(score.detach())
+        relevance = torch.stack(relevances).detach()
+        return relevance.to(torch.promote_types(relevance.dtype, torch.float32)), torch.stack(scores), replayed
+
+    def _explanation(self, prepared: PreparedPrompt, layout: ImageLayout, relevance: Tensor, scores: Tensor,
+                     ids: Tensor, texts: list[str], targets: list[tuple[str, list[int]]], generated: bool,
+                     prompt: str) -> Explanation:
+        height, width = prepared.image.height, prepared.image.width
+        scale = min(1.0, DISPLAY_LONGEST_SIDE / max(height, width))
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        placed = layout.placed().to(relevance.device)
+        if relevance.shape[1] != layout.token_count:
+            raise RuntimeError(f"the layout places {layout.token_count} image tokens but the sequence has "
+                               f"{relevance.shape[1]}: explain's layout of {type(self.model).__name__} does not "
+                               "match this model; please report it.")
+        raw = paint(relevance, layout, size)[None]  # (1, K, H, W)
+        method = f"generation:{self.method}"
+        check_finite_maps(raw, method)
+        display = prepared.image
+        if scale < 1.0:
+            display = display.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+        images = torch.from_numpy(np.asarray(display, dtype=np.float32) / 255.0)[None]
+        count = len(targets)
+        probabilities = scores.exp() if self.method != "attnlrp" else None
+        return Explanation(
+            map_grid=normalize_maps(raw, self.normalize),
+            raw_map_grid=raw,
+            scores=scores.float()[None],
+            class_indices=torch.arange(count, device=raw.device)[None],
+            display=DisplayImages(images),
+            method=method,
+            layer=None,
+            keep_target_dim=True,
+            probabilities=None if probabilities is None else probabilities.float()[None],
+            diagnostics={
+                "token_ids": ids[None].detach(),
+                "generated": torch.tensor([generated]),
+                "prompt": [prompt],
+                "answer": [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)],
+                "unplaced_relevance": relevance[:, ~placed].sum(dim=1)[None],
+                "image_relevance": relevance.sum(dim=1)[None],
+                "image_token_relevance": relevance[None],
+            },
+            class_names=[name for name, _ in targets],
+        )

@@ -1,0 +1,115 @@
+"""Where each image token of a vision-language model lies on the image.
+
+A model's processor resizes, crops, pads or tiles the image into views; the vision encoder cuts each view into
+patches (merged 2×2 by Qwen2-VL, pixel-shuffled by Idefics3) and the language model receives one token per
+patch group, in the model's own order. ``ImageLayout`` states that order as grids of tokens, each grid covering a
+box of the original image; ``paint`` turns one relevance value per image token into a map over the image.
+
+Each model family has a function ``layout(model, processor, inputs, image_size) -> ImageLayout`` registered in
+``LAYOUTS`` under its ``config.model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+Box = tuple[float, float, float, float]
+"""(left, top, right, bottom) in the original image's pixels; may reach beyond the image where the processor
+padded it."""
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """Image tokens that tile one box of the image, row by row.
+
+    tokens: (rows, cols) long, each cell's index among the image's tokens in sequence order (0 for the first
+        image token of the sequence), −1 for a cell no token covers.
+    box: the region of the original image the grid covers.
+    """
+
+    tokens: Tensor
+    box: Box
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """The image tokens of one image: ``token_count`` tokens in the sequence, placed by ``grids``. Tokens in no grid
+    (LLaVA-NeXT's row ends, a class token) carry no place on the image; their relevance is reported apart."""
+
+    size: tuple[int, int]
+    grids: list[TokenGrid]
+    token_count: int
+
+    def placed(self) -> Tensor:
+        """(token_count,) bool: which tokens some grid places on the image."""
+        placed = torch.zeros(self.token_count, dtype=torch.bool)
+        for grid in self.grids:
+            cells = grid.tokens[grid.tokens >= 0]
+            placed[cells] = True
+        return placed
+
+
+LayoutFunction = Callable[[nn.Module, Any, Mapping[str, Any], tuple[int, int]], ImageLayout]
+LAYOUTS: dict[str, LayoutFunction] = {}
+"""``config.model_type`` → its layout function."""
+
+
+def register_layout(*model_types: str) -> Callable[[LayoutFunction], LayoutFunction]:
+    """Register a layout function for these ``config.model_type`` values."""
+
+    def register(function: LayoutFunction) -> LayoutFunction:
+        for model_type in model_types:
+            LAYOUTS[model_type] = function
+        return function
+
+    return register
+
+
+def paint(relevance: Tensor, layout: ImageLayout, size: tuple[int, int]) -> Tensor:
+    """Relevance per image token → relevance density over the image.
+
+    relevance: (K, token_count) one value per image token for each of K targets.
+    size: (height, width) of the map, the original image scaled (the boxes are scaled with it).
+    Returns (K, height, width): each token's relevance spread evenly over its cell (divided by the cell's area in
+    the map's pixels, so a map's sum over the image is the sum of the placed tokens' relevance that falls on the
+    image), summed over grids where views overlap (a tile and the whole image)."""
+    count = relevance.shape[0]
+    height, width = size
+    scale_y, scale_x = height / layout.size[0], width / layout.size[1]
+    canvas = relevance.new_zeros(count, height, width)
+    ys = torch.arange(height, device=relevance.device, dtype=torch.float64) + 0.5  # pixel centres, map pixels
+    xs = torch.arange(width, device=relevance.device, dtype=torch.float64) + 0.5
+    for grid in layout.grids:
+        rows, cols = grid.tokens.shape
+        left, top, right, bottom = grid.box
+        left, right = left * scale_x, right * scale_x
+        top, bottom = top * scale_y, bottom * scale_y
+        cell_h, cell_w = (bottom - top) / rows, (right - left) / cols
+        row_of = torch.floor((ys - top) / cell_h).long()
+        col_of = torch.floor((xs - left) / cell_w).long()
+        inside_y, inside_x = (row_of >= 0) & (row_of < rows), (col_of >= 0) & (col_of < cols)
+        if not bool(inside_y.any()) or not bool(inside_x.any()):
+            continue
+        tokens = grid.tokens.to(relevance.device)
+        cell_values = torch.where(tokens >= 0, relevance[:, tokens.clamp(min=0)], relevance.new_zeros(()))
+        density = cell_values / (cell_h * cell_w)  # (K, rows, cols)
+        y_index, x_index = torch.nonzero(inside_y).squeeze(1), torch.nonzero(inside_x).squeeze(1)
+        block = density[:, row_of[y_index]][:, :, col_of[x_index]]
+        canvas[:, y_index[0]:y_index[-1] + 1, x_index[0]:x_index[-1] + 1] += block
+    return canvas
+
+
+def layout_for(model: nn.Module) -> LayoutFunction:
+    """The registered layout function of a model (by ``model.config.model_type``), or a clear error."""
+    from . import families  # noqa: F401  registers the families' layouts
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in LAYOUTS:
+        known = ", ".join(sorted(LAYOUTS))
+        raise ValueError(f"explain does not know where {type(model).__name__}'s image tokens lie "
+                         f"(config.model_type {model_type!r}); models it knows: {known}.")
+    return LAYOUTS[model_type]

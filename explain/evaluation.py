@@ -6,7 +6,10 @@
 
 Each batch is explained once per method (for its labels), and every metric is computed on those maps; the values
 of every image are kept. Metrics disagree with each other, so the methods are also ranked per metric (1 = best,
-ties share their mean rank) and the ranks averaged across metrics, as LATEC does (Klein et al. 2024).
+ties share their mean rank) and the ranks averaged across metrics, as LATEC does (Klein et al. 2024). ``METRICS``
+holds every metric of ``explain.metrics`` that gives one value per image, by name, with settings that keep its
+cost sane (``Metric.with_options`` changes them); a metric that draws random numbers draws them from a generator
+seeded with the batch's index. A mean is over the images where the metric is defined (a NaN value is left out).
 
 With ``out``, the run is resumable like ``explain batch``: each (batch, method)'s values (and the seconds each metric
 took) go to OUT/evaluation.csv in one write, after which a kill loses nothing; a rerun computes only what is
@@ -22,7 +25,10 @@ import io
 import json
 import math
 import time
-from dataclasses import dataclass, field
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union, cast
 
@@ -33,7 +39,9 @@ from tqdm.auto import tqdm
 from . import metrics
 from .batch import append_rows, write_atomically
 from .explanation import Explanation
+from .layers import default_layer
 from .methods.base import Explainer, get_method, progress_shown_by_caller
+from .methods.options import int_option
 
 FIELDS = ["batch", "method", "metric", "image", "value", "seconds"]
 SETTINGS_FILE = "evaluation.json"
@@ -45,7 +53,8 @@ EvaluationBatch = Union[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Te
 @dataclass
 class MetricInput:
     """What a metric is computed from: the model, the explainer, the model-input batch (N, C, H, W), the maps
-    explaining ``targets`` (N,), and the objects' masks (N, H, W) when the data has them."""
+    explaining ``targets`` (N,), the objects' masks (N, H, W) when the data has them, and the batch's index in
+    the data (0 first), which seeds ``generator``."""
 
     model: nn.Module
     explainer: Explainer
@@ -53,88 +62,329 @@ class MetricInput:
     explanation: Explanation
     targets: Tensor
     masks: Optional[Tensor]
+    batch: int = 0
+
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded with the batch's index: a metric that draws its random numbers from it draws the
+        same ones for every method of the batch and in every run, so a resumed evaluation equals an uninterrupted
+        one, and other ones for each batch."""
+        return torch.Generator().manual_seed(self.batch)
+
+
+Compute = Callable[[MetricInput], Tensor]
+"""A metric's values for a batch: MetricInput → (N,) one value per image."""
+Adapter = Callable[..., Tensor]
+"""How ``evaluate`` calls a function of ``explain.metrics``: (MetricInput, **options) → (N,) values."""
 
 
 @dataclass(frozen=True)
 class Metric:
     """A metric as ``evaluate`` runs it: its name, whether higher or lower is better, what it measures (one line),
     the function giving (N,) values for a batch, whether it needs object masks, and whether it applies to a
-    method's explanation (completeness needs input attributions: a CAM's values are NaN there, shown as "–")."""
+    method's explanation (completeness needs input attributions: a CAM's values are NaN there, shown as "–").
+
+    The registry's metrics also hold their ``options`` (the settings their ``adapter`` calls the function of
+    ``explain.metrics`` with), which ``with_options`` changes."""
 
     name: str
     better: str
     measures: str
-    compute: Callable[[MetricInput], Tensor]
+    compute: Compute
     needs_masks: bool = False
     applies: Callable[[Explanation], bool] = lambda explanation: True
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    adapter: Optional[Adapter] = None
+
+    def with_options(self, **changes: Any) -> Metric:
+        """This metric with other settings, e.g. ``METRICS["faithfulness_correlation"].with_options(runs=200)``.
+        Its name then says them, "faithfulness_correlation(runs=200)", so a table shows what was computed and a
+        resumed run never mixes values of two settings. Only the options in ``options`` can change."""
+        if self.adapter is None:
+            raise ValueError(f"metric {self.name!r} has no options to change: build a Metric with the settings you "
+                             "want instead.")
+        unknown = [key for key in changes if key not in self.options]
+        if unknown:
+            raise ValueError(f"metric {self.name!r} takes the options {', '.join(self.options) or '(none)'}; got "
+                             f"{', '.join(unknown)}.")
+        changed = {key: value for key, value in changes.items() if repr(value) != repr(self.options[key])}
+        if not changed:
+            return self
+        options = {**self.options, **changed}
+        shown = ", ".join(f"{key}={value!r}" for key, value in changed.items())
+        return replace(self, name=f"{self.name}({shown})", measures=f"{self.measures}; with {shown}",
+                       compute=_bound(self.adapter, options), options=options)
 
 
-def _on(values: Tensor) -> Tensor:
-    return values.detach().double().cpu()
-
-
-def _localisation(function: Callable[..., Tensor]) -> Callable[[MetricInput], Tensor]:
+def _bound(adapter: Adapter, options: Mapping[str, Any]) -> Compute:
     def compute(given: MetricInput) -> Tensor:
+        return adapter(given, **options).detach().double().cpu().reshape(-1)
+
+    return compute
+
+
+def _entry(name: str, better: str, measures: str, adapter: Adapter, *, needs_masks: bool = False,
+           applies: Optional[Callable[[Explanation], bool]] = None, **options: Any) -> Metric:
+    """A registry entry: ``adapter`` called with ``options``."""
+    return Metric(name, better, measures, _bound(adapter, options), needs_masks,
+                  applies if applies is not None else (lambda explanation: True), options=options, adapter=adapter)
+
+
+def _scored(function: Callable[..., Any], pick: Optional[Callable[[Any], Tensor]] = None, *,
+            seeded: bool = False) -> Adapter:
+    """For the metrics that score perturbed images with the model: function(model, inputs, maps, target,
+    **options, output=the explainer's output selector[, generator=the batch's]), its field ``pick``."""
+
+    def adapter(given: MetricInput, **options: Any) -> Tensor:
+        if seeded:
+            options["generator"] = given.generator()
+        result = function(given.model, given.inputs, given.explanation, given.targets, output=given.explainer.output,
+                          **options)
+        return pick(result) if pick is not None else result
+
+    return adapter
+
+
+def _perturbed(function: Callable[..., Any], pick: Optional[Callable[[Any], Tensor]] = None, *,
+               seeded: bool = False) -> Adapter:
+    """For the metrics that explain other inputs with the explainer and compare with the batch's maps:
+    function(explainer, inputs, explanation=the batch's, **options[, generator=the batch's]), its field ``pick``."""
+
+    def adapter(given: MetricInput, **options: Any) -> Tensor:
+        if seeded:
+            options["generator"] = given.generator()
+        result = function(given.explainer, given.inputs, explanation=given.explanation, **options)
+        return pick(result) if pick is not None else result
+
+    return adapter
+
+
+def _explained(function: Callable[..., Any], pick: Callable[[Any], Tensor]) -> Adapter:
+    """For the metrics that explain the images again themselves: function(explainer, inputs, targets, **options)."""
+    return lambda given, **options: pick(function(given.explainer, given.inputs, given.targets, **options))
+
+
+def _localisation(function: Callable[..., Tensor]) -> Adapter:
+    def adapter(given: MetricInput, **options: Any) -> Tensor:
         assert given.masks is not None, "needs_masks metrics run only with masks"
-        return _on(function(given.explanation, given.masks))
+        return function(given.explanation, given.masks, **options)
 
-    return compute
-
-
-def _model_metric(function: Callable[..., Any], field_name: str, **options: Any) -> Callable[[MetricInput], Tensor]:
-    def compute(given: MetricInput) -> Tensor:
-        result = function(given.model, given.inputs, given.explanation, given.targets, **options)
-        return _on(getattr(result, field_name) if field_name else result)
-
-    return compute
+    return adapter
 
 
-def _explainer_metric(function: Callable[..., Any], field_name: str, **options: Any
-                      ) -> Callable[[MetricInput], Tensor]:
-    def compute(given: MetricInput) -> Tensor:
-        result = function(given.explainer, given.inputs, given.targets, **options)
-        return _on(getattr(result, field_name).to(torch.float64))
-
-    return compute
+def _of_maps(function: Callable[..., Tensor]) -> Adapter:
+    return lambda given, **options: function(given.explanation, **options)
 
 
-def _maps_metric(function: Callable[[Any], Tensor]) -> Callable[[MetricInput], Tensor]:
-    return lambda given: _on(function(given.explanation))
+def _completeness(given: MetricInput) -> Tensor:
+    return metrics.completeness(given.model, given.inputs, given.explanation, given.targets,
+                                output=given.explainer.output).relative_error.abs()
 
+
+def _patch_size(inputs: Tensor, grid: int) -> int:
+    """The side of the square patches that cut the longer side of the (N, C, H, W) images into ``grid`` patches."""
+    return -(-max(inputs.shape[-2:]) // int_option("grid", grid, 1))
+
+
+def _region_perturbation(given: MetricInput, *, grid: int, regions: int) -> Tensor:
+    return metrics.region_perturbation(given.model, given.inputs, given.explanation, given.targets,
+                                       patch_size=_patch_size(given.inputs, grid), regions=regions,
+                                       output=given.explainer.output).aopc
+
+
+def _selectivity(given: MetricInput, *, grid: int) -> Tensor:
+    return metrics.selectivity(given.model, given.inputs, given.explanation, given.targets,
+                               patch_size=_patch_size(given.inputs, grid), output=given.explainer.output).area
+
+
+def _non_sensitivity(given: MetricInput, *, grid: int) -> Tensor:
+    return metrics.non_sensitivity(given.model, given.inputs, given.explanation, given.targets,
+                                   patch_size=_patch_size(given.inputs, grid), output=given.explainer.output)
+
+
+def _sensitivity_n(given: MetricInput, *, runs: int, subset_sizes: Optional[Sequence[int]]) -> Tensor:
+    """The mean over the n of the correlations (Quantus's summary of a sensitivity-n curve is per n)."""
+    return metrics.sensitivity_n(given.model, given.inputs, given.explanation, given.targets, runs=runs,
+                                 subset_sizes=subset_sizes, generator=given.generator(),
+                                 output=given.explainer.output).correlations.mean(dim=1)
+
+
+def _sufficiency(given: MetricInput, *, threshold: float) -> Tensor:
+    """Among the images of the batch; NaN for a batch of one image, which has no other to compare with."""
+    if given.inputs.shape[0] < 2:
+        return torch.full((1,), math.nan)
+    return metrics.sufficiency(given.model, given.inputs, given.explanation, threshold=threshold,
+                               output=given.explainer.output)
+
+
+def _continuity(given: MetricInput, *, shares: Sequence[float]) -> Tensor:
+    """Translations of ``shares`` of the image's width, rounded to whole pixels (0 left out)."""
+    width = given.inputs.shape[-1]
+    shifts = list(dict.fromkeys(round(share * width) for share in shares if round(share * width) != 0))
+    return metrics.continuity(given.explainer, given.inputs, explanation=given.explanation, shifts=shifts)
+
+
+def _relative_representation_stability(given: MetricInput, **options: Any) -> Tensor:
+    """The representation is the output of the layer a CAM explains by default (``explain.layers.default_layer``:
+    the last feature maps of a CNN, the last block's first norm of a transformer)."""
+    layer = default_layer(given.model, given.inputs, run=given.explainer.call_model)
+    return metrics.relative_representation_stability(given.explainer, given.inputs, layers=layer,
+                                                     explanation=given.explanation, generator=given.generator(),
+                                                     **options)
+
+
+@contextmanager
+def _randomised_models_may_give_empty_maps() -> Iterator[None]:
+    """Hides the explainers' warning about maps that are zero everywhere: a randomised model's map may well be, and
+    the randomisation metrics measure just that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*maps that are zero everywhere", category=RuntimeWarning)
+        yield
+
+
+def _randomisation(adapter: Adapter) -> Adapter:
+    def quiet(given: MetricInput, **options: Any) -> Tensor:
+        with _randomised_models_may_give_empty_maps():
+            return adapter(given, **options)
+
+    return quiet
+
+
+def _mean_rank_correlation(stages: Sequence[metrics.RandomizationStage]) -> Tensor:
+    """(N,) the Spearman correlation with the trained model's maps, averaged over the randomisation stages (as
+    Quantus's ``return_average_correlation``)."""
+    if not stages:
+        raise ValueError("no layer was randomised: none of the model's top-level layers with parameters runs in its "
+                         "forward. Pass a Metric that calls the function with stages= naming the layers.")
+    return torch.stack([stage.rank_correlation for stage in stages]).mean(dim=0)
+
+
+def _smooth_mprt(given: MetricInput, **options: Any) -> Tensor:
+    return _mean_rank_correlation(metrics.smooth_mprt(given.explainer, given.inputs, given.targets,
+                                                      generator=given.generator(), **options))
+
+
+def _arcc(given: MetricInput) -> Tensor:
+    return metrics.arcc(given.explainer, given.inputs, given.explanation, given.targets).arcc
+
+
+_ROAD_PERCENTAGES = (0.1, 0.3, 0.5, 0.7, 0.9)
+_area = attrgetter("area")
 
 METRICS: dict[str, Metric] = {metric.name: metric for metric in [
-    Metric("deletion", "lower", "faithfulness: probability as the most relevant pixels are deleted (area, 16 steps)",
-           _model_metric(metrics.deletion, "area", steps=16)),
-    Metric("insertion", "higher", "faithfulness: probability as the most relevant pixels are inserted into a "
-           "blurred image (area, 16 steps)", _model_metric(metrics.insertion, "area", steps=16)),
-    Metric("road", "lower", "faithfulness: probability as the most relevant pixels are imputed from their "
-           "neighbours (ROAD, area over 10–90 %)", _model_metric(metrics.road, "area", percentages=(0.1, 0.3, 0.5,
-                                                                                                 0.7, 0.9))),
-    Metric("confidence_drop", "lower", "faithfulness: the probability lost when the image is multiplied by its map",
-           _model_metric(metrics.confidence_change, "drop")),
-    Metric("completeness", "lower", "axiomatic: |Σ map − (score − score at a black baseline)| / |score change|",
-           lambda given: _on(metrics.completeness(given.model, given.inputs, given.explanation, given.targets
-                                                  ).relative_error.abs()),
-           applies=lambda explanation: explanation.attributions is not None),
-    Metric("random_logit", "lower", "randomisation: SSIM of the map for the class and for a random other class",
-           _explainer_metric(metrics.random_logit, "similarity")),
-    Metric("input_invariance", "higher", "axiomatic: 1 where the map is unchanged when a constant shift of the "
-           "input is absorbed by the first layer", _explainer_metric(metrics.input_invariance, "invariant")),
-    Metric("pointing_game", "higher", "localisation: 1 where the map's maximum lies on the object",
+    # faithfulness: the score as what the map calls relevant is removed or changed
+    _entry("deletion", "lower", "faithfulness: probability as the most relevant pixels are deleted (area, 16 "
+           "steps)", _scored(metrics.deletion, _area), steps=16),
+    _entry("insertion", "higher", "faithfulness: probability as the most relevant pixels are inserted into a blurred "
+           "image (area, 16 steps)", _scored(metrics.insertion, _area), steps=16),
+    _entry("road", "lower", "faithfulness: probability as the most relevant pixels are imputed from their neighbours "
+           "(ROAD, area over 10–90 %)", _scored(metrics.road, _area), percentages=_ROAD_PERCENTAGES),
+    _entry("road_combined", "higher", "faithfulness: (probability with the least relevant pixels imputed − with the "
+           "most relevant imputed) / 2, mean over 10–90 % (ROAD combined)", _scored(metrics.road_combined),
+           percentages=_ROAD_PERCENTAGES),
+    _entry("confidence_drop", "lower", "faithfulness: the probability lost when the image is multiplied by its map",
+           _scored(metrics.confidence_change, attrgetter("drop"))),
+    _entry("confidence_increase", "higher", "faithfulness: 1 where the probability rises when the image is "
+           "multiplied by its map", _scored(metrics.confidence_change, attrgetter("increase"))),
+    _entry("masked_score_change", "higher", "faithfulness: the logit's change when the image is multiplied by its map",
+           _scored(metrics.masked_score_change, attrgetter("change"))),
+    _entry("faithfulness_correlation", "higher", "faithfulness: Pearson correlation, over 50 random subsets of 224 "
+           "pixels, of the map's sum over a subset with the logit's drop when it is zeroed",
+           _scored(metrics.faithfulness_correlation, seeded=True), runs=50, subset_size=224),
+    _entry("faithfulness_estimate", "higher", "faithfulness: Pearson correlation, over 32 groups of pixels in order "
+           "of relevance, of a group's map sum with the logit's drop when it alone is zeroed",
+           _scored(metrics.faithfulness_estimate), steps=32),
+    _entry("monotonicity", "higher", "faithfulness: 1 where the probability never falls as 32 groups of pixels, least "
+           "relevant first, are put back into a zeroed image", _scored(metrics.monotonicity, attrgetter("monotonic")),
+           steps=32),
+    _entry("monotonicity_correlation", "higher", "faithfulness: Spearman correlation, over 16 groups of pixels, of a "
+           "group's |map| sum with the probability's mean squared change when it is set to random values (4 draws)",
+           _scored(metrics.monotonicity_correlation, seeded=True), steps=16, samples=4),
+    _entry("region_perturbation", "higher", "faithfulness: mean probability drop (AOPC) as the 16 most relevant "
+           "patches of an 8 × 8 grid are zeroed one after another", _region_perturbation, grid=8, regions=16),
+    _entry("selectivity", "lower", "faithfulness: area under the probability as the patches of an 8 × 8 grid are "
+           "zeroed, most relevant first", _selectivity, grid=8),
+    _entry("irof", "higher", "faithfulness: area over the probability (relative to the image's) as SLIC superpixels "
+           "(about 100) are set to the image's mean, most relevant first", _scored(metrics.irof,
+                                                                                 attrgetter("area_over_curve"))),
+    _entry("sensitivity_n", "higher", "faithfulness: faithfulness_correlation for random subsets of n pixels (16 "
+           "each), averaged over 8 n from 1 pixel to 80 % of them", _sensitivity_n, runs=16, subset_sizes=None),
+    _entry("infidelity", "lower", "faithfulness: mean squared error of the attributions' prediction Iᵀa of the "
+           "logit's change under 32 Gaussian perturbations I (σ 0.1), a rescaled at best",
+           _scored(metrics.infidelity, seeded=True), samples=32, noise=0.1, normalize=True),
+    _entry("sufficiency", "higher", "faithfulness: share of the other images of the batch with a close map (within "
+           "0.6 of the batch's largest distance) that get the same predicted class", _sufficiency, threshold=0.6),
+    _entry("arcc", "higher", "faithfulness: harmonic mean of coherency (the masked image's map matches), 1 − "
+           "complexity and ROAD combined over 20–80 % (ARCC)", _arcc),
+    # axiomatic
+    _entry("completeness", "lower", "axiomatic: |Σ map − (logit − logit at the zero input)| / |logit change|",
+           _completeness, applies=lambda explanation: explanation.attributions is not None),
+    _entry("non_sensitivity", "lower", "axiomatic: number of patches of an 8 × 8 grid where 'the map is zero' and "
+           "'zeroing the patch leaves the probability' disagree", _non_sensitivity, grid=8),
+    _entry("input_invariance", "higher", "axiomatic: 1 where the map is unchanged when a constant shift of the input "
+           "is absorbed by the first layer", _explained(metrics.input_invariance, attrgetter("invariant"))),
+    # randomisation
+    _entry("random_logit", "lower", "randomisation: SSIM of the map for the class and for a random other class",
+           _perturbed(metrics.random_logit, attrgetter("similarity"), seeded=True)),
+    _entry("efficient_mprt", "higher", "randomisation: relative rise of the raw map's histogram entropy (100 bins) "
+           "when every layer is randomised (eMPRT)",
+           _randomisation(_perturbed(metrics.efficient_mprt, attrgetter("rise"))), bins=100),
+    _entry("cascading_randomization", "lower", "randomisation: Spearman correlation of |map| with the trained "
+           "model's as layers are randomised top down, mean over the stages (MPRT)",
+           _randomisation(_explained(metrics.cascading_randomization, _mean_rank_correlation))),
+    _entry("smooth_mprt", "lower", "randomisation: cascading randomisation bottom up on maps averaged over 8 noisy "
+           "copies (σ 0.1 of the range), Spearman correlation, mean over the stages (sMPRT)",
+           _randomisation(_smooth_mprt), samples=8, noise_level=0.1),
+    # robustness: the map as the input moves a little
+    _entry("max_sensitivity", "lower", "robustness: largest ‖Φ(x + δ) − Φ(x)‖ / ‖Φ(x)‖ of the raw map over 10 "
+           "copies, δ uniform in ±0.2", _perturbed(metrics.max_sensitivity, seeded=True), samples=10, radius=0.2),
+    _entry("avg_sensitivity", "lower", "robustness: mean ‖Φ(x + δ) − Φ(x)‖ / ‖Φ(x)‖ of the raw map over 10 copies, δ "
+           "uniform in ±0.2", _perturbed(metrics.avg_sensitivity, seeded=True), samples=10, radius=0.2),
+    _entry("local_lipschitz_estimate", "lower", "robustness: largest ‖Φ(x) − Φ(x')‖ / ‖x − x'‖ over 10 copies with "
+           "Gaussian noise (σ 0.1)", _perturbed(metrics.local_lipschitz_estimate, seeded=True), samples=10, std=0.1),
+    _entry("relative_input_stability", "lower", "robustness: largest relative change of the map over the input's, "
+           "10 copies with noise uniform in ±0.2 that keep the prediction",
+           _perturbed(metrics.relative_input_stability, seeded=True), samples=10, radius=0.2),
+    _entry("relative_output_stability", "lower", "robustness: largest relative change of the map over the logits' "
+           "change, 10 copies with noise uniform in ±0.2 that keep the prediction",
+           _perturbed(metrics.relative_output_stability, seeded=True), samples=10, radius=0.2),
+    _entry("relative_representation_stability", "lower", "robustness: largest relative change of the map over that "
+           "of the default CAM layer's output, 10 copies with noise uniform in ±0.2 that keep the prediction",
+           _relative_representation_stability, samples=10, radius=0.2),
+    _entry("continuity", "lower", "robustness: largest ‖Φ(x) − Φ(x')‖₁ / ‖x − x'‖ over 6 horizontal translations "
+           "x' (±1/16, ±1/8, ±1/4 of the width)", _continuity, shares=(-0.25, -0.125, -0.0625, 0.0625, 0.125, 0.25)),
+    # localisation: against the objects' masks
+    _entry("pointing_game", "higher", "localisation: 1 where the map's maximum lies on the object",
            _localisation(metrics.pointing_game), needs_masks=True),
-    Metric("energy_pointing_game", "higher", "localisation: share of the positive relevance on the object",
+    _entry("energy_pointing_game", "higher", "localisation: share of the positive relevance in the object's box",
            _localisation(metrics.energy_pointing_game), needs_masks=True),
-    Metric("relevance_rank_accuracy", "higher", "localisation: share of the object among the top-|object| pixels",
+    _entry("relevance_mass_accuracy", "higher", "localisation: share of the positive relevance on the object",
+           _localisation(metrics.relevance_mass_accuracy), needs_masks=True),
+    _entry("relevance_rank_accuracy", "higher", "localisation: share of the object among the top-|object| pixels",
            _localisation(metrics.relevance_rank_accuracy), needs_masks=True),
-    Metric("top_k_intersection", "higher", "localisation: share of the top 1000 pixels on the object",
-           _localisation(metrics.top_k_intersection), needs_masks=True),
-    Metric("auc", "higher", "localisation: ROC AUC of the map as a detector of the object's pixels",
+    _entry("top_k_intersection", "higher", "localisation: share of the top 1000 pixels on the object",
+           _localisation(metrics.top_k_intersection), needs_masks=True, k=1000),
+    _entry("auc", "higher", "localisation: ROC AUC of the map as a detector of the object's pixels",
            _localisation(metrics.auc), needs_masks=True),
-    Metric("sparseness", "higher", "complexity: Gini index of |map| (1: all relevance on one pixel)",
-           _maps_metric(metrics.sparseness)),
-    Metric("complexity", "lower", "complexity: entropy of |map| / Σ|map|", _maps_metric(metrics.complexity)),
+    # complexity: how concentrated the map is
+    _entry("sparseness", "higher", "complexity: Gini index of |map| (1: all relevance on one pixel)",
+           _of_maps(metrics.sparseness)),
+    _entry("complexity", "lower", "complexity: entropy of |map| / Σ|map|", _of_maps(metrics.complexity)),
+    _entry("effective_complexity", "lower", "complexity: number of pixels whose |map| exceeds 1e-5 of its peak",
+           _of_maps(metrics.effective_complexity), eps=1e-5),
 ]}
-"""The metrics ``evaluate`` knows, by name, with the settings it uses (each function's docstring says more)."""
+"""The metrics ``evaluate`` knows, by name, with the settings it uses (each function's docstring says more; the
+settings keep the cost to tens of forward or explainer passes per image, and ``Metric.with_options`` changes them).
+Every function of ``explain.metrics`` that gives one value per image is here but two, which need what evaluate's
+per-image batches do not have:
+
+- ``focus`` scores maps of 2 × 2 mosaics of images of two classes (``make_mosaics``): its values are per mosaic,
+  not per image of the data, a batch may hold no class twice, and a model with a fixed input size cannot take a
+  mosaic of twice its size. Run it on mosaics with ``explain.metrics.focus``.
+- ``consistency`` compares each image with the other images that have the same discrete explanation (the same
+  top-5 pixels): that takes a large set of images, and within a batch almost no two share one (the values would be
+  NaN). Run it on the whole data set with ``explain.metrics.consistency``.
+
+Random draws (subsets, noise, other classes) come from ``MetricInput.generator``, seeded with the batch's index."""
 
 
 @dataclass
@@ -148,11 +398,13 @@ class Evaluation:
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def mean(self, method: str, metric: str) -> float:
-        return float(self.values[method][metric].mean())
+        """The mean over the images where the metric is defined (not NaN); NaN where it is defined on none."""
+        return float(self.values[method][metric].nanmean())
 
     def spread(self, method: str, metric: str) -> float:
-        """The standard error of the mean over images."""
+        """The standard error of the mean over the images where the metric is defined."""
         values = self.values[method][metric]
+        values = values[~values.isnan()]
         return float(values.std() / math.sqrt(len(values))) if len(values) > 1 else 0.0
 
     def ranks(self) -> dict[str, dict[str, float]]:
@@ -205,16 +457,16 @@ class Evaluation:
         ranks, mean_rank = self.ranks(), self.mean_rank()
         order = sorted(self.methods, key=lambda name: mean_rank[name])
         grid = [[ranks[method][metric.name] for metric in self.metrics] for method in order]
-        figure, axes = plt.subplots(figsize=(1.1 * len(self.metrics) + 2.5, 0.55 * len(order) + 1.6))
+        labels = [f"{m.name.replace('(', chr(10) + '(')}\n{'↑' if m.better == 'higher' else '↓'}" for m in self.metrics]
+        longest = max(len(line) for label in labels for line in label.splitlines())  # rotated 45°: its height
+        figure, axes = plt.subplots(figsize=(1.1 * len(self.metrics) + 2.5, 0.55 * len(order) + 0.8 + 0.04 * longest))
         image = axes.imshow(grid, cmap="RdYlGn_r", vmin=1, vmax=max(len(order), 2), aspect="auto")
         for row, method in enumerate(order):
             for column, metric in enumerate(self.metrics):
                 mean = self.mean(method, metric.name)
                 axes.text(column, row, "–" if math.isnan(mean) else f"{mean:.2f}", ha="center", va="center",
                           fontsize=8)
-        axes.set_xticks(range(len(self.metrics)),
-                        [f"{m.name}\n{'↑' if m.better == 'higher' else '↓'}" for m in self.metrics],
-                        rotation=45, ha="right", fontsize=8)
+        axes.set_xticks(range(len(self.metrics)), labels, rotation=45, ha="right", fontsize=8)
         axes.set_yticks(range(len(order)), [f"{method} ({mean_rank[method]:.1f})" for method in order], fontsize=8)
         figure.colorbar(image, ax=axes, label="rank (1 = best)")
         axes.set_title("methods × metrics: mean value, coloured by rank (mean rank in brackets)", fontsize=9)
@@ -389,7 +641,7 @@ def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric]
                     method: str) -> dict[str, Tensor]:
     """One batch explained by one method and every metric computed on its maps; their rows appended in one write."""
     explanation = explainer.explain(inputs, target=labels)
-    given = MetricInput(model, explainer, inputs, explanation, labels, masks)
+    given = MetricInput(model, explainer, inputs, explanation, labels, masks, index)
     values: dict[str, Tensor] = {}
     spent: dict[str, float] = {}
     for metric in chosen:

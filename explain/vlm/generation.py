@@ -19,6 +19,7 @@ Methods:
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -147,6 +148,8 @@ class GenerationExplainer:
         parameter = next(self.model.parameters())
         inputs: dict[str, Any] = {}
         for name, value in dict(processed).items():
+            if name == "labels":  # PaliGemma's processor adds training labels: no loss is wanted here
+                continue
             if isinstance(value, Tensor):
                 value = value.to(parameter.device)
                 if value.is_floating_point():
@@ -341,7 +344,11 @@ class GenerationExplainer:
                 attention = scope.enter(capture_attention(self.model, decoder_name, detach=False))
             scope.forward_pre_hook(decoder, leaf_embeddings, with_kwargs=True)
             torch.set_grad_enabled(False)
-            logits = self.model(**inputs, use_cache=False).logits[0, predicting]  # (T, vocab)
+            if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the vocabulary's logits of the
+                keep = ids.numel() + 1  # answer's rows only: (sequence × vocabulary) is GBs on 7B models
+                logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits[0, :ids.numel()]
+            else:
+                logits = model(**inputs, use_cache=False).logits[0, predicting]  # (T, vocab)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 models: in float32
             embeddings = captured["embeddings"]
             replayed = logits.argmax(dim=-1).detach()

@@ -254,6 +254,17 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
         self._undo.append(handle.remove)
 
     @_protected
+    def frozen_parameters(self, model: nn.Module) -> None:
+        """``requires_grad`` off for every parameter of ``model`` (no weight gradient is wanted, so the forward
+        keeps no layer input for one); each flag comes back when the scope ends."""
+        flags = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        if not flags:
+            return
+        self._undo.append(lambda: [parameter.requires_grad_(True) for parameter in flags])
+        for parameter in flags:
+            parameter.requires_grad_(False)
+
+    @_protected
     def eval_mode(self, model: nn.Module) -> None:
         """Put every module in eval mode; each module's own flag comes back when the scope ends.
 

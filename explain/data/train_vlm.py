@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from .demo_vlm import (
     QUESTIONS,
     VLM_WEIGHTS_PATH,
+    Scene,
     build_model,
     build_processor,
     held_out_scenes,
@@ -29,14 +32,14 @@ from .demo_vlm import (
 TRAINING_SEED = 7
 
 
-def prompt_ids(processor, question: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def prompt_ids(processor: Any, question: str) -> torch.Tensor:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[question]}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     blank = np.zeros((64, 64, 3), dtype=np.uint8)
     return processor(images=[blank], text=[text], return_tensors="pt")["input_ids"][0]
 
 
-def pixel_batch(processor, images) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def pixel_batch(processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
     """The processor's pixel values, computed directly (64 px scenes: its resize and crop change nothing); checked
     against the processor itself at the start of training."""
     image_processor = processor.image_processor
@@ -46,7 +49,7 @@ def pixel_batch(processor, images) -> torch.Tensor:  # type: ignore[no-untyped-d
     return (pixels - mean) / std
 
 
-def accuracy(model, processor, scenes, prompts) -> float:  # type: ignore[no-untyped-def]
+def accuracy(model: torch.nn.Module, processor: Any, scenes: list[Scene], prompts: dict[str, torch.Tensor]) -> float:
     tokenizer = processor.tokenizer
     right = total = 0
     with torch.no_grad():

@@ -314,6 +314,7 @@ class GenerationExplainer:
         captured: dict[str, Tensor] = {}
         scope = CallScope(self.model)
         with scope:
+            scope.frozen_parameters(self.model)  # the graph is for the embeddings' gradient only
 
             def leaf_embeddings(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 embeddings = kwargs.get("inputs_embeds")

@@ -113,3 +113,39 @@ def layout_for(model: nn.Module) -> LayoutFunction:
         raise ValueError(f"explain does not know where {type(model).__name__}'s image tokens lie "
                          f"(config.model_type {model_type!r}); models it knows: {known}.")
     return LAYOUTS[model_type]
+
+
+# ------------------------------------------------------------------ shared by the families' layouts
+
+
+def model_config(model: nn.Module) -> Any:
+    """The HuggingFace ``config`` of a model, or a clear error."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: pass the HuggingFace model itself.")
+    return config
+
+
+def checked_image_size(image_size: tuple[int, int]) -> tuple[int, int]:
+    """The original image's (height, width) as positive ints, or a clear error."""
+    height, width = (int(value) for value in image_size)
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image_size must be the original image's (height, width) in pixels, got {image_size}.")
+    return height, width
+
+
+def image_token_count(model: nn.Module, inputs: Mapping[str, Any]) -> int:
+    """How many image tokens (``config.image_token_id``) ``inputs["input_ids"]`` holds, for one sequence."""
+    if "input_ids" not in inputs:
+        raise ValueError("the processor's output has no input_ids: call the processor with the text as well.")
+    input_ids = torch.as_tensor(inputs["input_ids"])
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids hold {input_ids.shape[0]} sequences; a layout is for one image in one "
+                             "sequence: process one image and one text.")
+        input_ids = input_ids[0]
+    config = model_config(model)
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = config.image_token_index
+    return int(input_ids.eq(int(image_token)).sum())

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..layout import ImageLayout, TokenGrid, register_layout
+from ..layout import ImageLayout, TokenGrid, checked_image_size, image_token_count, model_config, register_layout
 
 LARGEST_RESIZED_EDGE = 4096
 """The image processors' cap on an edge after the longest-edge resize (their ``MAX_IMAGE_SIZE``)."""
@@ -33,7 +33,7 @@ def idefics3_layout(model: nn.Module, processor: Any, inputs: Mapping[str, Any],
     inputs: the processor's output for one image (``input_ids`` (1, L), ``pixel_values`` (1, frames, 3, tile,
     tile), optionally ``pixel_attention_mask`` (1, frames, tile, tile)).
     image_size: (height, width) of the original image in pixels."""
-    height, width = _image_size(image_size)
+    height, width = checked_image_size(image_size)
     pixel_values = inputs.get("pixel_values")
     if pixel_values is None or pixel_values.dim() != 5 or pixel_values.shape[0] != 1:
         shape = None if pixel_values is None else tuple(pixel_values.shape)
@@ -45,10 +45,10 @@ def idefics3_layout(model: nn.Module, processor: Any, inputs: Mapping[str, Any],
         raise ValueError(f"the frames of pixel_values are padded or not square ({tile_h}×{tile_w}); a single image's "
                          "tiles are square and unpadded: process one image at a time.")
     tile = int(tile_h)
-    config = _config(model)
+    config = model_config(model)
     patch, scale = int(config.vision_config.patch_size), int(config.scale_factor)
     side = tile // patch // scale
-    count = _image_token_count(model, inputs)
+    count = image_token_count(model, inputs)
     if count != frames * side * side:
         raise ValueError(f"input_ids hold {count} image tokens but {frames} frames of {tile}×{tile} pixels give "
                          f"{frames} × {side}² = {frames * side * side} (patch_size {patch}, scale_factor {scale}): "
@@ -105,24 +105,3 @@ def _longest_edge_resize(height: int, width: int, longest: int) -> tuple[int, in
     elif height > width and height > LARGEST_RESIZED_EDGE:
         height, width = LARGEST_RESIZED_EDGE, int(LARGEST_RESIZED_EDGE * aspect)
     return max(height, 1), max(width, 1)
-
-
-def _image_size(image_size: tuple[int, int]) -> tuple[int, int]:
-    height, width = (int(value) for value in image_size)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image_size must be the original image's (height, width) in pixels, got {image_size}.")
-    return height, width
-
-
-def _image_token_count(model: nn.Module, inputs: Mapping[str, Any]) -> int:
-    input_ids = torch.as_tensor(inputs["input_ids"])
-    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids hold {input_ids.shape[0]} sequences; explain one sequence at a time.")
-    return int(torch.eq(input_ids, int(_config(model).image_token_id)).sum())
-
-
-def _config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no .config: pass the HuggingFace model itself.")
-    return config

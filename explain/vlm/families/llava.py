@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from ..layout import Box, ImageLayout, TokenGrid, register_layout
+from ..layout import Box, ImageLayout, TokenGrid, image_token_count, register_layout
 
 
 @dataclass(frozen=True)
@@ -156,23 +156,6 @@ def check_view(frame: Frame, processed: tuple[int, int], image_size: tuple[int, 
             f"{frame.height}×{frame.width} pixels, but pixel_values are {processed[0]}×{processed[1]}: pass the "
             "original image's (height, width) and the processor the inputs were made with, called without "
             "overriding its size, crop or padding settings.")
-
-
-def image_token_count(model: nn.Module, inputs: Mapping[str, Any]) -> int:
-    """How many image tokens (``config.image_token_id``) ``inputs["input_ids"]`` holds, for one sequence."""
-    if "input_ids" not in inputs:
-        raise ValueError("the processor's output has no input_ids: call the processor with the text as well.")
-    input_ids = torch.as_tensor(inputs["input_ids"])
-    if input_ids.dim() == 2:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids hold {input_ids.shape[0]} sequences; a layout is for one image in one "
-                             "sequence: process one image and one text.")
-        input_ids = input_ids[0]
-    config: Any = model.config
-    image_token = getattr(config, "image_token_id", None)
-    if image_token is None:
-        image_token = config.image_token_index
-    return int(input_ids.eq(int(image_token)).sum())
 
 
 def dropped_tokens(config: Any) -> int:

@@ -22,13 +22,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..layout import ImageLayout, register_layout
+from ..layout import ImageLayout, image_token_count, register_layout
 from .llava import (
     Frame,
     check_count,
     check_view,
     crop_and_resize,
-    image_token_count,
     patch_size,
     pixel_size,
     size_entry,

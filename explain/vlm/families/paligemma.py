@@ -12,8 +12,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..layout import ImageLayout, register_layout
-from .llava import check_count, check_view, image_token_count, patch_size, pixel_size, processed_frame
+from ..layout import ImageLayout, image_token_count, register_layout
+from .llava import check_count, check_view, patch_size, pixel_size, processed_frame
 
 
 @register_layout("paligemma")

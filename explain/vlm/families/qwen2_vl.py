@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..layout import ImageLayout, TokenGrid, register_layout
+from ..layout import ImageLayout, TokenGrid, checked_image_size, image_token_count, model_config, register_layout
 
 
 @register_layout("qwen2_vl", "qwen2_5_vl")
@@ -27,7 +27,7 @@ def qwen2_vl_layout(model: nn.Module, processor: Any, inputs: Mapping[str, Any],
 
     inputs: the processor's output for one image (``input_ids`` (1, L), ``image_grid_thw`` (1, 3)).
     image_size: (height, width) of the original image in pixels."""
-    height, width = _image_size(image_size)
+    height, width = checked_image_size(image_size)
     grid_thw = inputs.get("image_grid_thw")
     if grid_thw is None:
         raise ValueError("Qwen2-VL's layout needs inputs['image_grid_thw']: pass the processor's whole output "
@@ -37,13 +37,13 @@ def qwen2_vl_layout(model: nn.Module, processor: Any, inputs: Mapping[str, Any],
         raise ValueError(f"inputs hold {grid_thw.shape[0]} images (image_grid_thw {tuple(grid_thw.shape)}); "
                          "explain one image at a time: process a single image with its prompt.")
     frames, patch_rows, patch_cols = (int(value) for value in grid_thw[0])
-    merge = int(_config(model).vision_config.spatial_merge_size)
+    merge = int(model_config(model).vision_config.spatial_merge_size)
     if patch_rows % merge or patch_cols % merge:
         raise ValueError(f"image_grid_thw {(frames, patch_rows, patch_cols)} is not divisible by the model's "
                          f"spatial_merge_size {merge}: the processor and the model disagree; use the processor "
                          "saved with the model.")
     rows, cols = patch_rows // merge, patch_cols // merge
-    count = _image_token_count(model, inputs)
+    count = image_token_count(model, inputs)
     if count != frames * rows * cols:
         raise ValueError(f"input_ids hold {count} image tokens but image_grid_thw {(frames, patch_rows, patch_cols)} "
                          f"with merge {merge} gives {frames * rows * cols}: pass input_ids and image_grid_thw from "
@@ -52,24 +52,3 @@ def qwen2_vl_layout(model: nn.Module, processor: Any, inputs: Mapping[str, Any],
     grids = [TokenGrid(tokens=torch.arange(rows * cols).reshape(rows, cols) + frame * rows * cols, box=whole_image)
              for frame in range(frames)]
     return ImageLayout(size=(height, width), grids=grids, token_count=count)
-
-
-def _image_size(image_size: tuple[int, int]) -> tuple[int, int]:
-    height, width = (int(value) for value in image_size)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image_size must be the original image's (height, width) in pixels, got {image_size}.")
-    return height, width
-
-
-def _image_token_count(model: nn.Module, inputs: Mapping[str, Any]) -> int:
-    input_ids = torch.as_tensor(inputs["input_ids"])
-    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids hold {input_ids.shape[0]} sequences; explain one sequence at a time.")
-    return int(torch.eq(input_ids, int(_config(model).image_token_id)).sum())
-
-
-def _config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no .config: pass the HuggingFace model itself.")
-    return config

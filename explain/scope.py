@@ -192,6 +192,7 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
         self, error_type: Optional[type], error: Optional[BaseException], traceback: Optional[TracebackType]
     ) -> None:
         failure: Optional[BaseException] = None
+        interrupted_in_undo = False
         try:
             if error_type is not None and issubclass(error_type, KeyboardInterrupt):
                 _finish_abandoned_frames(traceback)
@@ -199,6 +200,8 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
                 undo = self._undo.pop()
                 try:
                     undo()
+                except KeyboardInterrupt:  # an entered scope's exit raising a deferred Ctrl-C: undo the rest first
+                    interrupted_in_undo = True
                 except Exception as undo_error:  # keep undoing the rest; report the first failure
                     failure = failure or undo_error
             while torch._C._len_torch_function_stack() > self._function_modes:
@@ -210,7 +213,7 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
             self.handled_on_entry = None
         finally:
             _deferral.uninstall()
-        interrupted = _deferral.take_pending()
+        interrupted = _deferral.take_pending() or interrupted_in_undo
         if interrupted and error_type is not KeyboardInterrupt:
             raise KeyboardInterrupt
         if failure is not None and error_type is None:

@@ -349,14 +349,15 @@ def test_paligemma_square_resize(size):
 
 
 def test_paint_one_hot_lights_its_cells(llava_next):
-    """paint() of a one-hot relevance is 1 / (cell area) on the pixels whose centres lie in that token's cells (a
-    tile cell and a base cell overlap for different tokens), 0 elsewhere."""
+    """paint() of a one-hot relevance gives each pixel the share of that token's cells it covers divided by the
+    cell's area (1 / area inside a cell; a tile cell and a base cell overlap for different tokens), 0 elsewhere."""
     model, processor = llava_next
     image = random_image(40, 50, seed=6)
     layout = layout_of(model, processor, image)
     placed = torch.nonzero(layout.placed()).flatten()
     maps = paint(torch.eye(layout.token_count, dtype=torch.float64)[placed], layout, (40, 50))
-    ys, xs = torch.meshgrid(torch.arange(40) + 0.5, torch.arange(50) + 0.5, indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(40, dtype=torch.float64), torch.arange(50, dtype=torch.float64),
+                            indexing="ij")  # each pixel's top-left corner
     for token, painted in zip(placed.tolist(), maps):
         expected = torch.zeros(40, 50, dtype=torch.float64)
         for grid in layout.grids:
@@ -364,9 +365,11 @@ def test_paint_one_hot_lights_its_cells(llava_next):
             left, top, right, bottom = grid.box
             cell_h, cell_w = (bottom - top) / rows, (right - left) / cols
             for row, col in torch.nonzero(grid.tokens == token).tolist():
-                inside = ((ys >= top + row * cell_h) & (ys < top + (row + 1) * cell_h)
-                          & (xs >= left + col * cell_w) & (xs < left + (col + 1) * cell_w))
-                expected[inside] += 1 / (cell_h * cell_w)
+                down = (torch.minimum(ys + 1, torch.tensor(top + (row + 1) * cell_h))
+                        - torch.maximum(ys, torch.tensor(top + row * cell_h))).clamp(min=0)
+                across = (torch.minimum(xs + 1, torch.tensor(left + (col + 1) * cell_w))
+                          - torch.maximum(xs, torch.tensor(left + col * cell_w))).clamp(min=0)
+                expected += down * across / (cell_h * cell_w)
         torch.testing.assert_close(painted, expected)
         assert bool((painted > 0).any())
 

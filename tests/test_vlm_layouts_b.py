@@ -232,21 +232,27 @@ def test_idefics3_tiles_match_the_row_col_tokens_of_the_prompt(name):
         assert layout.grids[-1].tokens.min() == layout.token_count - 4
 
 
+def covered(pixels: int, low: float, high: float) -> torch.Tensor:
+    """(pixels,) the length of each pixel's extent [p, p + 1) inside [low, high)."""
+    start = torch.arange(pixels, dtype=torch.float64)
+    return (torch.clamp(start + 1, max=high) - torch.clamp(start, min=low)).clamp(min=0)
+
+
 def test_paint_one_hot_relevance_fills_exactly_its_cells():
-    """One-hot relevance on a Qwen token: 1 / cell area on the pixels whose centre lies in the token's cell (2 × 3
-    cells of 20 × 50/3 pixels on a 40 × 50 image); on an Idefics3 tile token plus its global token: both cells."""
+    """One-hot relevance on a Qwen token: each pixel gets the area it shares with the token's cell / the cell's area
+    (2 × 3 cells of 20 × 50/3 pixels on a 40 × 50 image: pixel columns 16 and 33 are cut by cell edges); on an
+    Idefics3 tile token plus its global token: both cells."""
     model, processor = built("qwen2_vl")
     layout = LAYOUTS["qwen2_vl"](model, processor, process(processor, random_image(40, 50)), (40, 50))
     relevance = torch.zeros(1, layout.token_count, dtype=torch.float64)
     relevance[0, 4] = 1.0  # row 1, column 1
     painted = paint(relevance, layout, (40, 50))[0]
-    ys, xs = torch.arange(40) + 0.5, torch.arange(50) + 0.5
-    inside = ((ys >= 20) & (ys < 40))[:, None] & ((xs >= 50 / 3) & (xs < 100 / 3))[None, :]
-    assert torch.allclose(painted, inside.double() / (20 * 50 / 3))
+    expected = torch.outer(covered(40, 20, 40), covered(50, 50 / 3, 100 / 3)) / (20 * 50 / 3)
+    assert torch.allclose(painted, expected)
+    assert float(painted.sum()) == pytest.approx(1.0)
     doubled = paint(relevance, layout, (80, 100))[0]  # a map twice the size: cells twice as long, density / 4
-    ys, xs = torch.arange(80) + 0.5, torch.arange(100) + 0.5
-    inside = ((ys >= 40) & (ys < 80))[:, None] & ((xs >= 100 / 3) & (xs < 200 / 3))[None, :]
-    assert torch.allclose(doubled, inside.double() / (40 * 100 / 3))
+    expected = torch.outer(covered(80, 40, 80), covered(100, 100 / 3, 200 / 3)) / (40 * 100 / 3)
+    assert torch.allclose(doubled, expected)
 
     model, processor = built("idefics3")
     layout = LAYOUTS["idefics3"](model, processor, process(processor, random_image(40, 70)), (40, 70))  # 2 × 3 tiles
@@ -254,10 +260,8 @@ def test_paint_one_hot_relevance_fills_exactly_its_cells():
     relevance[0, 5 * 4 + 0] = 1.0  # tile (row 1, col 2), its token (0, 0): pixels y ∈ [20, 30), x ∈ [140/3, 175/3)
     relevance[0, 6 * 4 + 3] = 2.0  # global token (1, 1): y ∈ [20, 40), x ∈ [35, 70)
     painted = paint(relevance, layout, (40, 70))[0]
-    ys, xs = torch.arange(40) + 0.5, torch.arange(70) + 0.5
-    tile_cell = ((ys >= 20) & (ys < 30))[:, None] & ((xs >= 140 / 3) & (xs < 175 / 3))[None, :]
-    global_cell = (ys >= 20)[:, None] & (xs >= 35)[None, :]
-    expected = tile_cell.double() / (10 * 35 / 3) + 2 * global_cell.double() / (20 * 35)
+    expected = (torch.outer(covered(40, 20, 30), covered(70, 140 / 3, 175 / 3)) / (10 * 35 / 3)
+                + 2 * torch.outer(covered(40, 20, 40), covered(70, 35, 70)) / (20 * 35))
     assert torch.allclose(painted, expected)
 
 

@@ -22,6 +22,7 @@ import copy
 import inspect
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 from ..attention import capture_attention
 from ..explanation import Explanation
 from ..inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
-from ..methods.base import check_finite_maps, normalize_maps
+from ..methods.base import check_finite_maps, normalize_maps, reduced_precision
 from ..scope import CallScope
 from .layout import ImageLayout, layout_for, paint
 
@@ -45,6 +46,27 @@ ImageSource = Union[str, "Image.Image", np.ndarray, Tensor]
 Span = Union[str, tuple[int, int]]
 """A target made of several answer tokens: ``(start, end)`` token positions (end excluded), or a piece of the
 answer's text (its first occurrence; the tokens that overlap it)."""
+
+
+def checked_spans(spans: Optional[Sequence[Span]]) -> Optional[list[Span]]:
+    """``spans`` as a list of spans, or a clear error: a non-empty list of answer texts (str) and (start, end) int
+    pairs."""
+    if spans is None:
+        return None
+    form = "spans must be a non-empty list of spans, each a piece of the answer's text or a (start, end) pair " \
+           "of token positions, e.g. spans=[\"red car\"] or spans=[(0, 3)]"
+    if isinstance(spans, (str, tuple)) or not isinstance(spans, Sequence) or len(spans) == 0:
+        raise TypeError(f"{form}; got {spans!r}.")
+    checked: list[Span] = []
+    for span in spans:
+        if isinstance(span, str):
+            checked.append(span)
+        elif (isinstance(span, (tuple, list)) and len(span) == 2
+              and all(isinstance(value, int) and not isinstance(value, bool) for value in span)):
+            checked.append((int(span[0]), int(span[1])))
+        else:
+            raise TypeError(f"{form}; got the span {span!r}.")
+    return checked
 
 
 @dataclass
@@ -68,6 +90,8 @@ def as_pil_image(image: ImageSource) -> Image.Image:
         if image.dim() != 3 or image.shape[0] != 3:
             raise ValueError(f"a float image tensor must be one (3, H, W) RGB image in [0, 1]; got shape "
                              f"{tuple(image.shape)}. A vision-language model takes one image per call here.")
+        if not bool(torch.isfinite(image).all()):
+            raise ValueError("the image tensor contains NaN or inf values.")
         low, high = float(image.min()), float(image.max())
         if low < 0.0 or high > 1.0:
             raise ValueError(f"a float image tensor must lie in [0, 1] (the processor normalises it); this one "
@@ -209,10 +233,19 @@ class GenerationExplainer:
         place on the image, "image_relevance" (1, K) the relevance summed over all image tokens,
         "image_token_relevance" (1, K, I) each of the I image tokens' relevance, in sequence order.
         """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int; got {type(max_new_tokens).__name__}.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}.")
+        if answer is not None and not isinstance(answer, str):
+            raise TypeError(f"answer must be the answer's text, a str; got {type(answer).__name__}. To explain token "
+                            "ids, decode them first: processor.tokenizer.decode(ids).")
+        spans = checked_spans(spans)
         scope = CallScope(self.model, eval_mode=True)
         with scope:
+            for module in self.model.modules():  # state transformers keeps between calls (Qwen2-VL's rope offset)
+                if "rope_deltas" in vars(module):
+                    scope.add_undo(partial(setattr, module, "rope_deltas", vars(module)["rope_deltas"]))
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
                 scope.enter(torch.inference_mode(False))
             prepared = self.prepare(image, prompt)
@@ -230,14 +263,34 @@ class GenerationExplainer:
             relevance, scores, replayed = self._relevance(prepared, ids, targets)
             if generated and not torch.equal(replayed, ids):
                 first = int(torch.nonzero(replayed != ids)[0, 0])
+                settings = self._choice_settings()
+                cause = (f"the model's generation settings ({settings}) change generation's choice from the most "
+                         "likely token" if settings else "two tokens scored within float rounding, or the model "
+                         "computes differently with and without its cache")
                 warnings.warn(f"the forward pass over prompt and answer would pick a different token at answer "
                               f"position {first} than generation did ({int(replayed[first])} instead of "
-                              f"{int(ids[first])}): two tokens scored within float rounding, or the model computes "
-                              "differently with and without its cache. The maps explain the generated tokens.",
+                              f"{int(ids[first])}): {cause}. The maps explain the generated tokens.",
                               RuntimeWarning, stacklevel=2)
+            precision = reduced_precision(self.model, prepared.inputs["input_ids"])
+            if precision is not None:
+                warnings.warn(f"generation:{self.method} ran in {precision}: the forward and backward passes round to "
+                              f"{8 if precision.startswith('bfloat16') else 11} significant bits, so the image "
+                              "tokens' gradients, and the maps made of them, carry that rounding (on the tiny test "
+                              "models bfloat16 autocast moved maps by up to 5 % of their maximum). For exact maps, "
+                              "run the model in float32.", RuntimeWarning, stacklevel=2)
         return self._explanation(prepared, layout, relevance, scores, ids, texts, targets, generated, prompt)
 
     # ------------------------------------------------------------------ pieces of explain
+
+    def _choice_settings(self) -> str:
+        """The model's generation settings that make generation pick other than the most likely token, as text."""
+        config: Any = getattr(self.model, "generation_config", None)
+        neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                   "min_new_tokens": 0, "min_length": 0, "bad_words_ids": None, "suppress_tokens": None,
+                   "begin_suppress_tokens": None, "sequence_bias": None}
+        active = [f"{name}={getattr(config, name)!r}" for name, value in neutral.items()
+                  if getattr(config, name, None) not in (value, None)]
+        return ", ".join(active)
 
     def _explained_positions(self, ids: Tensor, skip_special: bool) -> list[int]:
         special = set(getattr(self.tokenizer, "all_special_ids", []) or [])

@@ -69,38 +69,36 @@ def register_layout(*model_types: str) -> Callable[[LayoutFunction], LayoutFunct
     return register
 
 
+def _overlaps(pixels: int, start: float, cell: float, cells: int, device: torch.device) -> Tensor:
+    """(pixels, cells) float64: the length of each map pixel's extent [p, p + 1) inside each cell's extent
+    [start + c·cell, start + (c + 1)·cell), divided by the cell's length."""
+    edges = start + cell * torch.arange(cells + 1, device=device, dtype=torch.float64)
+    low = torch.arange(pixels, device=device, dtype=torch.float64)[:, None]
+    inside = torch.minimum(low + 1, edges[None, 1:]) - torch.maximum(low, edges[None, :-1])
+    return inside.clamp(min=0) / cell
+
+
 def paint(relevance: Tensor, layout: ImageLayout, size: tuple[int, int]) -> Tensor:
     """Relevance per image token → relevance density over the image.
 
     relevance: (K, token_count) one value per image token for each of K targets.
     size: (height, width) of the map, the original image scaled (the boxes are scaled with it).
-    Returns (K, height, width): each token's relevance spread evenly over its cell (divided by the cell's area in
-    the map's pixels, so a map's sum over the image is the sum of the placed tokens' relevance that falls on the
-    image), summed over grids where views overlap (a tile and the whole image)."""
+    Returns (K, height, width): each token's relevance spread evenly over its cell, each map pixel getting the
+    share of the cell it covers (so a map's sum over the image is exactly the placed tokens' relevance that falls
+    on the image, whatever the sizes), summed over grids where views overlap (a tile and the whole image)."""
     count = relevance.shape[0]
     height, width = size
     scale_y, scale_x = height / layout.size[0], width / layout.size[1]
-    canvas = relevance.new_zeros(count, height, width)
-    ys = torch.arange(height, device=relevance.device, dtype=torch.float64) + 0.5  # pixel centres, map pixels
-    xs = torch.arange(width, device=relevance.device, dtype=torch.float64) + 0.5
+    canvas = torch.zeros(count, height, width, dtype=torch.float64, device=relevance.device)
     for grid in layout.grids:
         rows, cols = grid.tokens.shape
         left, top, right, bottom = grid.box
-        left, right = left * scale_x, right * scale_x
-        top, bottom = top * scale_y, bottom * scale_y
-        cell_h, cell_w = (bottom - top) / rows, (right - left) / cols
-        row_of = torch.floor((ys - top) / cell_h).long()
-        col_of = torch.floor((xs - left) / cell_w).long()
-        inside_y, inside_x = (row_of >= 0) & (row_of < rows), (col_of >= 0) & (col_of < cols)
-        if not bool(inside_y.any()) or not bool(inside_x.any()):
-            continue
+        down = _overlaps(height, top * scale_y, (bottom - top) * scale_y / rows, rows, relevance.device)
+        across = _overlaps(width, left * scale_x, (right - left) * scale_x / cols, cols, relevance.device)
         tokens = grid.tokens.to(relevance.device)
         cell_values = torch.where(tokens >= 0, relevance[:, tokens.clamp(min=0)], relevance.new_zeros(()))
-        density = cell_values / (cell_h * cell_w)  # (K, rows, cols)
-        y_index, x_index = torch.nonzero(inside_y).squeeze(1), torch.nonzero(inside_x).squeeze(1)
-        block = density[:, row_of[y_index]][:, :, col_of[x_index]]
-        canvas[:, y_index[0]:y_index[-1] + 1, x_index[0]:x_index[-1] + 1] += block
-    return canvas
+        canvas += torch.einsum("yr,krc,xc->kyx", down, cell_values.double(), across)
+    return canvas.to(relevance.dtype)
 
 
 def layout_for(model: nn.Module) -> LayoutFunction:

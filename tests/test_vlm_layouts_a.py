@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from vlm_tiny import CHAT_TEMPLATE, tiny_llava, tiny_llava_next, tiny_paligemma
+from vlm_tiny import CHAT_TEMPLATE, image_token_embeddings, tiny_llava, tiny_llava_next, tiny_paligemma
 
 import explain.vlm.families  # noqa: F401  (registers the layouts)
 from explain.vlm.layout import LAYOUTS, ImageLayout, layout_for, paint
@@ -36,32 +36,6 @@ def perturbed(image: Image.Image, top: int, left: int, block: int) -> Image.Imag
     pixels = np.array(image)
     pixels[top:top + block, left:left + block] = (pixels[top:top + block, left:left + block].astype(int) + 128) % 256
     return Image.fromarray(pixels)
-
-
-class _Captured(Exception):
-    pass
-
-
-def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    """(batch, image tokens, hidden): what the language model receives at the image tokens' positions, read by a
-    pre-hook on the decoder (the forward stops there)."""
-    captured = {}
-
-    def hook(module, args, kwargs):
-        captured["embeds"] = kwargs["inputs_embeds"].detach().clone()
-        raise _Captured
-
-    handle = model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    embeds = captured["embeds"]
-    mask = inputs["input_ids"] == model.config.image_token_id
-    return embeds[mask].view(embeds.shape[0], -1, embeds.shape[-1])
 
 
 def process(processor, images: list[Image.Image]) -> dict:

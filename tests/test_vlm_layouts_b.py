@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vlm_tiny import image_token_embeddings
 from vlm_tiny_more import tiny_idefics3, tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_smolvlm
 
 import explain.vlm.families.idefics3  # noqa: F401  registers the layouts
@@ -40,37 +41,12 @@ def process(processor, image: np.ndarray, **kwargs):
     return processor(images=Image.fromarray(image), text=text, return_tensors="pt", **kwargs)
 
 
-class _Captured(Exception):
-    pass
-
-
-def image_token_embeddings(model: torch.nn.Module, inputs) -> torch.Tensor:
-    """(image tokens, hidden): the language model's input embeddings at the image token positions, captured by a
-    pre-hook on the decoder (the forward stops there)."""
-    captured = {}
-
-    def hook(module, args, kwargs):
-        captured["embeddings"] = kwargs["inputs_embeds"].detach().clone()
-        raise _Captured
-
-    handle = model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    is_image = inputs["input_ids"][0] == model.config.image_token_id
-    return captured["embeddings"][0][is_image]
-
-
 def changed_tokens(model, processor, image: np.ndarray, point: tuple[int, int], base: torch.Tensor, **kwargs
                    ) -> set[int]:
     y, x = point
     painted = image.copy()
     painted[y - 1:y + 2, x - 1:x + 2] = 255
-    embeddings = image_token_embeddings(model, process(processor, painted, **kwargs))
+    embeddings = image_token_embeddings(model, process(processor, painted, **kwargs))[0]
     difference = (embeddings - base).abs().amax(dim=1)
     return set(torch.nonzero(difference > 1e-5).flatten().tolist())
 
@@ -143,7 +119,7 @@ def check_by_perturbation(name: str, size: tuple[int, int], settings: dict | Non
     image = random_image(*size)
     inputs = process(processor, image, **(call or {}))
     layout = LAYOUTS[model.config.model_type](model, processor, inputs, size)
-    base = image_token_embeddings(model, inputs)
+    base = image_token_embeddings(model, inputs)[0]
     assert layout.token_count == base.shape[0]
     points = probe_points(layout, model)
     for point, expected in points.items():

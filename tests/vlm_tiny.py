@@ -149,3 +149,30 @@ def tiny_paligemma(*, token_local: bool = False, seed: int = 0, image_size: int 
     if token_local:
         zero_attention_outputs(model.model.vision_tower, "out_proj")
     return model, processor
+
+
+class _Captured(Exception):
+    """Stops a forward pass once the language model's input is read."""
+
+
+def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """(batch, image tokens, hidden): what the language model receives at the image tokens' positions, read by a
+    pre-hook on the decoder (the forward stops there)."""
+    captured = {}
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["embeds"] = kwargs["inputs_embeds"].detach().clone()
+        raise _Captured
+
+    handle = model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    embeds = captured["embeds"]
+    mask = torch.as_tensor(inputs["input_ids"]) == model.config.image_token_id
+    return embeds[mask].view(embeds.shape[0], -1, embeds.shape[-1])
+

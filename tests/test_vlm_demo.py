@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +12,12 @@ from explain import GenerationExplainer
 from explain.cli import main
 from explain.data.demo_vlm import QUESTIONS, held_out_scenes, load_vlm_demo, local_vision_parameters, make_scene
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vlm_quality import shape_cells  # noqa: E402
+_QUALITY = Path(__file__).resolve().parents[1] / "benchmarks" / "vlm_quality.py"
+_spec = importlib.util.spec_from_file_location("vlm_quality_benchmark", _QUALITY)
+assert _spec is not None and _spec.loader is not None
+vlm_quality = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vlm_quality)  # benchmarks/ stays off sys.path
+shape_cells = vlm_quality.shape_cells
 
 
 def test_the_demo_answers_and_its_attnlrp_maps_point_at_the_shape() -> None:

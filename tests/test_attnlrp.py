@@ -1034,7 +1034,7 @@ def test_a_target_that_explains_inside_the_call_gets_the_maps_it_gets_alone(meth
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # interrupted generator finalisers
 @pytest.mark.xfail(strict=False, reason=(
-    "open: in the fresh-clone CI run of the whole suite (3 of 3 runs on 2026-11-25) one simulated Ctrl-C position "
+    "open: in the fresh-clone CI run of the whole suite (4 of 4 runs on 2026-11-25) one simulated Ctrl-C position "
     "of the AttnLRP call surfaces as TypeError(\"'>=' not supported between instances of 'Tensor' and 'int'\") "
     "from select_targets' range check instead of KeyboardInterrupt; every isolated or partial run passes, so the "
     "position depends on what earlier tests ran. Cause not found yet (torch turns a TypeError inside a binary "

@@ -62,18 +62,7 @@ def full_inputs(explainer: GenerationExplainer, prepared: PreparedPrompt, ids: T
 
 def language_model_inputs(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
     """(T, d) the embeddings the language model receives, by a pre-hook of this test."""
-    seen: dict[str, Tensor] = {}
-
-    def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen["embeddings"] = kwargs["inputs_embeds"].detach().clone()
-
-    handle = model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs, use_cache=False)
-    finally:
-        handle.remove()
-    return seen["embeddings"][0]
+    return vlm_tiny.language_model_embeddings(model, inputs)[0]
 
 
 def by_hand_input_x_gradient(family: str, model: nn.Module, inputs: dict[str, Any], prompt_length: int, ids: Tensor,

@@ -155,9 +155,9 @@ class _Captured(Exception):
     """Stops a forward pass once the language model's input is read."""
 
 
-def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    """(batch, image tokens, hidden): what the language model receives at the image tokens' positions, read by a
-    pre-hook on the decoder (the forward stops there)."""
+def language_model_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """(batch, sequence, hidden): what the language model receives, read by a pre-hook on the decoder (the forward
+    stops there)."""
     captured = {}
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -172,7 +172,11 @@ def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor
         pass
     finally:
         handle.remove()
-    embeds = captured["embeds"]
+    return captured["embeds"]
+
+
+def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """(batch, image tokens, hidden): what the language model receives at the image tokens' positions."""
+    embeds = language_model_embeddings(model, inputs)
     mask = torch.as_tensor(inputs["input_ids"]) == model.config.image_token_id
     return embeds[mask].view(embeds.shape[0], -1, embeds.shape[-1])
-

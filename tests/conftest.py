@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test, which a process started in the background lacks (its shell
+    sets SIGINT to ignored): without it an interrupt can neither be simulated at a signal point (the ignored
+    handler is not callable) nor sent by ``_thread.interrupt_main`` (an ignored signal does nothing)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 class ConvGapLinear(nn.Module):

@@ -1033,12 +1033,7 @@ def test_a_target_that_explains_inside_the_call_gets_the_maps_it_gets_alone(meth
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # interrupted generator finalisers
-@pytest.mark.xfail(strict=False, reason=(
-    "open: in the fresh-clone CI run of the whole suite (4 of 4 runs on 2026-11-25) one simulated Ctrl-C position "
-    "of the AttnLRP call surfaces as TypeError(\"'>=' not supported between instances of 'Tensor' and 'int'\") "
-    "from select_targets' range check instead of KeyboardInterrupt; every isolated or partial run passes, so the "
-    "position depends on what earlier tests ran. Cause not found yet (torch turns a TypeError inside a binary "
-    "operator's torch-function dispatch into NotImplemented): see the stop note."))
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_an_interrupt_at_any_signal_point_leaves_the_model_and_the_thread_as_found():
     """Ctrl-C landing anywhere in a call of each new transformer method (tests/test_interrupts.py's interrupter,
     which handles SIGINT at the k-th instant CPython could): hooks, flags, modes and grad mode as before the call."""

@@ -188,6 +188,7 @@ class StateCheck:
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # interrupted generator finalisers
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_an_interrupt_at_any_signal_point_leaves_model_and_thread_as_found():
     model, eval_model, x, calls = models_and_calls()
     state, interrupter, rng = StateCheck(model, eval_model), SignalPointInterrupter(), random.Random(0)
@@ -209,6 +210,7 @@ def test_an_interrupt_at_any_signal_point_leaves_model_and_thread_as_found():
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_an_interrupt_at_any_time_leaves_model_and_thread_as_found():
     model, eval_model, x, calls = models_and_calls()
     state, rng = StateCheck(model, eval_model), random.Random(0)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -259,17 +258,6 @@ class FastSignalPointInterrupter(SignalPointInterrupter):
             watched = self.watched[frame.f_code] = any(part in frame.f_code.co_filename
                                                        for part in STATE_CHANGING_CODE)
         return watched
-
-
-@pytest.fixture
-def python_sigint_handler():
-    """Python's own SIGINT handler, which a process started in the background (SIGINT ignored) lacks: without it
-    an interrupt can neither be simulated at a signal point nor sent by _thread.interrupt_main."""
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 INTERRUPTED = ("llava input_x_gradient", "llava attention", "llava attnlrp", "paligemma input_x_gradient")

@@ -59,16 +59,49 @@ def calling_module(modules: dict[int, str]) -> Optional[str]:
 
 def _softmax_of_scores(scores: Tensor, masked: bool) -> Tensor:
     """softmax over the last dimension; with a mask, rows masked entirely give zeros, as the fused
-    kernels do. Half-precision scores are normalised in float32 and cast back."""
-    dtype = scores.dtype
-    blocked = torch.isneginf(scores).all(dim=-1, keepdim=True) if masked else None
-    if blocked is not None:
-        scores = scores.masked_fill(blocked, 0.0)
-    if dtype in (torch.float16, torch.bfloat16):
-        probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
-    else:
-        probabilities = scores.softmax(dim=-1)
-    return probabilities if blocked is None else probabilities.masked_fill(blocked, 0.0)
+    kernels do. Half-precision scores are normalised in float32 and cast back.
+
+    Under a function mode (rules that see the steps, such as DeepLIFT's) it is computed with torch's own
+    functions; otherwise as one autograd function that keeps only its result for the backward pass: one
+    (…, L, S) matrix per layer in the scores' dtype instead of two (masked), or a float32 and a
+    half-precision one (half precision)."""
+    if torch._C._len_torch_function_stack() > 0:
+        dtype = scores.dtype
+        blocked = torch.isneginf(scores).all(dim=-1, keepdim=True) if masked else None
+        if blocked is not None:
+            scores = scores.masked_fill(blocked, 0.0)
+        if dtype in (torch.float16, torch.bfloat16):
+            probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
+        else:
+            probabilities = scores.softmax(dim=-1)
+        return probabilities if blocked is None else probabilities.masked_fill(blocked, 0.0)
+    return _SoftmaxKeepingOnlyItsResult.apply(scores, masked)
+
+
+def _normalisation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _SoftmaxKeepingOnlyItsResult(torch.autograd.Function):
+    """softmax(scores) over the last dimension (rows of -inf only give zeros when ``masked``), saving only the
+    result P: the gradient is P ⊙ (g − Σ_j g_j P_j), zero on the zeroed rows."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: Tensor, masked: bool) -> Tensor:
+        probabilities = scores.softmax(dim=-1, dtype=_normalisation_dtype(scores.dtype))
+        if masked:  # softmax of a row of -inf only is NaN
+            probabilities = probabilities.masked_fill_(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
+        probabilities = probabilities.to(scores.dtype)
+        ctx.save_for_backward(probabilities)
+        return probabilities
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
+        (probabilities,) = ctx.saved_tensors
+        dtype = _normalisation_dtype(probabilities.dtype)
+        weights, upstream = probabilities.to(dtype), gradient.to(dtype)
+        scores_gradient = weights * (upstream - (upstream * weights).sum(dim=-1, keepdim=True))
+        return scores_gradient.to(probabilities.dtype), None
 
 
 def attend(

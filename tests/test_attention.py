@@ -87,6 +87,41 @@ def test_scaled_dot_product_attention_step_by_step_equals_the_fused_kernel(case)
     torch.testing.assert_close(record.grad, by_hand.grad.reshape(expected_shape), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(sdpa_cases()))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_step_by_step_attention_gradients_follow_the_formula_and_keep_one_attention_matrix(case, dtype):
+    """∂/∂(q, k, v) of attend's output equal autograd of softmax(QKᵀ·scale + mask)·V by hand (float64: 1e-10;
+    bfloat16 inputs: within bf16 rounding of the float64 answer), and the graph keeps one (L, S) float matrix
+    per call, in the inputs' dtype: the probabilities (not a float32 copy too, nor a second one for the mask)."""
+    (q, k, v), options, hand = sdpa_cases()[case]
+    weights = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    key_heads = q.shape[-3] // k.shape[-3] if options.get("enable_gqa") else 1
+    exact = [tensor.double().requires_grad_(True) for tensor in (q, k, v)]
+    expanded_k, expanded_v = (tensor.repeat_interleave(key_heads, dim=-3) for tensor in exact[1:])
+    mask = hand.get("mask")
+    hand = {**hand, "mask": mask.double() if mask is not None and mask.is_floating_point() else mask}
+    ((probabilities_by_hand(exact[0], expanded_k, **hand) @ expanded_v) * weights).sum().backward()
+
+    inputs = [tensor.to(dtype).requires_grad_(True) for tensor in (q, k, v)]
+    options = {name: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+               for name, value in options.items()}
+    square = q.shape[-2] * k.shape[-2]
+    kept: list[torch.Tensor] = []
+
+    def keep(tensor):
+        if tensor.is_floating_point() and tensor.shape[-2:].numel() == square:
+            kept.append(tensor)
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        output, probabilities = attend(*inputs, **options)
+    (output.double() * weights).sum().backward()
+    storages = {tensor.untyped_storage().data_ptr(): tensor.dtype for tensor in kept}  # views share one storage
+    assert list(storages.values()) == [dtype], [(tuple(tensor.shape), tensor.dtype) for tensor in kept]
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 0.05, "atol": 0.05}
+    for ours, theirs in zip(inputs, exact):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, **tolerance)
+
+
 def multihead_cases():
     """(description, MultiheadAttention options, call keyword arguments, batched)."""
     length, source, batch = 5, 6, 2

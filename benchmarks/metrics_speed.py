@@ -10,7 +10,8 @@ each side's median is kept: what loads the machine meanwhile slows both alike. T
 largest |ours − Quantus| over the batch, from the same calls, with settings under which both compute the
 same thing (see tests/test_metrics_breadth.py for why the defaults differ), or the share of equal verdicts
 where Quantus returns booleans. Non-sensitivity runs one forward per input element: at ``--small`` px.
-Prints a markdown table; writes nothing. Needs ``pip install --no-deps "quantus==0.6.*"`` and
+Prints a markdown table; with ``--write``, also puts it in benchmarks/RESULTS.md ("Metrics next to Quantus 0.6
+(CPU): faithfulness, localisation, complexity, axiomatic"). Needs ``pip install --no-deps "quantus==0.6.*"`` and
 ``pip install pandas cachetools scikit-image``.
 """
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import machine, write_section  # noqa: E402
 
 import explain  # noqa: E402
 from explain import metrics  # noqa: E402
@@ -92,14 +93,15 @@ Record = Callable[[str, Callable[[], Any], Optional[Callable[[], Any]], Callable
 """record(name, ours, theirs, agreement): time one call of each side and keep a row."""
 
 
-def print_table(rows: list[tuple[str, float, Optional[float], str]], agreement: str, digits: int) -> None:
+def markdown_table(rows: list[tuple[str, float, Optional[float], str]], agreement: str, digits: int) -> str:
     """The markdown table of (metric, our seconds, Quantus's seconds or None, agreement) rows."""
-    print(f"| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement ({agreement}) |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    lines = [f"| metric | explain (s) | Quantus 0.6 (s) | Quantus / explain | agreement ({agreement}) |",
+             "| --- | ---: | ---: | ---: | --- |"]
     for name, our_seconds, their_seconds, agreed in rows:
         their_text = f"{their_seconds:.{digits}f}" if their_seconds is not None else "n/a"
         ratio = f"{their_seconds / our_seconds:.1f}×" if their_seconds is not None else "n/a"
-        print(f"| {name} | {our_seconds:.{digits}f} | {their_text} | {ratio} | {agreed} |")
+        lines.append(f"| {name} | {our_seconds:.{digits}f} | {their_text} | {ratio} | {agreed} |")
+    return "\n".join(lines)
 
 
 def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, heat: torch.Tensor,
@@ -234,6 +236,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--small", type=int, default=16, help="input size for non-sensitivity (one pass per element)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--write", action="store_true", help="also write the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -334,14 +337,24 @@ def main() -> None:
         rows.append((name, min(our_times), their_seconds, agreed))
         print(f"{name}: ours {min(our_times):.2f} s, Quantus {their_seconds or float('nan'):.2f} s, {agreed}",
               flush=True)
+    def forward() -> Any:
+        with torch.inference_mode():
+            return model(images)
+    forward()
+    rows.append(("a forward pass of the batch alone (the floor: a metric of n forwards costs n of these)",
+                 min(timed(forward)[0] for _ in range(3)), None, "no Quantus counterpart"))
     faithfulness_rows(model, images, targets, heat, best_of_two)
 
-    print(f"\nresnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
-          f"{args.repeats} interleaved calls (random logit 3, non-sensitivity 1) on a shared, busy machine.\n")
-    print_table(rows, "max abs difference", digits=4)
-    print("\nThe faithfulness rows (from faithfulness_correlation on) are the faster of two interleaved calls each "
-          "side: both sides run the same forward passes, N rows per pass, which take most of the time; ours give "
-          "the model channels-last batches (explain.memory_format).")
+    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
+               f"{args.repeats} interleaved calls (random logit 3, non-sensitivity 1) on a shared machine.")
+    table = markdown_table(rows, "max abs difference", digits=4)
+    note = ("The faithfulness rows (from faithfulness_correlation on) are the faster of two interleaved calls each "
+            "side: both sides run the same forward passes, N rows per pass, which take most of the time; ours give "
+            "the model channels-last batches (explain.memory_format).")
+    print(f"\n{setting}\n\n{table}\n\n{note}")
+    if args.write:
+        write_section("Metrics next to Quantus 0.6 (CPU): faithfulness, localisation, complexity, axiomatic",
+                      f"`python benchmarks/metrics_speed.py --threads {args.threads}`: {setting}\n\n{table}\n\n{note}")
 
 
 if __name__ == "__main__":

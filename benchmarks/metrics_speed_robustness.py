@@ -14,7 +14,8 @@ side, then in turn (ours, Quantus, ...) ``--repeats`` times, each side's median 
 largest relative |ours − Quantus| over the batch (NaN where Quantus returns NaN and we do not: see
 tests/test_metrics_robustness.py). The explainer's own passes dominate these metrics: the row "Saliency
 alone" is one explanation of the batch, so a metric's floor is about (copies per image) × that.
-Prints a markdown table; writes nothing. Needs ``pip install --no-deps "quantus==0.6.*"`` and
+Prints a markdown table; with ``--write``, also puts it in benchmarks/RESULTS.md ("Metrics next to Quantus 0.6
+(CPU): robustness and randomisation"). Needs ``pip install --no-deps "quantus==0.6.*"`` and
 ``pip install pandas cachetools``.
 """
 
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
-from metrics_speed import explain_func, print_table, quantus_metric, side_by_side  # noqa: E402
+from common import machine, write_section  # noqa: E402
+from metrics_speed import explain_func, markdown_table, quantus_metric, side_by_side  # noqa: E402
 
 import explain  # noqa: E402
 from explain.data import make_dataset  # noqa: E402
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="continuity's translations (Quantus's default: 28)")
     parser.add_argument("--small", type=int, default=64, help="input size for sMPRT (42 explanations per sample)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--write", action="store_true", help="also write the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -164,9 +166,13 @@ def main() -> None:
                                               randomize=quantus_randomize),
             quantus_smooth_mprt, last_layer)
 
-    print(f"\nresnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
-          f"{args.repeats} interleaved call(s) after one each, on a shared machine.\n")
-    print_table(rows, "max relative difference", digits=3)
+    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
+               f"{args.repeats} interleaved call(s) after one each, on a shared machine.")
+    table = markdown_table(rows, "max relative difference", digits=3)
+    print(f"\n{setting}\n\n{table}")
+    if args.write:
+        write_section("Metrics next to Quantus 0.6 (CPU): robustness and randomisation",
+                      f"`python benchmarks/metrics_speed_robustness.py --threads {args.threads}`: {setting}\n\n{table}")
 
 
 if __name__ == "__main__":

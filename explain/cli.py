@@ -459,8 +459,9 @@ def run_evaluate(argv: Sequence[str]) -> int:
     parser.add_argument("--num-classes", type=positive_int)
     parser.add_argument("--allow-pickle", action="store_true")
     parser.add_argument("--methods", nargs="+", required=True, metavar="METHOD", help="registered method names")
-    parser.add_argument("--metrics", nargs="+", default=list(EVALUATE_METRICS), metavar="METRIC",
-                        help=f"default: {' '.join(EVALUATE_METRICS)}; known: {' '.join(METRICS)}")
+    parser.add_argument("--metrics", nargs="+", metavar="METRIC",
+                        help=f"default: {' '.join(EVALUATE_METRICS)} (with --data FOLDER, those that need no masks); "
+                        f"known: {' '.join(METRICS)}")
     parser.add_argument("--data", default="demo", help="'demo' (held-out synthetic images of the shipped models, "
                         "with object masks) or a folder with one sub-folder per class (no masks: no localisation "
                         "metrics)")
@@ -471,6 +472,12 @@ def run_evaluate(argv: Sequence[str]) -> int:
     arguments = parser.parse_args(argv)
     for name in ("output", "size", "mean", "std", "class_names"):
         setattr(arguments, name, None)
+    twice = sorted({name for name in arguments.methods if arguments.methods.count(name) > 1})
+    if twice:
+        raise ValueError(f"method {twice[0]!r} is given twice in --methods.")
+    if arguments.metrics is None:  # a class folder has no masks: the default metrics that need none
+        arguments.metrics = [name for name in EVALUATE_METRICS
+                             if arguments.data == "demo" or not METRICS[name].needs_masks]
     loaded = load_from_arguments(arguments)
     explainers = {name: make_explainer(name, loaded) for name in arguments.methods}
     result = evaluate(loaded.model, explainers, _evaluation_data(arguments, loaded), arguments.metrics,

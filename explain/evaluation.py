@@ -13,14 +13,16 @@ seeded with the batch's index. A mean is over the images where the metric is def
 
 With ``out``, the run is resumable like ``explain batch``: each (batch, method)'s values (and the seconds each metric
 took) go to OUT/evaluation.csv in one write, after which a kill loses nothing; a rerun computes only what is
-missing. OUT/evaluation.json records the settings (a rerun with other methods, metrics or batch size is an error
-that says what differs), and the end of the run writes OUT/evaluation.md (the table) and OUT/evaluation.png (the
-figure: each method's rank per metric).
+missing. OUT/evaluation.json records the settings and, before each batch is computed, its fingerprint (a rerun
+with other methods, metrics, batch size, model weights or data is an error that says what differs; a folder whose
+record holds no value yet binds nothing), and the end of the run writes OUT/evaluation.md (the table) and
+OUT/evaluation.png (the figure: each method's rank per metric).
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -30,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -98,7 +100,8 @@ class Metric:
     def with_options(self, **changes: Any) -> Metric:
         """This metric with other settings, e.g. ``METRICS["faithfulness_correlation"].with_options(runs=200)``.
         Its name then says them, "faithfulness_correlation(runs=200)", so a table shows what was computed and a
-        resumed run never mixes values of two settings. Only the options in ``options`` can change."""
+        resumed run never mixes values of two settings (a registry metric's name says every setting that differs from
+        the registry's, in the order of ``options``). Only the options in ``options`` can change."""
         if self.adapter is None:
             raise ValueError(f"metric {self.name!r} has no options to change: build a Metric with the settings you "
                              "want instead.")
@@ -110,8 +113,15 @@ class Metric:
         if not changed:
             return self
         options = {**self.options, **changed}
+        base = METRICS.get(self.name.split("(", 1)[0])
+        if base is not None and base.adapter is self.adapter:  # a registry metric: named by all its changed settings
+            changed = {key: value for key, value in options.items() if repr(value) != repr(base.options[key])}
+            if not changed:
+                return base
+        else:
+            base = self
         shown = ", ".join(f"{key}={value!r}" for key, value in changed.items())
-        return replace(self, name=f"{self.name}({shown})", measures=f"{self.measures}; with {shown}",
+        return replace(self, name=f"{base.name}({shown})", measures=f"{base.measures}; with {shown}",
                        compute=_bound(self.adapter, options), options=options)
 
 
@@ -429,16 +439,21 @@ class Evaluation:
             mean_ranks[method] = sum(applicable) / len(applicable) if applicable else math.nan
         return mean_ranks
 
+    def _best_first(self, mean_rank: Mapping[str, float]) -> list[str]:
+        """The methods by mean rank, best first; those no metric applies to (NaN) last."""
+        return sorted(self.methods, key=lambda name: (math.isnan(mean_rank[name]), mean_rank[name]))
+
     def markdown(self) -> str:
         """The table: a row per method, a column per metric (mean ± standard error, its rank), and the mean rank."""
         ranks, mean_rank = self.ranks(), self.mean_rank()
         header = "| method | " + " | ".join(f"{m.name} {'↑' if m.better == 'higher' else '↓'}" for m in self.metrics)
         lines = [header + " | mean rank |", "| --- |" + " ---: |" * (len(self.metrics) + 1)]
-        for method in sorted(self.methods, key=lambda name: mean_rank[name]):
+        for method in self._best_first(mean_rank):
             cells = ["–" if math.isnan(ranks[method][m.name]) else
                      f"{self.mean(method, m.name):.3f} ± {self.spread(method, m.name):.3f} ({ranks[method][m.name]:g})"
                      for m in self.metrics]
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean_rank[method]:.2f} |")
+            shown = "–" if math.isnan(mean_rank[method]) else f"{mean_rank[method]:.2f}"
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {shown} |")
         return "\n".join(lines)
 
     def cost_markdown(self) -> str:
@@ -455,7 +470,7 @@ class Evaluation:
         import matplotlib.pyplot as plt
 
         ranks, mean_rank = self.ranks(), self.mean_rank()
-        order = sorted(self.methods, key=lambda name: mean_rank[name])
+        order = self._best_first(mean_rank)
         grid = [[ranks[method][metric.name] for metric in self.metrics] for method in order]
         labels = [f"{m.name.replace('(', chr(10) + '(')}\n{'↑' if m.better == 'higher' else '↓'}" for m in self.metrics]
         longest = max(len(line) for label in labels for line in label.splitlines())  # rotated 45°: its height
@@ -467,7 +482,8 @@ class Evaluation:
                 axes.text(column, row, "–" if math.isnan(mean) else f"{mean:.2f}", ha="center", va="center",
                           fontsize=8)
         axes.set_xticks(range(len(self.metrics)), labels, rotation=45, ha="right", fontsize=8)
-        axes.set_yticks(range(len(order)), [f"{method} ({mean_rank[method]:.1f})" for method in order], fontsize=8)
+        shown = {method: "–" if math.isnan(rank) else f"{rank:.1f}" for method, rank in mean_rank.items()}
+        axes.set_yticks(range(len(order)), [f"{method} ({shown[method]})" for method in order], fontsize=8)
         figure.colorbar(image, ax=axes, label="rank (1 = best)")
         axes.set_title("methods × metrics: mean value, coloured by rank (mean rank in brackets)", fontsize=9)
         figure.tight_layout()
@@ -477,10 +493,11 @@ class Evaluation:
 def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int
              ) -> Iterator[tuple[Tensor, Tensor, Optional[Tensor]]]:
     """The data as (inputs, labels, masks or None) batches: a single (inputs, labels[, masks]) tuple is cut into
-    batches of ``batch_size``; an iterable (a DataLoader) gives its own batches."""
+    batches of ``batch_size``; an iterable (a DataLoader) gives its own batches. Masks may be numpy arrays; tensors
+    made inside the caller's ``torch.inference_mode()`` are copied into ordinary ones (autograd refuses them)."""
     if isinstance(data, tuple) and len(data) in (2, 3) and isinstance(data[0], Tensor):
         inputs, labels = data[0], torch.as_tensor(data[1])
-        masks = cast(Optional[Tensor], data[2] if len(data) == 3 else None)
+        masks = None if len(data) == 2 or data[2] is None else torch.as_tensor(data[2])
         if inputs.dim() != 4 or labels.shape != (inputs.shape[0],):
             raise ValueError(f"data must be (inputs (N, C, H, W), labels (N,)[, masks (N, H, W)]); got inputs of "
                              f"shape {tuple(inputs.shape)} and labels of shape {tuple(labels.shape)}.")
@@ -488,38 +505,86 @@ def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size
             raise ValueError(f"masks must be (N, H, W) for the {inputs.shape[0]} images; got shape "
                              f"{tuple(masks.shape)}.")
         for start in range(0, inputs.shape[0], batch_size):
-            yield (inputs[start:start + batch_size], labels[start:start + batch_size],
-                   None if masks is None else masks[start:start + batch_size])
+            yield _ordinary(inputs[start:start + batch_size], labels[start:start + batch_size],
+                            None if masks is None else masks[start:start + batch_size])
         return
     for position, batch in enumerate(data):
         if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or not isinstance(batch[0], Tensor):
             raise ValueError(f"batch {position} of the data is not (inputs, labels[, masks]): evaluate needs each "
                              "image's class to explain and score.")
-        yield batch[0], torch.as_tensor(batch[1]), (batch[2] if len(batch) == 3 else None)
+        masks = None if len(batch) == 2 or batch[2] is None else torch.as_tensor(batch[2])
+        yield _ordinary(batch[0], torch.as_tensor(batch[1]), masks)
 
 
-def _explainers(model: nn.Module, methods: Union[Sequence[Union[str, Explainer]], Mapping[str, Explainer]]
+def _ordinary(*tensors: Optional[Tensor]) -> Any:
+    """The tensors, those made inside ``torch.inference_mode()`` copied (called outside it)."""
+    return tuple(tensor.clone() if tensor is not None and tensor.is_inference() else tensor for tensor in tensors)
+
+
+def _fingerprint(tensors: Iterable[Optional[Tensor]]) -> str:
+    """A short SHA-256 of the tensors' shapes, dtypes and values: tells a batch or a model from another."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        if tensor is None:
+            hasher.update(b"None;")
+            continue
+        tensor = tensor.detach().cpu()
+        hasher.update(f"{tuple(tensor.shape)} {tensor.dtype};".encode())
+        try:
+            hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError):  # a quantised or otherwise unusual tensor: its serialisation
+            buffer = io.BytesIO()
+            torch.save(tensor, buffer)
+            hasher.update(buffer.getvalue())
+    return hasher.hexdigest()[:16]
+
+
+def _model_fingerprint(model: nn.Module) -> str:
+    """The model's class and a fingerprint of its parameters and buffers (shapes, and at most 4096 values of each,
+    evenly spaced: weights trained or loaded otherwise differ nearly everywhere), as the record names the model
+    without reading every weight of a large one."""
+    state = [value.detach().flatten()[:: max(1, value.numel() // 4096)] if value.numel() else value
+             for value in model.state_dict().values() if isinstance(value, Tensor)]
+    shapes = [torch.tensor(value.shape) for value in model.state_dict().values() if isinstance(value, Tensor)]
+    return f"{type(model).__name__} {_fingerprint(state + shapes)}"
+
+
+def _explainers(model: nn.Module,
+                methods: Union[str, Explainer, Sequence[Union[str, Explainer]], Mapping[str, Explainer]]
                 ) -> dict[str, Explainer]:
-    if isinstance(methods, Mapping):
-        return dict(methods)
+    if isinstance(methods, (str, Explainer)):
+        methods = [methods]
     explainers: dict[str, Explainer] = {}
-    for method in methods:
-        explainer = get_method(method)(model) if isinstance(method, str) else method
-        if explainer.model is not model and getattr(model, "_orig_mod", None) is not explainer.model:
-            raise ValueError(f"the explainer {type(explainer).__name__} explains another model than the one given.")
-        name = method if isinstance(method, str) else explainer.name
-        if name in explainers:
-            raise ValueError(f"method {name!r} is given twice; give a mapping name → explainer to compare two "
-                             "settings of one method.")
-        explainers[name] = explainer
+    if isinstance(methods, Mapping):
+        for name, explainer in methods.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"method names must be non-empty strings; got {name!r}.")
+            if not isinstance(explainer, Explainer):
+                raise ValueError(f"method {name!r} is not an explainer ({type(explainer).__name__}): a mapping takes "
+                                 "name → explainer built on the model.")
+            explainers[name] = explainer
+    else:
+        for method in methods:
+            explainer = get_method(method)(model) if isinstance(method, str) else method
+            if not isinstance(explainer, Explainer):
+                raise ValueError(f"method {method!r} is neither a method's name nor an explainer.")
+            name = method if isinstance(method, str) else explainer.name
+            if name in explainers:
+                raise ValueError(f"method {name!r} is given twice; give a mapping name → explainer to compare two "
+                                 "settings of one method.")
+            explainers[name] = explainer
     if not explainers:
         raise ValueError("evaluate needs at least one method.")
+    for name, explainer in explainers.items():
+        if explainer.model is not model and getattr(model, "_orig_mod", None) is not explainer.model:
+            raise ValueError(f"the explainer of method {name!r} ({type(explainer).__name__}) explains another model "
+                             "than the one given: the metrics would score the given model on another's maps.")
     return explainers
 
 
-def _metrics(names: Sequence[Union[str, Metric]]) -> list[Metric]:
+def _metrics(names: Union[str, Metric, Sequence[Union[str, Metric]]]) -> list[Metric]:
     chosen: list[Metric] = []
-    for name in names:
+    for name in [names] if isinstance(names, (str, Metric)) else names:
         if isinstance(name, Metric):
             chosen.append(name)
         elif name in METRICS:
@@ -529,49 +594,94 @@ def _metrics(names: Sequence[Union[str, Metric]]) -> list[Metric]:
                              "explain.evaluation.Metric).")
     if not chosen:
         raise ValueError("evaluate needs at least one metric.")
-    if len({metric.name for metric in chosen}) != len(chosen):
-        raise ValueError("a metric is given twice.")
+    twice = [name for name in dict.fromkeys(metric.name for metric in chosen)
+             if sum(metric.name == name for metric in chosen) > 1]
+    if twice:
+        raise ValueError(f"a metric is given twice: {', '.join(twice)}.")
     return chosen
 
 
-def _done(out: Path, settings: dict[str, Any], metric_names: Sequence[str]
-          ) -> dict[tuple[int, str], list[dict[str, str]]]:
-    """The rows of every (batch, method) that an earlier run finished (every metric, as many values each), after
-    checking that it used the same settings; the values file is rewritten without unfinished groups (a kill
-    during their write)."""
-    record = out / SETTINGS_FILE
-    if record.exists():
+def _read_record(record: Path) -> dict[str, Any]:
+    """The settings an earlier run recorded (and its batches' fingerprints); a ValueError naming the file when it is
+    not such a record."""
+    if not record.exists():
+        return {}
+    try:
         earlier = json.loads(record.read_text(encoding="utf-8"))
-        differences = [f"{key}: {earlier.get(key)!r} earlier, {value!r} now" for key, value in settings.items()
-                       if earlier.get(key) != value]
-        if differences:
-            raise ValueError(f"{out} holds an evaluation with other settings ({'; '.join(differences)}); rerun with "
-                             "the earlier settings to resume it, or give another folder.")
-    values_file = out / VALUES_FILE
+    except ValueError as error:  # not JSON, not UTF-8
+        raise ValueError(f"{record} is not a readable evaluation record ({error}); delete the folder's "
+                         f"{SETTINGS_FILE} and {VALUES_FILE} to start afresh, or give another folder.") from None
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("batches", {}), dict):
+        raise ValueError(f"{record} is not an evaluation record (a JSON object of the settings); delete the "
+                         f"folder's {SETTINGS_FILE} and {VALUES_FILE} to start afresh, or give another folder.")
+    return earlier
+
+
+def _read_values(values_file: Path) -> tuple[str, list[dict[str, str]]]:
+    """The values file's text and its whole rows (a kill may have torn the last line); a ValueError naming the file
+    and the line for what is not a row of values."""
     text = values_file.read_text(encoding="utf-8") if values_file.exists() else ""
-    groups: dict[tuple[int, str], list[dict[str, str]]] = {}
-    for row in csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])):  # a kill may have torn the last line
-        groups.setdefault((int(row["batch"]), row["method"]), []).append(row)
+    reader = csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1]))
+    advice = "delete it to compute the evaluation afresh, or give another folder."
+    if reader.fieldnames is not None and list(reader.fieldnames) != FIELDS:
+        raise ValueError(f"{values_file} is not an evaluation's values file: its first line is "
+                         f"{','.join(reader.fieldnames)!r}, not {','.join(FIELDS)!r}; {advice}")
+    rows = []
+    for row in reader:
+        try:
+            int(row["batch"]), int(row["image"]), float(row["value"]), float(row["seconds"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{values_file}, line {reader.line_num}: not a row of values "
+                             f"({','.join(str(value) for value in row.values())!r}); {advice}") from None
+        rows.append(row)
+    return text, rows
+
+
+def _done(out: Path, settings: dict[str, Any], metric_names: Sequence[str]
+          ) -> tuple[dict[tuple[int, str], list[dict[str, str]]], dict[str, str]]:
+    """The rows of every (batch, method) that an earlier run finished (every metric, once for each of the same
+    images; in metric then image order), and the fingerprints of the batches it took, after checking that it used
+    the same settings. A record that holds no value binds nothing. The values file is rewritten without unfinished
+    groups (a kill during their write) and rows written twice."""
+    earlier = _read_record(out / SETTINGS_FILE)
+    values_file = out / VALUES_FILE
+    text, rows = _read_values(values_file)
+    if not rows:
+        return {}, {}
+    if not earlier:
+        raise ValueError(f"{out} holds values ({VALUES_FILE}) but no record of their settings ({SETTINGS_FILE}); "
+                         f"delete {VALUES_FILE} to start afresh, or give another folder.")
+    differences = [f"{key}: {earlier.get(key)!r} earlier, {value!r} now" for key, value in settings.items()
+                   if earlier.get(key) != value]
+    if differences:
+        raise ValueError(f"{out} holds an evaluation with other settings ({'; '.join(differences)}); rerun with "
+                         "the earlier settings to resume it, or give another folder.")
+    groups: dict[tuple[int, str], dict[tuple[str, int], dict[str, str]]] = {}
+    for row in rows:  # a row written twice (two runs at once in one folder) counts once
+        groups.setdefault((int(row["batch"]), row["method"]), {}).setdefault((row["metric"], int(row["image"])), row)
     complete = {}
-    for key, rows in groups.items():
-        counts = [sum(row["metric"] == name for row in rows) for name in metric_names]
-        if min(counts) > 0 and len(set(counts)) == 1 and len(rows) == sum(counts):
-            complete[key] = rows
-    if len(complete) != len(groups) or (text and not text.endswith("\n")):  # keep only the complete groups
+    for key, unique in groups.items():
+        images = len({image for _, image in unique})
+        wanted = [(name, image) for name in metric_names for image in range(images)]
+        if images > 0 and len(unique) == len(wanted) and all(pair in unique for pair in wanted):
+            complete[key] = [unique[pair] for pair in wanted]
+    kept_rows = sum(len(group) for group in complete.values())
+    if kept_rows != len(rows) or not text.endswith("\n"):  # keep only the complete groups, each row once
         kept = io.StringIO()
         writer = csv.DictWriter(kept, FIELDS, lineterminator="\n")
         writer.writeheader()
-        for rows in complete.values():
-            writer.writerows(rows)
+        for group in complete.values():
+            writer.writerows(group)
         write_atomically(values_file, lambda path: path.write_text(kept.getvalue(), encoding="utf-8"))
-    return complete
+    return complete, {str(key): str(value) for key, value in earlier.get("batches", {}).items()}
 
 
 def evaluate(
     model: nn.Module,
-    methods: Union[Sequence[Union[str, Explainer]], Mapping[str, Explainer]],
+    methods: Union[str, Explainer, Sequence[Union[str, Explainer]], Mapping[str, Explainer]],
     data: Union[EvaluationBatch, Iterable[EvaluationBatch]],
-    metrics: Sequence[Union[str, Metric]] = ("deletion", "insertion", "road", "pointing_game", "sparseness"),
+    metrics: Union[str, Metric, Sequence[Union[str, Metric]]] = ("deletion", "insertion", "road", "pointing_game",
+                                                                 "sparseness"),
     *,
     out: Union[str, Path, None] = None,
     batch_size: int = 8,
@@ -584,24 +694,33 @@ def evaluate(
         DataLoader of such batches, in a fixed order (resuming relies on it). metrics: names of ``METRICS`` or
         ``Metric`` objects; localisation metrics need masks. out: a folder for the resumable record, the table
         and the figure. batch_size: images per batch when ``data`` is one tuple.
+
+    A resumed run checks that it has the earlier run's methods (their names and explainer classes, not their
+    settings), metrics, batch size, model (its parameters' fingerprint) and data (each batch's fingerprint, recorded
+    before it is computed): anything else is a ValueError naming what differs.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
-    explainers, chosen = _explainers(model, methods), _metrics(list(metrics))
+    explainers, chosen = _explainers(model, methods), _metrics(metrics)
     names = [metric.name for metric in chosen]
-    settings = {"methods": list(explainers), "metrics": names, "batch_size": batch_size}
+    settings: dict[str, Any] = {"methods": list(explainers), "metrics": names, "batch_size": batch_size,
+                                "explainers": [type(explainer).__name__ for explainer in explainers.values()]}
     folder = None if out is None else Path(out)
     done: dict[tuple[int, str], list[dict[str, str]]] = {}
+    record: Optional[dict[str, Any]] = None
     if folder is not None:
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} is a file; give a folder for the evaluation (it is created if missing).")
         folder.mkdir(parents=True, exist_ok=True)
-        done = _done(folder, settings, names)
-        write_atomically(folder / SETTINGS_FILE, lambda path: path.write_text(json.dumps(settings, indent=1)))
+        settings["model"] = _model_fingerprint(model)
+        done, batches = _done(folder, settings, names)
+        record = {**settings, "batches": batches}
+        _write_record(folder, record)
     per_batch: dict[tuple[int, str], dict[str, Tensor]] = {}
     seconds: dict[str, dict[str, float]] = {method: dict.fromkeys(names, 0.0) for method in explainers}
-    with progress_shown_by_caller(), tqdm(desc="evaluate", unit="batch", disable=not progress) as bar:
-        _run(model, explainers, chosen, data, batch_size, done, per_batch, seconds, folder, bar)
+    with torch.inference_mode(False), progress_shown_by_caller(), \
+            tqdm(desc="evaluate", unit="batch", disable=not progress) as bar:
+        _run(model, explainers, chosen, data, batch_size, done, per_batch, seconds, folder, record, bar)
     if not per_batch:
         raise ValueError("the data holds no images.")
     values = {method: {name: torch.cat([per_batch[key][name] for key in sorted(per_batch) if key[1] == method])
@@ -612,16 +731,32 @@ def evaluate(
     return result
 
 
+def _write_record(folder: Path, record: dict[str, Any]) -> None:
+    write_atomically(folder / SETTINGS_FILE, lambda path: path.write_text(json.dumps(record, indent=1)))
+
+
 def _run(model: nn.Module, explainers: dict[str, Explainer], chosen: list[Metric],
          data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int,
          done: dict[tuple[int, str], list[dict[str, str]]], per_batch: dict[tuple[int, str], dict[str, Tensor]],
-         seconds: dict[str, dict[str, float]], folder: Optional[Path], bar: Any) -> None:
+         seconds: dict[str, dict[str, float]], folder: Optional[Path], record: Optional[dict[str, Any]],
+         bar: Any) -> None:
     """Every batch × method: taken from an earlier run's rows, or explained and measured (``_evaluate_batch``)."""
     names = [metric.name for metric in chosen]
     for index, (inputs, labels, masks) in enumerate(_batches(data, batch_size)):
         if masks is None and any(metric.needs_masks for metric in chosen):
             needing = [metric.name for metric in chosen if metric.needs_masks]
             raise ValueError(f"the metrics {needing} need the objects' masks: give data as (inputs, labels, masks).")
+        if record is not None:
+            assert folder is not None, "a record is kept with a folder"
+            fingerprint, recorded = _fingerprint((inputs, labels, masks)), record["batches"].get(str(index))
+            stored = [len(done[(index, method)]) // len(names) for method in explainers if (index, method) in done]
+            if (recorded is not None and recorded != fingerprint) or any(count != len(inputs) for count in stored):
+                raise ValueError(f"batch {index} of the data differs from the one the evaluation in {folder} holds "
+                                 f"(other images, labels or masks, another order, or {len(inputs)} images instead "
+                                 "of the earlier run's); give the earlier data to resume it, or another folder.")
+            if recorded is None and len(stored) < len(explainers):  # recorded before any of its rows is written
+                record["batches"][str(index)] = fingerprint
+                _write_record(folder, record)
         for method, explainer in explainers.items():
             if (index, method) in done:
                 rows = done[(index, method)]
@@ -650,7 +785,7 @@ def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric]
             values[metric.name] = torch.full((inputs.shape[0],), math.nan, dtype=torch.float64)
             spent[metric.name] = 0.0
             continue
-        values[metric.name] = metric.compute(given).reshape(-1)
+        values[metric.name] = torch.as_tensor(metric.compute(given)).detach().double().cpu().reshape(-1)
         spent[metric.name] = time.perf_counter() - started
         seconds[metric.name] += spent[metric.name]
         if values[metric.name].shape[0] != inputs.shape[0]:

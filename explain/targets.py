@@ -383,6 +383,9 @@ def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise TypeError(f"class targets must be integers; got {target!r}.")
     indices = indices.long()
+    if indices.is_inference():  # made in the caller's inference_mode: autograd cannot keep it for gather's backward
+        with torch.inference_mode(False):
+            indices = indices.clone()
     if indices.dim() == 0:
         return indices.expand(batch_size).reshape(batch_size, 1).clone(), False
     if indices.dim() > 2:

@@ -124,6 +124,28 @@ def test_the_numbers_inside_no_grad_and_inference_mode_are_those_outside(cnn):
     assert_same_values(inside, evaluate(cnn, ["saliency"], (x[:2], y[:2]), chosen, progress=False))
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_every_registered_metric_called_inside_no_grad_or_inference_mode_gives_the_values_outside(cnn, context):
+    """Each of the registry's metrics, computed directly (not through evaluate, which leaves inference mode itself)
+    in the caller's mode: the same values as outside. The metrics that explain perturbed copies made the copies'
+    targets, and the randomisation metrics their model copies, as inference tensors, which autograd refused."""
+    from explain.evaluation import MetricInput
+
+    x, y, masks = small_data(2, size=(32, 32))
+    for method in ("saliency", "gradcam"):
+        explainer = explain.get_method(method)(cnn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            given = MetricInput(cnn, explainer, x, explainer.explain(x, y), y, masks)
+            for name, metric in METRICS.items():
+                if name == "completeness" and method == "gradcam":  # a CAM has no input attributions
+                    continue
+                outside = metric.compute(given)
+                with context():
+                    inside = metric.compute(given)
+                torch.testing.assert_close(inside, outside, rtol=0, atol=0, equal_nan=True, msg=f"{method} {name}")
+
+
 @pytest.mark.usefixtures("python_sigint_handler")
 def test_ctrl_c_anywhere_leaves_the_model_as_found_and_the_run_resumes_to_the_uninterrupted_values(cnn, tmp_path):
     """A real Ctrl-C at random instants CPython could handle it (tests/test_interrupts.py's interrupter) in a

@@ -342,7 +342,8 @@ def input_invariance(
         raise ValueError("input invariance takes one target per image; give one class (or none) per image.")
     classes = original.class_indices[:, 0] if original.class_indices is not None else target
 
-    shifted_explainer = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
+    with torch.inference_mode(False):  # a copy made in the caller's inference_mode would hold inference tensors
+        shifted_explainer = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
     shifted_model = shifted_explainer.model
     name, first = _first_layer(shifted_model, batch, layer)
     with torch.no_grad(), preserved_model_state(shifted_model):

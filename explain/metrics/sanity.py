@@ -154,13 +154,15 @@ def randomized_copies(
         raise ValueError(f"order must be 'top_down' or 'bottom_up'; got {order!r}.")
     executed = _execution_order(explainer.model, stages, batch)
     sequence = list(reversed(executed)) if order == "top_down" else executed
-    randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
+    with torch.inference_mode(False):  # a copy made in the caller's inference_mode would hold inference tensors
+        randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
     modules = dict(randomized.model.named_modules())
     for index, name in enumerate(sequence):
-        if randomize is None:
-            reinitialize(modules[name], seed + index)
-        else:
-            randomize(modules[name], index)
+        with torch.inference_mode(False):
+            if randomize is None:
+                reinitialize(modules[name], seed + index)
+            else:
+                randomize(modules[name], index)
         yield name, sequence[: index + 1], randomized
 
 

@@ -42,7 +42,7 @@ from . import metrics
 from .batch import append_rows, write_atomically
 from .explanation import Explanation
 from .layers import default_layer
-from .methods.base import Explainer, get_method, progress_shown_by_caller
+from .methods.base import Explainer, get_method, progress_shown_by_caller, setting_text
 from .methods.options import int_option
 
 FIELDS = ["batch", "method", "metric", "image", "value", "seconds"]
@@ -652,7 +652,14 @@ def _done(out: Path, settings: dict[str, Any], metric_names: Sequence[str]
         raise ValueError(f"{out} holds values ({VALUES_FILE}) but no record of their settings ({SETTINGS_FILE}); "
                          f"delete {VALUES_FILE} to start afresh, or give another folder.")
     differences = [f"{key}: {earlier.get(key)!r} earlier, {value!r} now" for key, value in settings.items()
-                   if earlier.get(key) != value]
+                   if earlier.get(key) != value and key != "explainers"]
+    earlier_explainers = earlier.get("explainers")
+    if earlier_explainers != settings["explainers"]:
+        if isinstance(earlier_explainers, list) and len(earlier_explainers) == len(settings["methods"]):
+            differences += [f"method {name!r}: {before} earlier, {now} now" for name, before, now
+                            in zip(settings["methods"], earlier_explainers, settings["explainers"]) if before != now]
+        else:
+            differences.append(f"explainers: {earlier_explainers!r} earlier, {settings['explainers']!r} now")
     if differences:
         raise ValueError(f"{out} holds an evaluation with other settings ({'; '.join(differences)}); rerun with "
                          "the earlier settings to resume it, or give another folder.")
@@ -695,16 +702,16 @@ def evaluate(
         ``Metric`` objects; localisation metrics need masks. out: a folder for the resumable record, the table
         and the figure. batch_size: images per batch when ``data`` is one tuple.
 
-    A resumed run checks that it has the earlier run's methods (their names and explainer classes, not their
-    settings), metrics, batch size, model (its parameters' fingerprint) and data (each batch's fingerprint, recorded
-    before it is computed): anything else is a ValueError naming what differs.
+    A resumed run checks that it has the earlier run's methods (their names, explainer classes and settings),
+    metrics, batch size, model (its parameters' fingerprint) and data (each batch's fingerprint, recorded before it
+    is computed): anything else is a ValueError naming what differs.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
     explainers, chosen = _explainers(model, methods), _metrics(metrics)
     names = [metric.name for metric in chosen]
     settings: dict[str, Any] = {"methods": list(explainers), "metrics": names, "batch_size": batch_size,
-                                "explainers": [type(explainer).__name__ for explainer in explainers.values()]}
+                                "explainers": [setting_text(explainer) for explainer in explainers.values()]}
     folder = None if out is None else Path(out)
     done: dict[tuple[int, str], list[dict[str, str]]] = {}
     record: Optional[dict[str, Any]] = None

@@ -596,21 +596,27 @@ def test_resuming_with_another_explainer_under_the_same_name_is_refused(cnn, tmp
     out = tmp_path / "evaluation"
     evaluate(cnn, {"attribution": explain.Saliency(cnn)}, (x[:2], y[:2]), CHEAP, out=out, batch_size=2,
              progress=False)
-    with pytest.raises(ValueError, match=r"other settings.*explainers: \['Saliency'\] earlier, \['GradCAM'\] now"):
+    with pytest.raises(ValueError, match=r"other settings.*'attribution': Saliency\(.* earlier, GradCAM\(.* now"):
         evaluate(cnn, {"attribution": explain.GradCAM(cnn)}, (x, y), CHEAP, out=out, batch_size=2, progress=False)
 
 
-@pytest.mark.xfail(strict=True, reason="the record names each method's explainer class but not its settings: "
-                   "Saliency(reduce='sum') resumes a folder of Saliency(reduce='max') under the same name, mixing "
-                   "their values; refusing it needs explainers to describe their settings (explain/methods/base.py)")
 def test_resuming_with_other_settings_of_one_explainer_under_the_same_name_is_refused(cnn, tmp_path):
+    """Saliency(reduce='sum') under the name of an earlier Saliency(reduce='max'), a CAM at another layer, LRP with
+    another ε, a wrapped CAM's layer: the values of two settings would be mixed in one table. The same settings
+    built again (another object, another process's memory addresses) resume."""
     x, y, _ = small_data(4)
-    out = tmp_path / "evaluation"
-    evaluate(cnn, {"saliency": explain.Saliency(cnn, reduce="max")}, (x[:2], y[:2]), CHEAP, out=out, batch_size=2,
-             progress=False)
-    with pytest.raises(ValueError, match="other settings"):
-        evaluate(cnn, {"saliency": explain.Saliency(cnn, reduce="sum")}, (x, y), CHEAP, out=out, batch_size=2,
-                 progress=False)
+    pairs = [(lambda: explain.Saliency(cnn, reduce="maxabs"), lambda: explain.Saliency(cnn, reduce="sum")),
+             (lambda: explain.GradCAM(cnn, "features.6"), lambda: explain.GradCAM(cnn, "features.3")),
+             (lambda: explain.get_method("lrp")(cnn), lambda: explain.get_method("lrp")(cnn, epsilon=0.5)),
+             (lambda: explain.get_method("finercam")(cnn, "features.6"),
+              lambda: explain.get_method("finercam")(cnn, "features.3"))]
+    for index, (earlier, other) in enumerate(pairs):
+        out = tmp_path / f"evaluation{index}"
+        expected = evaluate(cnn, {"m": earlier()}, (x[:2], y[:2]), CHEAP, out=out, batch_size=2, progress=False)
+        with pytest.raises(ValueError, match="other settings .*method 'm': "):
+            evaluate(cnn, {"m": other()}, (x, y), CHEAP, out=out, batch_size=2, progress=False)
+        assert_same_values(evaluate(cnn, {"m": earlier()}, (x[:2], y[:2]), CHEAP, out=out, batch_size=2,
+                                    progress=False), expected)
 
 
 def test_a_dataloader_gives_the_values_of_the_tuple_and_resumes(cnn, tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import hashlib
 import inspect
 import numbers
 import re
@@ -19,6 +21,7 @@ from typing import (
     Collection,
     Generic,
     Iterator,
+    Mapping,
     Optional,
     Sequence,
     TypedDict,
@@ -483,6 +486,34 @@ def parameter_docs(docstring: Optional[str]) -> dict[str, str]:
     return docs
 
 
+def setting_text(value: Any) -> str:
+    """A short text of an option's value, the same in every process (no memory addresses, sets sorted): a tensor
+    as its shape, dtype and a digest of its values, a module with submodules by its class, an explainer by its
+    class and ``settings``, a function by its qualified name."""
+    if isinstance(value, Explainer):
+        return f"{type(value).__name__}({', '.join(f'{k}={v}' for k, v in value.settings().items())})"
+    if isinstance(value, Tensor):
+        data = value.detach().cpu().contiguous().reshape(-1)
+        digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+        return f"tensor{tuple(value.shape)} {value.dtype} {digest[:12]}"
+    if isinstance(value, nn.Module) and next(value.children(), None) is not None:
+        return type(value).__name__
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{item.name}={setting_text(getattr(value, item.name))}"
+                           for item in dataclasses.fields(value))
+        return f"{type(value).__name__}({fields})"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(setting_text(item) for item in value)) + "}"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join(setting_text(item) for item in value)
+        return f"[{items}]" if isinstance(value, list) else f"({items})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{setting_text(key)}: {setting_text(item)}" for key, item in value.items()) + "}"
+    if inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.isclass(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
 def full_signature(cls: type) -> inspect.Signature:
     """The constructor's signature with every ``**options`` expanded into the keyword parameters of the
     base-class constructors it is passed on to (their defaults included): what a caller may pass. A class
@@ -598,6 +629,24 @@ class Explainer(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         document_options(cls)
+
+    setting_attributes: ClassVar[Mapping[str, str]] = {}
+    """Options kept under another attribute name (option → attribute), for ``settings``."""
+
+    def settings(self) -> dict[str, str]:
+        """What the explainer computes with, as short texts that are the same in every process: each constructor
+        option it keeps (under the option's name or ``setting_attributes``), and the explainers it wraps. Two
+        explainers of one class with equal settings compute the same maps; ``explain.evaluate`` records them so
+        that a resumed run never mixes two settings of a method."""
+        texts = {}
+        for option in inspect.signature(type(self)).parameters:
+            attribute = self.setting_attributes.get(option, option)
+            if option != "model" and attribute in self.__dict__:
+                texts[option] = setting_text(self.__dict__[attribute])
+        for attribute, value in self.__dict__.items():
+            if isinstance(value, Explainer) and attribute not in texts:
+                texts[attribute] = setting_text(value)
+        return texts
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

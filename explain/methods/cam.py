@@ -162,6 +162,8 @@ class CAM(Explainer):
     by other means (perturbations) override ``layer_maps``.
     """
 
+    setting_attributes = {"layer": "layers"}
+
     needs_layer = True
     uses_gradients: ClassVar[bool] = True
     """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SmallCNN, assert_state_equal, model_state
+from test_outputs_and_targets import TupleOutput
 from torch import nn
 
 import explain
@@ -471,15 +472,6 @@ def test_odd_sizes_grayscale_and_a_last_batch_of_one_image_give_the_metrics_own_
     assert not sufficiency[:2].isnan().any() and sufficiency[2].isnan()
     assert result.mean("saliency", "sufficiency") == pytest.approx(float(sufficiency[:2].mean()))
     assert result.spread("saliency", "sufficiency") == pytest.approx(float(sufficiency[:2].std()) / math.sqrt(2))
-
-
-class TupleOutput(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x), x.mean()
 
 
 class DictOutput(TupleOutput):

@@ -81,7 +81,7 @@ from .labels import (
     folder_labels,
     split_loader_batch,
 )
-from .methods.base import Explainer, progress_shown_by_caller
+from .methods.base import Explainer, progress_shown_by_caller, setting_text
 from .targets import Target, class_index
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
@@ -495,7 +495,9 @@ class RunRecord:
     "both", "label", "predicted", "given", "topk"}, with "target" (the class(es) given, class names
     as indices where the names are known; a callable by its name) for "given" and "topk" (K) for
     "topk"; labels: where the true labels come from ("none", "class folders", "the file NAME",
-    "a mapping", "the DataLoader's batches").
+    "a mapping", "the DataLoader's batches"); settings: the explainer's options
+    (``setting_text(explainer)``: "GradCAM(layer=..., relu=True, ...)"; None in a record written before
+    explain recorded them).
     """
 
     method: str
@@ -503,6 +505,7 @@ class RunRecord:
     class_names: Optional[list[str]]
     target: dict[str, Any]
     labels: str
+    settings: Optional[str] = None
 
     def to_text(self) -> str:
         """The record as run.json holds it: JSON, one setting a line (class names on one line)."""
@@ -528,7 +531,10 @@ class RunRecord:
         if wrong:
             raise ValueError(f"{where} is not a run record of explain: its field(s) {', '.join(wrong)} are missing or "
                              "of the wrong type.")
-        return cls(**{name: data[name] for name in checks})
+        settings = data.get("settings")
+        if settings is not None and not isinstance(settings, str):
+            raise ValueError(f"{where} is not a run record of explain: its field settings is of the wrong type.")
+        return cls(**{name: data[name] for name in checks}, settings=settings)
 
     def differences(self, earlier: "RunRecord") -> list[str]:
         """What this run does otherwise than ``earlier``, one line a setting ("method: 'gradcam'
@@ -537,6 +543,8 @@ class RunRecord:
         if (self.method, self.method_class) != (earlier.method, earlier.method_class):
             found.append(f"method: {earlier.method!r} ({earlier.method_class}) earlier, {self.method!r} "
                          f"({self.method_class}) now")
+        elif None not in (self.settings, earlier.settings) and self.settings != earlier.settings:
+            found.append(f"method settings: {earlier.settings} earlier, {self.settings} now")
         if self.target != earlier.target:
             found.append(f"target: {_target_text(earlier.target)} earlier, {_target_text(self.target)} now")
         if self.labels != earlier.labels:
@@ -597,7 +605,7 @@ def _run_record(explainer: Explainer, plan: _TargetPlan, data: Union[str, Path, 
     elif plan.mode == "given":
         target["target"] = _target_as_json(plan.target, class_names)
     names = None if class_names is None else [str(name) for name in class_names]
-    return RunRecord(explainer.name, type(explainer).__name__, names, target, source)
+    return RunRecord(explainer.name, type(explainer).__name__, names, target, source, setting_text(explainer))
 
 
 def _target_as_json(target: Target, class_names: Optional[Sequence[str]]) -> Any:

@@ -19,6 +19,7 @@ from explain.batch import RUN_RECORD, RunRecord, Shard, read_run_record, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
 from explain.html_report import main_report, report
+from explain.methods.base import setting_text
 
 MODEL = load_demo_model()
 
@@ -53,10 +54,12 @@ def test_run_json_records_what_each_run_was_asked(folder, tmp_path):
     run(gradcam(), folder, tmp_path / "both", labels="folders", progress=False)
     assert recorded(tmp_path / "both") == {"method": "gradcam", "method_class": "GradCAM",
                                            "class_names": list(CLASS_NAMES), "target": {"mode": "both"},
-                                           "labels": "class folders"}
+                                           "labels": "class folders", "settings": setting_text(gradcam())}
+    assert recorded(tmp_path / "both")["settings"].startswith("GradCAM(layer=['layer4'], relu=True, ")
     run(explain.Saliency(MODEL), folder, tmp_path / "topk", topk=2, progress=False)
     assert recorded(tmp_path / "topk") == {"method": "saliency", "method_class": "Saliency", "class_names": None,
-                                           "target": {"mode": "topk", "topk": 2}, "labels": "none"}
+                                           "target": {"mode": "topk", "topk": 2}, "labels": "none",
+                                           "settings": setting_text(explain.Saliency(MODEL))}
     labels = tmp_path / "my labels.csv"
     labels.write_text("path,label\ndisc/a.png,disc\n")
     run(gradcam(), folder, tmp_path / "given", target="square", labels=labels, progress=False)  # a name: its index
@@ -69,7 +72,7 @@ def test_run_json_records_what_each_run_was_asked(folder, tmp_path):
     assert recorded(tmp_path / "loader")["target"] == {"mode": "label"}
     # the reader gives back what was written
     assert read_run_record(tmp_path / "both") == RunRecord("gradcam", "GradCAM", list(CLASS_NAMES), {"mode": "both"},
-                                                           "class folders")
+                                                           "class folders", setting_text(gradcam()))
     assert read_run_record(tmp_path / "nothing here") is None
 
 
@@ -81,7 +84,7 @@ def test_the_command_records_its_method_and_target(folder, tmp_path):
     assert (record["method"], record["method_class"]) == ("gradcam++", "GradCAMPlusPlus")
     assert record["target"] == {"mode": "given", "target": 2} and record["labels"] == "none"
     assert record["class_names"] == list(CLASS_NAMES)  # the demo model's
-    assert (out / RUN_RECORD).read_text().count("\n") == 7  # one setting a line, for reading by eye
+    assert (out / RUN_RECORD).read_text().count("\n") == 8  # one setting a line, for reading by eye
 
 
 # ---------------------------------------------------------------- resuming
@@ -115,6 +118,33 @@ def test_a_resume_with_another_method_is_refused_saying_what_differs(folder, tmp
     assert status == 2 and len(error) == 1
     assert "method: 'gradcam' (GradCAM) earlier, 'saliency' (Saliency) now" in error[0]
     assert folder_state(out) == before
+
+
+def test_a_resume_with_other_settings_of_the_method_is_refused_naming_them(folder, tmp_path):
+    """The same method with another option (Grad-CAM at another layer, without its ReLU; Saliency's reduction) would
+    mix maps made two ways in one index; the same settings built again, or an explainer already used (its layer
+    chosen on the first call), resume. A record written before explain recorded settings resumes too."""
+    out = tmp_path / "out"
+    run(gradcam(), folder, out, labels="folders", progress=False)
+    before = folder_state(out)
+    for other, shown in [(explain.GradCAM(MODEL, "layer3", class_names=CLASS_NAMES), "layer=['layer3']"),
+                         (explain.GradCAM(MODEL, "layer4", relu=False, class_names=CLASS_NAMES), "relu=False")]:
+        with pytest.raises(ValueError, match="method settings: GradCAM\\(layer=\\['layer4'\\], relu=True.* earlier, "
+                           f"GradCAM\\(.*{re.escape(shown)}.* now.*maps made two ways"):
+            run(other, folder, out, labels="folders", progress=False)
+    assert folder_state(out) == before
+    assert run(gradcam(), folder, out, labels="folders", progress=False).already_done == 4
+    automatic = explain.Saliency(MODEL)
+    run(automatic, folder, tmp_path / "saliency", progress=False)
+    assert run(automatic, folder, tmp_path / "saliency", progress=False).already_done == 4  # used: the same
+    with pytest.raises(ValueError, match="method settings: Saliency\\(reduce='maxabs'.* earlier, "
+                       "Saliency\\(reduce='sum'"):
+        run(explain.Saliency(MODEL, reduce="sum"), folder, tmp_path / "saliency", progress=False)
+    old = json.loads((out / RUN_RECORD).read_text(encoding="utf-8"))
+    del old["settings"]  # a folder of an earlier version
+    (out / RUN_RECORD).write_text(json.dumps(old), encoding="utf-8")
+    assert run(explain.GradCAM(MODEL, "layer4", relu=False, class_names=CLASS_NAMES), folder, out, labels="folders",
+               progress=False).already_done == 4
 
 
 def test_a_resume_with_another_target_labels_or_class_names_lists_each_difference(folder, tmp_path):

@@ -635,13 +635,14 @@ class Explainer(ABC):
 
     def settings(self) -> dict[str, str]:
         """What the explainer computes with, as short texts that are the same in every process: each constructor
-        option it keeps (under the option's name or ``setting_attributes``), and the explainers it wraps. Two
-        explainers of one class with equal settings compute the same maps; ``explain.evaluate`` records them so
-        that a resumed run never mixes two settings of a method."""
+        option it keeps (under the option's name or ``setting_attributes``) except those that do not change a map
+        (``class_names``, ``progress``), and the explainers it wraps. Two explainers of one class with equal
+        settings compute the same maps; ``explain.evaluate`` and ``explain.batch.run`` record them so that a
+        resumed run never mixes two settings of a method."""
         texts = {}
         for option in inspect.signature(type(self)).parameters:
             attribute = self.setting_attributes.get(option, option)
-            if option != "model" and attribute in self.__dict__:
+            if option not in ("model", "class_names", "progress") and attribute in self.__dict__:
                 texts[option] = setting_text(self.__dict__[attribute])
         for attribute, value in self.__dict__.items():
             if isinstance(value, Explainer) and attribute not in texts:

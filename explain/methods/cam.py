@@ -162,7 +162,7 @@ class CAM(Explainer):
     by other means (perturbations) override ``layer_maps``.
     """
 
-    setting_attributes = {"layer": "layers"}
+    setting_attributes = {"layer": "requested_layers"}
 
     needs_layer = True
     uses_gradients: ClassVar[bool] = True
@@ -198,6 +198,8 @@ class CAM(Explainer):
             raise ValueError(f"{type(self).__name__} sums its channels itself, so smooth='eigen' does not apply to it "
                              "yet; use smooth='augment' or None.")
         self.layers = None if layer is None else find_layers(self.model, layer)
+        self.requested_layers = None if self.layers is None else [name for name, _ in self.layers]
+        """The layers given (None: chosen on the first call), as ``settings`` reports them."""
         self.relu = relu
         self.combine = combine
         self.normalize_layers = normalize_layers

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import signal
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -22,6 +25,59 @@ def python_sigint_handler():
         signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+def errors_in_threads(work: Callable[[int], None], count: int) -> list[Exception]:
+    """Run work(0), …, work(count − 1) at once, each in its own thread; the exceptions they raised."""
+    errors: list[Exception] = []
+
+    def run(index: int) -> None:
+        try:
+            work(index)
+        except Exception as error:  # reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+class ServingThread(ABC):
+    """``with Server(...) as server:`` — a thread that serves plain inference (``serve_once``) with a fixed grad
+    mode until the block ends, as a web service would from the model being explained. ``problems``: every
+    error, wrong result (``serve_once`` appends those) or change of its grad mode; ``rounds``: calls served."""
+
+    def __init__(self, grad_enabled: bool):
+        self.grad_enabled = grad_enabled
+        self.stop, self.problems, self.rounds = threading.Event(), [], 0
+        self.thread = threading.Thread(target=self._serve)
+
+    @abstractmethod
+    def serve_once(self) -> None:
+        """One call of plain inference; appends to ``problems`` what differs from the expected result."""
+
+    def _serve(self) -> None:
+        torch.set_grad_enabled(self.grad_enabled)
+        while not self.stop.is_set():
+            try:
+                self.serve_once()
+            except Exception as error:  # reported by the test
+                self.problems.append(repr(error))
+                continue
+            self.rounds += 1
+            if torch.is_grad_enabled() != self.grad_enabled:
+                self.problems.append("grad mode changed")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stop.set()
+        self.thread.join()
 
 
 class ConvGapLinear(nn.Module):

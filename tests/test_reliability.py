@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import tracemalloc
 import warnings
 
@@ -13,7 +12,7 @@ import psutil
 import pytest
 import torch
 import torchvision
-from conftest import SmallCNN, SmallViT, assert_state_equal, model_state
+from conftest import SmallCNN, SmallViT, assert_state_equal, errors_in_threads, model_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -195,21 +194,14 @@ def test_explainers_in_two_threads_on_two_model_copies():
     methods = ("gradcam", "guidedbackprop", "scorecam", "integratedgradients")
     expected = {(i, name): build(name, models[i], "features.6").explain(inputs[i]).maps
                 for i in range(2) for name in methods}
-    results, errors = {}, []
+    results = {}
 
     def work(i):
-        try:
-            for _ in range(10):
-                for name in methods:
-                    results[(i, name)] = build(name, models[i], "features.6").explain(inputs[i]).maps
-        except Exception as error:  # reported below
-            errors.append(error)
+        for _ in range(10):
+            for name in methods:
+                results[(i, name)] = build(name, models[i], "features.6").explain(inputs[i]).maps
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = errors_in_threads(work, 2)
     assert not errors, errors
     for key, maps in expected.items():
         torch.testing.assert_close(results[key], maps)

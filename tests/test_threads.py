@@ -4,49 +4,30 @@ explainer act only on the explaining thread's forward passes."""
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
 import torch
-from conftest import SmallCNN, SmallViT
+from conftest import ServingThread, SmallCNN, SmallViT, errors_in_threads
 from test_reliability import ATTENTION_METHODS, CNN_METHODS, build
 
 import explain
 
 
-class Server:
+class Server(ServingThread):
     """A thread that runs plain inference on the model until stopped and records every mismatch
     with the model's true output, and any change of its own grad mode."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, grad_enabled: bool):
-        self.model, self.x, self.grad_enabled = model, x, grad_enabled
+        super().__init__(grad_enabled)
+        self.model, self.x = model, x
         with torch.set_grad_enabled(grad_enabled):  # (nn.TransformerEncoder takes a fused path without grad)
             self.expected = model(x).detach()
-        self.stop, self.problems, self.forwards = threading.Event(), [], 0
-        self.thread = threading.Thread(target=self._serve)
 
-    def _serve(self):
-        torch.set_grad_enabled(self.grad_enabled)
-        while not self.stop.is_set():
-            try:
-                output = self.model(self.x)
-            except Exception as error:  # reported by the test
-                self.problems.append(repr(error))
-                continue
-            self.forwards += 1
-            if torch.is_grad_enabled() != self.grad_enabled:
-                self.problems.append("grad mode changed")
-            if not torch.equal(output.detach(), self.expected):
-                self.problems.append(f"output differs by {(output.detach() - self.expected).abs().max():.3g}")
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info):
-        self.stop.set()
-        self.thread.join()
+    def serve_once(self):
+        output = self.model(self.x)
+        if not torch.equal(output.detach(), self.expected):
+            self.problems.append(f"output differs by {(output.detach() - self.expected).abs().max():.3g}")
 
 
 @pytest.mark.parametrize("grad_enabled", [False, True])
@@ -65,7 +46,7 @@ def test_another_threads_inference_sees_the_plain_model_while_every_method_expla
                 for name in methods:
                     maps = build(name, model, layer).explain(explained, target=[1, 3]).raw_maps
                     torch.testing.assert_close(maps, expected[name], msg=name)
-    assert server.forwards > 20, "the serving thread hardly ran"
+    assert server.rounds > 20, "the serving thread hardly ran"
     assert not server.problems, server.problems[:5]
 
 
@@ -82,7 +63,7 @@ def test_capture_and_edit_blocks_act_on_their_own_thread_only():
                 zeroed = model(x)
             torch.testing.assert_close(zeroed, model.head(torch.zeros(3, 16)).expand_as(zeroed))
     model.zero_grad(set_to_none=True)
-    assert server.forwards > 20
+    assert server.rounds > 20
     assert not server.problems, server.problems[:5]
 
 
@@ -111,21 +92,12 @@ def test_one_explainer_shared_by_threads_gives_each_its_own_maps():
     expected = {(name, i): explainer.explain(x).raw_maps for name, explainer in shared.items()
                 for i, x in enumerate(inputs)}
     expected_two = two_inputs.explain(inputs[0], forward_args=(other,)).raw_maps
-    errors = []
 
     def work(i):
-        try:
-            for _ in range(5):
-                for name, explainer in shared.items():
-                    torch.testing.assert_close(explainer.explain(inputs[i]).raw_maps, expected[(name, i)])
-                torch.testing.assert_close(two_inputs.explain(inputs[0], forward_args=(other,)).raw_maps,
-                                           expected_two)
-        except Exception as error:  # reported below
-            errors.append(error)
+        for _ in range(5):
+            for name, explainer in shared.items():
+                torch.testing.assert_close(explainer.explain(inputs[i]).raw_maps, expected[(name, i)])
+            torch.testing.assert_close(two_inputs.explain(inputs[0], forward_args=(other,)).raw_maps, expected_two)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = errors_in_threads(work, 3)
     assert not errors, errors[:3]

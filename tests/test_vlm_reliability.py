@@ -41,7 +41,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import assert_state_equal, model_state
+from conftest import ServingThread, assert_state_equal, errors_in_threads, model_state
 from PIL import Image
 from test_interrupts import STATE_CHANGING_CODE, SignalPointInterrupter, TimedInterrupter, thread_state
 from torch import nn
@@ -469,42 +469,24 @@ def test_a_frozen_model_gives_the_maps_of_a_trainable_one():
 # ------------------------------------------------------------------ 3. threads
 
 
-class Server:
+class Server(ServingThread):
     """A thread that runs plain forward passes and greedy generation on the model until stopped and records every
     result that differs from what it gave alone (and any change of its own grad mode)."""
 
     def __init__(self, model: nn.Module, inputs: dict[str, Any], grad_enabled: bool):
-        self.model, self.inputs, self.grad_enabled = model, inputs, grad_enabled
+        super().__init__(grad_enabled)
+        self.model, self.inputs = model, inputs
         with torch.set_grad_enabled(grad_enabled):
             self.logits = model(**inputs).logits.detach()
         self.generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
-        self.stop, self.problems, self.rounds = threading.Event(), [], 0
-        self.thread = threading.Thread(target=self._serve)
 
-    def _serve(self) -> None:
-        torch.set_grad_enabled(self.grad_enabled)
-        while not self.stop.is_set():
-            try:
-                logits = self.model(**self.inputs).logits.detach()
-                generated = self.model.generate(**self.inputs, max_new_tokens=3, do_sample=False)
-            except Exception as error:  # reported by the test
-                self.problems.append(repr(error))
-                continue
-            self.rounds += 1
-            if not torch.equal(logits, self.logits):
-                self.problems.append(f"logits differ by {(logits - self.logits).abs().max():.3g}")
-            if not torch.equal(generated, self.generated):
-                self.problems.append(f"generated {generated.tolist()} instead of {self.generated.tolist()}")
-            if torch.is_grad_enabled() != self.grad_enabled:
-                self.problems.append("grad mode changed")
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop.set()
-        self.thread.join()
+    def serve_once(self) -> None:
+        logits = self.model(**self.inputs).logits.detach()
+        generated = self.model.generate(**self.inputs, max_new_tokens=3, do_sample=False)
+        if not torch.equal(logits, self.logits):
+            self.problems.append(f"logits differ by {(logits - self.logits).abs().max():.3g}")
+        if not torch.equal(generated, self.generated):
+            self.problems.append(f"generated {generated.tolist()} instead of {self.generated.tolist()}")
 
 
 @pytest.mark.parametrize("grad_enabled", [False, True])
@@ -533,23 +515,15 @@ def test_one_explainer_shared_by_two_threads_gives_each_its_own_maps():
     images = [picture(seed=0), picture(seed=1)]
     expected = {(method, i): quietly(lambda method=method, i=i: shared[method].explain(
         images[i], "what?", max_new_tokens=3)).raw_maps for method in METHODS for i in range(2)}
-    errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        try:
-            for _ in range(2):
-                for method, explainer in shared.items():
-                    maps = quietly(lambda explainer=explainer: explainer.explain(
-                        images[i], "what?", max_new_tokens=3)).raw_maps
-                    torch.testing.assert_close(maps, expected[(method, i)], rtol=0, atol=0)
-        except Exception as error:  # reported below
-            errors.append(error)
+        for _ in range(2):
+            for method, explainer in shared.items():
+                maps = quietly(lambda explainer=explainer: explainer.explain(
+                    images[i], "what?", max_new_tokens=3)).raw_maps
+                torch.testing.assert_close(maps, expected[(method, i)], rtol=0, atol=0)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = errors_in_threads(work, 2)
     assert not errors, errors[:3]
 
 

@@ -543,10 +543,9 @@ def _model_fingerprint(model: nn.Module) -> str:
     """The model's class and a fingerprint of its parameters and buffers (shapes, and at most 4096 values of each,
     evenly spaced: weights trained or loaded otherwise differ nearly everywhere), as the record names the model
     without reading every weight of a large one."""
-    state = [value.detach().flatten()[:: max(1, value.numel() // 4096)] if value.numel() else value
-             for value in model.state_dict().values() if isinstance(value, Tensor)]
-    shapes = [torch.tensor(value.shape) for value in model.state_dict().values() if isinstance(value, Tensor)]
-    return f"{type(model).__name__} {_fingerprint(state + shapes)}"
+    tensors = [value for value in model.state_dict().values() if isinstance(value, Tensor)]
+    samples = [value.detach().flatten()[:: max(1, value.numel() // 4096)] for value in tensors]
+    return f"{type(model).__name__} {_fingerprint(samples + [torch.tensor(value.shape) for value in tensors])}"
 
 
 def _explainers(model: nn.Module,

@@ -844,7 +844,7 @@ def test_another_thread_serving_the_model_sees_the_plain_model_while_it_is_expla
                                        expected[explain.AttnLRP])
             torch.testing.assert_close(explain.TransformerAttribution(model).explain(explained, target=[1, 3]).raw_maps,
                                        expected_rows)
-    assert server.forwards > 5, "the serving thread hardly ran"
+    assert server.rounds > 5, "the serving thread hardly ran"
     assert not server.problems, server.problems[:5]
 
 

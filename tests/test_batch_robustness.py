@@ -168,9 +168,21 @@ def run_in_fork(folder: Path, out: Path, options: Sequence[str]) -> float:
                                                         args=(str(folder), str(out), *options))
     start = time.perf_counter()
     child.start()
-    child.join()
-    assert child.exitcode == 0
+    join_or_fail(child, RUN_TIME_LIMIT)
     return time.perf_counter() - start
+
+
+RUN_TIME_LIMIT = 300.0  # seconds: a run of this file's folders takes a few; a child past this is stuck
+
+
+def join_or_fail(child: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Wait for ``child`` to finish with exit code 0; kill it and fail if it runs past ``timeout``."""
+    child.join(timeout=timeout)
+    if child.is_alive():
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        pytest.fail(f"a forked `explain batch` did not finish within {timeout:.0f} s (stuck child)")
+    assert child.exitcode == 0
 
 
 def clear_files(folder: Path) -> None:
@@ -183,13 +195,17 @@ def kill_at_random_moments(folder: Path, out: Path, options: Sequence[str], full
                            seed: int) -> int:
     """``explain batch`` with ``options`` in forked processes, each SIGKILLed at a random moment within
     ``full_run`` seconds and followed by the next (a resume), until one finishes after at least
-    ``kills`` kills (a run that finishes sooner is started over on an empty ``out``). Returns the kills."""
+    ``kills`` kills (a run that finishes sooner is started over on an empty ``out``). Returns the kills;
+    fails if a run is stuck or too few kills land in a bounded number of runs."""
     context = multiprocessing.get_context("fork")
     rng = random.Random(seed)
     killed = 0
-    while True:
+    for _ in range(4 * kills + 20):  # a bound, so that a stuck child fails the test instead of looping
         child = context.Process(target=batch_command_in_child, args=(str(folder), str(out), *options))
         child.start()
+        if killed >= kills:  # enough kills: this resume must finish
+            join_or_fail(child, RUN_TIME_LIMIT)
+            return killed
         child.join(timeout=rng.uniform(0, full_run))
         if child.is_alive():
             os.kill(child.pid, signal.SIGKILL)
@@ -197,9 +213,8 @@ def kill_at_random_moments(folder: Path, out: Path, options: Sequence[str], full
             killed += 1
             continue
         assert child.exitcode == 0
-        if killed >= kills:
-            return killed
         clear_files(out)  # done before enough kills: start over, to kill more
+    pytest.fail(f"only {killed} of {kills} kills landed in {4 * kills + 20} runs")
 
 
 def test_kill_9_at_random_moments_then_resume_gives_exactly_one_complete_set_of_rows(tmp_path):

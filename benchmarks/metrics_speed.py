@@ -1,17 +1,18 @@
 """The metrics of issue 29 next to Quantus 0.6, the same work side by side in one process.
 
-    python benchmarks/metrics_speed.py [--threads 1] [--size 224] [--batch 8] [--repeats 5]
+    python benchmarks/metrics_speed.py [--threads 1] [--size 224] [--batch 8] [--repeats 5] [--device cpu]
 
-resnet18 with random weights on the CPU, ``--batch`` synthetic images of ``--size`` px with their object
-masks, a different class explained for each, signed gradient maps (Σ over channels) computed once and
-given to both sides; where a metric explains (input invariance, random logit), both sides run the same
-explainer of ours. Each metric is called once on each side, then in turn (ours, Quantus, ours, ...) and
-each side's median is kept: what loads the machine meanwhile slows both alike. The last column is the
-largest |ours − Quantus| over the batch, from the same calls, with settings under which both compute the
-same thing (see tests/test_metrics_breadth.py for why the defaults differ), or the share of equal verdicts
-where Quantus returns booleans. Non-sensitivity runs one forward per input element: at ``--small`` px.
+resnet18 with random weights on ``--device`` (Quantus is given the same device), ``--batch`` synthetic images of
+``--size`` px with their object masks, a different class explained for each, signed gradient maps (Σ over
+channels) computed once and given to both sides; where a metric explains (input invariance, random logit), both
+sides run the same explainer of ours. Each metric is called once on each side, then in turn (ours, Quantus,
+ours, ...) and each side's median is kept: what loads the machine meanwhile slows both alike. The last column is
+the largest |ours − Quantus| over the batch, from the same calls, with settings under which both compute the
+same thing (see tests/test_metrics_breadth.py for why the defaults differ), or the share of equal verdicts where
+Quantus returns booleans. Non-sensitivity runs one forward per input element: at ``--small`` px.
 Prints a markdown table; with ``--write``, also puts it in benchmarks/RESULTS.md ("Metrics next to Quantus 0.6
-(CPU): faithfulness, localisation, complexity, axiomatic"). Needs ``pip install --no-deps "quantus==0.6.*"`` and
+(CPU): faithfulness, localisation, complexity, axiomatic", or "(CUDA)").
+Needs ``pip install --no-deps "quantus==0.6.*"`` and
 ``pip install pandas cachetools scikit-image``.
 """
 
@@ -38,19 +39,31 @@ from explain import metrics  # noqa: E402
 from explain.data import make_dataset  # noqa: E402
 from explain.data.train import to_model_input  # noqa: E402
 
+QUANTUS_DEVICE = "cpu"
+"""The device Quantus's metrics are called with (``--device``): they move each batch there and back."""
 
-def quantus_metric(name: str, **options: Any) -> Any:
+
+def quantus_metric(name: str, **options: Any) -> Callable[..., Any]:
+    """Quantus's metric ``name`` built with ``options``, called on QUANTUS_DEVICE."""
     import quantus
 
     warnings.filterwarnings("ignore", module="quantus")
-    return getattr(quantus, name)(disable_warnings=True, **options)
+    metric = getattr(quantus, name)(disable_warnings=True, **options)
+    return lambda *arguments, **keywords: metric(*arguments, device=QUANTUS_DEVICE, **keywords)
+
+
+def numpy_of(values: torch.Tensor) -> np.ndarray:
+    """A tensor on any device as a numpy array (what Quantus is given)."""
+    return values.detach().cpu().numpy()
 
 
 def explain_func(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, **kwargs: Any) -> np.ndarray:
-    """Quantus's explain_func: our signed gradient map, raw, (N, 1, H, W)."""
+    """Quantus's explain_func: our signed gradient map, raw, (N, 1, H, W), computed on the model's device."""
+    device = next(model.parameters()).device
     explainer = explain.Saliency(model, reduce="sum", normalize=None)
-    batch = torch.as_tensor(np.asarray(inputs), dtype=torch.float32)
-    return explainer.explain(batch, torch.as_tensor(np.asarray(targets)).long()).raw_map_grid[:, 0][:, None].numpy()
+    batch = torch.as_tensor(np.asarray(inputs), dtype=torch.float32, device=device)
+    classes = torch.as_tensor(np.asarray(targets), device=device).long()
+    return numpy_of(explainer.explain(batch, classes).raw_map_grid[:, 0][:, None])
 
 
 def ssim_2d(shape: tuple[int, int]) -> Callable[..., list[float]]:
@@ -65,8 +78,13 @@ def ssim_2d(shape: tuple[int, int]) -> Callable[..., list[float]]:
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call, waiting for the GPU's queued work before and after where CUDA is in use."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     started = time.perf_counter()
     result = call()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - started, result
 
 
@@ -87,6 +105,11 @@ def side_by_side(ours: Callable[[], Any], theirs: Optional[Callable[[], Any]], r
 
 def largest_difference(ours: torch.Tensor, theirs: Any) -> str:
     return f"{np.abs(ours.detach().cpu().double().numpy() - np.asarray(theirs, dtype=np.float64)).max():.1e}"
+
+
+def device_label(device: torch.device) -> str:
+    """"CPU" or "CUDA": the word the RESULTS.md section titles use."""
+    return "CUDA" if device.type == "cuda" else "CPU"
 
 
 Record = Callable[[str, Callable[[], Any], Optional[Callable[[], Any]], Callable[[Any, Any], str]], None]
@@ -112,7 +135,8 @@ def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: tor
     dividing H·W: ours take ``features="elements"`` and the same number of steps (at 224 px no k keeps whole
     pixels, so the two break ties between a pixel's channels differently at the few step boundaries)."""
     count, channels, height, width = images.shape
-    x, y, a = images.numpy(), targets.numpy(), heat[:, None].numpy()
+    device = images.device
+    x, y, a = numpy_of(images), numpy_of(targets), numpy_of(heat[:, None])
     values = channels * height * width
 
     def draws(seed: int, make: Callable[[], np.ndarray]) -> np.ndarray:
@@ -128,7 +152,7 @@ def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: tor
             runs.append(np.stack([np.random.choice(values, 224, replace=False) for _ in range(count)]))
             np.random.uniform(size=count)
         return np.stack(runs, axis=1)
-    subsets = torch.from_numpy(draws(7, quantus_subsets))
+    subsets = torch.from_numpy(draws(7, quantus_subsets)).to(device)
 
     def seeded(seed: int, call: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -156,16 +180,17 @@ def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: tor
         return restored
 
     def verdicts(ours: Any, theirs: Any) -> str:
-        return f"same verdict {(ours.monotonic.numpy() == np.asarray(theirs, dtype=float)).mean():.0%}"
+        return f"same verdict {(numpy_of(ours.monotonic) == np.asarray(theirs, dtype=float)).mean():.0%}"
     record("monotonicity (24 steps, features put back)",
            lambda: metrics.monotonicity(model, images, heat.abs(), targets, steps=24, features="elements",
                                         substrate="minimum", batch_size=count),
            lambda: quantus_metric("Monotonicity", features_in_step=step, perturb_func=put_back)(model, x, y, a),
            verdicts)
     noise = torch.from_numpy(draws(3, lambda: np.random.uniform(size=(12, 2, count)))).permute(2, 0, 1)[..., None]
+    noise = noise.float().to(device)
     record("monotonicity_correlation (12 steps × 2)",
            lambda: metrics.monotonicity_correlation(model, images, heat, targets, steps=12, samples=2,
-                                                    noise=noise.float(), features="elements", batch_size=count),
+                                                    noise=noise, features="elements", batch_size=count),
            seeded(3, lambda: quantus_metric("MonotonicityCorrelation", features_in_step=2 * step, nr_samples=2)(
                model, x, y, a)), largest_difference)
 
@@ -180,8 +205,9 @@ def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: tor
                                        batch_size=count),
            lambda: quantus_metric("Selectivity", patch_size=32)(model, x, y, a),
            lambda ours, theirs: largest_difference(ours.curves[:, 1:], theirs))
+    sensitivity_sizes = [values // 672, values * 10 // 672, values * 100 // 672]  # 224, 2240, 22400 at 224 px
     record("sensitivity_n (3 sizes × 8 runs; Quantus: 24 cumulative steps, another measure)",
-           lambda: metrics.sensitivity_n(model, images, heat, targets, subset_sizes=[224, 2240, 22400], runs=8,
+           lambda: metrics.sensitivity_n(model, images, heat, targets, subset_sizes=sensitivity_sizes, runs=8,
                                          features="elements", substrate="minimum", batch_size=count),
            lambda: quantus_metric("SensitivityN", features_in_step=step)(model, x, y, a),
            lambda ours, theirs: "not comparable")
@@ -200,32 +226,35 @@ def faithfulness_rows(model: torch.nn.Module, images: torch.Tensor, targets: tor
         if not hasattr(np, "trapz"):  # NumPy 2 renamed it np.trapezoid; Quantus 0.6 calls the old name
             np.trapz = np.trapezoid  # type: ignore[attr-defined]
         return quantus_metric("IROF", perturb_baseline="black", return_aggregate=False)(
-            grey_model, grey.numpy(), y, grey_heat[:, None].numpy())
+            grey_model, numpy_of(grey), y, numpy_of(grey_heat[:, None]))
 
     def irof_agreement(ours: Any, theirs: Any) -> str:
-        segments = torch.tensor([curve.shape[0] - 1 for curve in ours.curves])
+        segments = torch.tensor([curve.shape[0] - 1 for curve in ours.curves], device=device)
         first = torch.stack([curve[1] for curve in ours.curves])
         return largest_difference(segments * ours.area_over_curve + (1 + first) / 2, theirs)
     record("irof (grey, SLIC, ~100 segments)",
            lambda: metrics.irof(grey_model, grey, grey_heat, targets, substrate=float(grey.min()), batch_size=count),
            quantus_irof, irof_agreement)
 
-    grid, patch_count = metrics.patch_grid(height, width, 56)
+    patch = height // 4  # 16 patches of 56 px at 224 px
+    grid, patch_count = metrics.patch_grid(height, width, patch)
+    grid = grid.to(device)
     lowest = images.flatten(1).amin(dim=1).view(-1, 1, 1, 1)
     perturbed, perturbations = images, []
     for patch in range(patch_count):  # Quantus's perturbations: the grid's patches replaced cumulatively
         perturbed = torch.where(grid == patch, lowest, perturbed)
         perturbations.append(images - perturbed)
     stacked = torch.stack(perturbations, dim=1)
-    record("infidelity (16 patches of 56 px)",
+    record(f"infidelity ({patch_count} patches of {patch} px)",
            lambda: metrics.infidelity(model, images, heat, targets, perturbations=stacked, batch_size=count),
-           lambda: quantus_metric("Infidelity", perturb_patch_sizes=[56], n_perturb_samples=1)(model, x, y, a),
+           lambda: quantus_metric("Infidelity", perturb_patch_sizes=[patch], n_perturb_samples=1)(model, x, y, a),
            largest_difference)
-    twins = torch.cat([heat, heat[torch.arange(count).roll(1)] * 1.01]).abs()
+    twins = torch.cat([heat, heat[torch.arange(count, device=device).roll(1)] * 1.01]).abs()
     both = torch.cat([images, images])
     record("sufficiency (16 images)",
            lambda: metrics.sufficiency(model, both, twins, batch_size=2 * count),
-           lambda: quantus_metric("Sufficiency")(model, both.numpy(), np.concatenate([y, y]), twins[:, None].numpy()),
+           lambda: quantus_metric("Sufficiency")(model, numpy_of(both), np.concatenate([y, y]),
+                                                 numpy_of(twins[:, None])),
            largest_difference)
 
 
@@ -236,19 +265,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--small", type=int, default=16, help="input size for non-sensitivity (one pass per element)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model runs, for both sides")
     parser.add_argument("--write", action="store_true", help="also write the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    global QUANTUS_DEVICE
+    QUANTUS_DEVICE = args.device
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
+    model = torchvision.models.resnet18(weights=None).eval().to(device)
     data = make_dataset(args.batch, seed=5, size=args.size)
-    images = to_model_input(data.images)
-    masks = torch.from_numpy(data.masks)
-    targets = torch.arange(args.batch) * (1000 // args.batch)  # a different class for each image
+    images = to_model_input(data.images).to(device)
+    masks = torch.from_numpy(data.masks).to(device)
+    targets = torch.arange(args.batch, device=device) * (1000 // args.batch)  # a different class for each image
     saliency = explain.Saliency(model, reduce="sum", normalize=None)
     explained = saliency.explain(images, targets)  # given to both sides where a metric takes the maps
     heat = explained.raw_map_grid[:, 0]
-    x, y, a, s = images.numpy(), targets.numpy(), heat[:, None].numpy(), masks[:, None].float().numpy()
+    x, y, a, s = numpy_of(images), numpy_of(targets), numpy_of(heat[:, None]), numpy_of(masks[:, None].float())
     rows: list[tuple[str, float, Optional[float], str]] = []
 
     def measure(name: str, ours: Callable[[], Any], theirs: Optional[Callable[[], Any]],
@@ -264,14 +297,14 @@ def main() -> None:
     measure("auc", lambda: metrics.auc(heat, masks), lambda: quantus_metric("AUC")(model, x, y, a, s),
             largest_difference)
 
-    tiles = to_model_input(make_dataset(2 * args.batch, seed=6, size=args.size // 2).images)
-    tile_labels = torch.from_numpy(make_dataset(2 * args.batch, seed=6, size=args.size // 2).labels)
+    tiles = to_model_input(make_dataset(2 * args.batch, seed=6, size=args.size // 2).images).to(device)
+    tile_labels = torch.from_numpy(make_dataset(2 * args.batch, seed=6, size=args.size // 2).labels).to(device)
     mosaics = metrics.make_mosaics(tiles, tile_labels, count=args.batch)
     mosaic_maps = saliency.explain(mosaics.images, mosaics.targets).raw_map_grid[:, 0]
     positions = mosaics.positions.int().tolist()
     measure("focus", lambda: metrics.focus(mosaic_maps, mosaics.positions),
-            lambda: quantus_metric("Focus")(model, mosaics.images.numpy(), mosaics.targets.numpy(),
-                                            mosaic_maps[:, None].numpy(), custom_batch=positions), largest_difference)
+            lambda: quantus_metric("Focus")(model, numpy_of(mosaics.images), numpy_of(mosaics.targets),
+                                            numpy_of(mosaic_maps[:, None]), custom_batch=positions), largest_difference)
 
     measure("sparseness", lambda: metrics.sparseness(heat), lambda: quantus_metric("Sparseness")(model, x, y, a),
             largest_difference)
@@ -280,25 +313,25 @@ def main() -> None:
     peaks = heat.abs().amax(dim=(1, 2), keepdim=True)
     scaled = heat / peaks  # each map's peak 1 on both sides (Quantus would divide by the batch's)
     measure("effective_complexity", lambda: metrics.effective_complexity(scaled, normalise=False),
-            lambda: quantus_metric("EffectiveComplexity", normalise=False)(model, x, y, scaled[:, None].numpy()),
+            lambda: quantus_metric("EffectiveComplexity", normalise=False)(model, x, y, numpy_of(scaled[:, None])),
             largest_difference)
 
     integrated = explain.IntegratedGradients(model, steps=8).explain(images, targets)
     attributions = integrated.attributions[:, 0]
 
     def verdicts(ours: metrics.Completeness, theirs: Any) -> str:
-        same = ((ours.error == 0).cpu().numpy() == np.asarray(theirs, dtype=bool)).mean()
+        same = (numpy_of(ours.error == 0) == np.asarray(theirs, dtype=bool)).mean()
         return f"same verdict {same:.0%}"
     measure("completeness", lambda: metrics.completeness(model, images, attributions, targets, baseline="minimum"),
-            lambda: quantus_metric("Completeness", normalise=False)(model, x, y, attributions.numpy()), verdicts)
+            lambda: quantus_metric("Completeness", normalise=False)(model, x, y, numpy_of(attributions)), verdicts)
 
     small = F.interpolate(images, size=(args.small, args.small), mode="bilinear", align_corners=False)
     small_heat = saliency.explain(small, targets).raw_map_grid[:, 0]
     small_heat = small_heat / small_heat.abs().amax(dim=(1, 2), keepdim=True)
     measure(f"non_sensitivity ({args.small} px, elements)",
             lambda: metrics.non_sensitivity(model, small, small_heat, targets, baseline="minimum", features="elements"),
-            lambda: quantus_metric("NonSensitivity", normalise=False)(model, small.numpy(), y,
-                                                                       small_heat[:, None].numpy()),
+            lambda: quantus_metric("NonSensitivity", normalise=False)(model, numpy_of(small), y,
+                                                                       numpy_of(small_heat[:, None])),
             largest_difference, repeats=1)
 
     measure("input_invariance (saliency)", lambda: metrics.input_invariance(saliency, images, targets), None,
@@ -309,7 +342,7 @@ def main() -> None:
     np.random.seed(42)  # Quantus's draws (seed=42): an index among the classes other than the target
     offsets = np.random.randint(0, class_count - 1, args.batch)
     np.random.set_state(state)
-    others = torch.from_numpy(offsets + (offsets >= y)).long()  # the same classes, given to ours
+    others = torch.from_numpy(offsets + (offsets >= y)).long().to(device)  # the same classes, given to ours
 
     def quantus_random_logit() -> Any:
         metric = quantus_metric("RandomLogit", num_classes=class_count, seed=42, abs=True,
@@ -345,7 +378,8 @@ def main() -> None:
                  min(timed(forward)[0] for _ in range(3)), None, "no Quantus counterpart"))
     faithfulness_rows(model, images, targets, heat, best_of_two)
 
-    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
+    where = device_label(device)
+    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, {where}, {machine()}; median of "
                f"{args.repeats} interleaved calls (random logit 3, non-sensitivity 1) on a shared machine.")
     table = markdown_table(rows, "max abs difference", digits=4)
     note = ("The faithfulness rows (from faithfulness_correlation on) are the faster of two interleaved calls each "
@@ -353,8 +387,9 @@ def main() -> None:
             "the model channels-last batches (explain.memory_format).")
     print(f"\n{setting}\n\n{table}\n\n{note}")
     if args.write:
-        write_section("Metrics next to Quantus 0.6 (CPU): faithfulness, localisation, complexity, axiomatic",
-                      f"`python benchmarks/metrics_speed.py --threads {args.threads}`: {setting}\n\n{table}\n\n{note}")
+        command = f"python benchmarks/metrics_speed.py --threads {args.threads} --device {args.device}"
+        write_section(f"Metrics next to Quantus 0.6 ({where}): faithfulness, localisation, complexity, axiomatic",
+                      f"`{command}`: {setting}\n\n{table}\n\n{note}")
 
 
 if __name__ == "__main__":

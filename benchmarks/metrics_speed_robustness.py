@@ -2,20 +2,20 @@
 side by side in one process.
 
     python benchmarks/metrics_speed_robustness.py [--threads 1] [--size 224] [--batch 8] [--samples 3]
-                                                  [--steps 8] [--small 64] [--repeats 1]
+                                                  [--steps 8] [--small 64] [--repeats 1] [--device cpu]
 
-resnet18 with random weights on the CPU, ``--batch`` synthetic images of ``--size`` px, a different class
-explained for each, signed gradient maps (our Saliency, Σ over channels, wrapped as Quantus's
-explain_func) on both sides. Both sides get the same random draws: Quantus's numpy noise, drawn after
-np.random.seed, is given to ours as ``noise``; its layer re-initialisation to ours as ``randomize``.
-``--samples`` noisy copies per image, ``--steps`` translations for continuity; sMPRT re-explains the
-images after each of resnet18's 41 resettable layers, at ``--small`` px. Each metric is called once on each
-side, then in turn (ours, Quantus, ...) ``--repeats`` times, each side's median kept. The last column is the
-largest relative |ours − Quantus| over the batch (NaN where Quantus returns NaN and we do not: see
-tests/test_metrics_robustness.py). The explainer's own passes dominate these metrics: the row "Saliency
-alone" is one explanation of the batch, so a metric's floor is about (copies per image) × that.
+resnet18 with random weights on ``--device`` (Quantus is given the same device), ``--batch`` synthetic images of
+``--size`` px, a different class explained for each, signed gradient maps (our Saliency, Σ over channels,
+wrapped as Quantus's explain_func) on both sides. Both sides get the same random draws: Quantus's numpy noise,
+drawn after np.random.seed, is given to ours as ``noise``; its layer re-initialisation to ours as ``randomize``.
+``--samples`` noisy copies per image, ``--steps`` translations for continuity; sMPRT re-explains the images
+after each of resnet18's 41 resettable layers, at ``--small`` px. Each metric is called once on each side, then
+in turn (ours, Quantus, ...) ``--repeats`` times, each side's median kept. The last column is the largest
+relative |ours − Quantus| over the batch (NaN where Quantus returns NaN and we do not: see
+tests/test_metrics_robustness.py). The explainer's own passes dominate these metrics: the row "Saliency alone"
+is one explanation of the batch, so a metric's floor is about (copies per image) × that.
 Prints a markdown table; with ``--write``, also puts it in benchmarks/RESULTS.md ("Metrics next to Quantus 0.6
-(CPU): robustness and randomisation"). Needs ``pip install --no-deps "quantus==0.6.*"`` and
+(CPU): robustness and randomisation", or "(CUDA)"). Needs ``pip install --no-deps "quantus==0.6.*"`` and
 ``pip install pandas cachetools``.
 """
 
@@ -32,8 +32,9 @@ import torch.nn.functional as F
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import metrics_speed  # noqa: E402
 from common import machine, write_section  # noqa: E402
-from metrics_speed import explain_func, markdown_table, quantus_metric, side_by_side  # noqa: E402
+from metrics_speed import device_label, explain_func, markdown_table, numpy_of, quantus_metric, side_by_side  # noqa: E402
 
 import explain  # noqa: E402
 from explain.data import make_dataset  # noqa: E402
@@ -42,13 +43,15 @@ from explain.metrics import randomisation, robustness  # noqa: E402
 from explain.metrics.sanity import reinitialize  # noqa: E402
 
 
-def quantus_noise(kind: str, samples: int, shape: torch.Size, seed: int, **parameters: float) -> torch.Tensor:
-    """The (S, N, C, H, W) offsets Quantus 0.6 draws after np.random.seed(seed), one (N, C·H·W) array a sample."""
+def quantus_noise(kind: str, samples: int, shape: torch.Size, seed: int, device: torch.device,
+                  **parameters: float) -> torch.Tensor:
+    """The (S, N, C, H, W) offsets Quantus 0.6 draws after np.random.seed(seed), one (N, C·H·W) array a sample,
+    on ``device``."""
     state = np.random.get_state()
     np.random.seed(seed)
     values = getattr(np.random, kind)(size=(samples, shape[0], int(np.prod(shape[1:]))), **parameters)
     np.random.set_state(state)
-    return torch.from_numpy(values).view(samples, *shape)
+    return torch.from_numpy(values).view(samples, *shape).to(device)
 
 
 def relative_difference(ours: torch.Tensor, theirs: Any) -> str:
@@ -70,16 +73,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="continuity's translations (Quantus's default: 28)")
     parser.add_argument("--small", type=int, default=64, help="input size for sMPRT (42 explanations per sample)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model runs, for both sides")
     parser.add_argument("--write", action="store_true", help="also write the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    metrics_speed.QUANTUS_DEVICE = args.device
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
-    images = to_model_input(make_dataset(args.batch, seed=5, size=args.size).images)
-    targets = torch.arange(args.batch) * (1000 // args.batch)  # a different class for each image
+    model = torchvision.models.resnet18(weights=None).eval().to(device)
+    images = to_model_input(make_dataset(args.batch, seed=5, size=args.size).images).to(device)
+    targets = torch.arange(args.batch, device=device) * (1000 // args.batch)  # a different class for each image
     saliency = explain.Saliency(model, reduce="sum", normalize=None)
     explained = saliency.explain(images, targets)
-    x, y, a = images.numpy(), targets.numpy(), explained.raw_map_grid[:, 0][:, None].numpy()
+    x, y, a = numpy_of(images), numpy_of(targets), numpy_of(explained.raw_map_grid[:, 0][:, None])
     samples, shape = args.samples, images.shape
     rows: list[tuple[str, float, Optional[float], str]] = []
 
@@ -98,18 +104,18 @@ def main() -> None:
         return call
 
     measure("Saliency alone (the batch once)", lambda: saliency.explain(images, targets), None)
-    uniform = quantus_noise("uniform", samples, shape, 7, low=-0.2, high=0.2)
+    uniform = quantus_noise("uniform", samples, shape, 7, device, low=-0.2, high=0.2)
     measure(f"max_sensitivity ({samples} samples)",
             lambda: robustness.max_sensitivity(saliency, images, noise=uniform, explanation=explained),
             quantus_call("MaxSensitivity", nr_samples=samples))
     measure(f"avg_sensitivity ({samples} samples)",
             lambda: robustness.avg_sensitivity(saliency, images, noise=uniform, explanation=explained),
             quantus_call("AvgSensitivity", nr_samples=samples))
-    gaussian = quantus_noise("normal", samples, shape, 7, loc=0.0, scale=0.1)
+    gaussian = quantus_noise("normal", samples, shape, 7, device, loc=0.0, scale=0.1)
     measure(f"local_lipschitz_estimate ({samples} samples)",
             lambda: robustness.local_lipschitz_estimate(saliency, images, noise=gaussian, explanation=explained),
             quantus_call("LocalLipschitzEstimate", nr_samples=samples, normalise=False))
-    one_sided = quantus_noise("uniform", samples, shape, 7, low=0.02, high=0.2)
+    one_sided = quantus_noise("uniform", samples, shape, 7, device, low=0.02, high=0.2)
     measure(f"relative_input_stability ({samples} samples)",
             lambda: robustness.relative_input_stability(saliency, images, noise=one_sided, explanation=explained),
             quantus_call("RelativeInputStability", nr_samples=samples))
@@ -138,7 +144,7 @@ def main() -> None:
     import quantus
 
     small = F.interpolate(images, size=(args.small, args.small), mode="bilinear", align_corners=False)
-    small_x = small.numpy()
+    small_x = numpy_of(small)
     unit = np.random.RandomState(5).randn(samples - 1, *small_x.shape)
     spread = 0.1 * (small_x.max(axis=(1, 2, 3), keepdims=True) - small_x.min(axis=(1, 2, 3), keepdims=True))
 
@@ -158,21 +164,23 @@ def main() -> None:
             np.random.randn, quantus.explain = real_randn, real_explain
 
     def last_layer(ours: list[Any], theirs: Any) -> str:
-        return relative_difference(torch.stack([stage.rank_correlation for stage in ours]),
+        return relative_difference(torch.stack([stage.rank_correlation.cpu() for stage in ours]),
                                    [theirs[stage.layer] for stage in ours])
     measure(f"smooth_mprt ({len(resettable)} layers, {samples} samples, {args.small} px)",
             lambda: randomisation.smooth_mprt(saliency, small, targets, samples=samples,
-                                              noise=torch.from_numpy(unit * spread), stages=resettable,
+                                              noise=torch.from_numpy(unit * spread).to(device), stages=resettable,
                                               randomize=quantus_randomize),
             quantus_smooth_mprt, last_layer)
 
-    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, CPU, {machine()}; median of "
+    where = device_label(device)
+    setting = (f"resnet18 (random weights), {args.batch} images of {args.size} px, {where}, {machine()}; median of "
                f"{args.repeats} interleaved call(s) after one each, on a shared machine.")
     table = markdown_table(rows, "max relative difference", digits=3)
     print(f"\n{setting}\n\n{table}")
     if args.write:
-        write_section("Metrics next to Quantus 0.6 (CPU): robustness and randomisation",
-                      f"`python benchmarks/metrics_speed_robustness.py --threads {args.threads}`: {setting}\n\n{table}")
+        command = f"python benchmarks/metrics_speed_robustness.py --threads {args.threads} --device {args.device}"
+        write_section(f"Metrics next to Quantus 0.6 ({where}): robustness and randomisation",
+                      f"`{command}`: {setting}\n\n{table}")
 
 
 if __name__ == "__main__":

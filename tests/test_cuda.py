@@ -134,3 +134,52 @@ def test_a_pass_too_large_for_the_gpu_is_run_again_in_halves(exact_float32):
         torch.cuda.empty_cache()
     assert explainer.rows_that_fit[str(x.device)] < 256
     torch.testing.assert_close(result.maps, expected.maps, rtol=1e-3, atol=2e-3)
+
+
+RANDOM_ON_THE_DEVICE = {"efficient_mprt", "cascading_randomization", "smooth_mprt"}
+"""Metrics that re-initialise layers on the model's device: CUDA's random stream is not the CPU's, so their
+values are compared for being finite and in range only."""
+
+
+def metric_values_on(device: str, model: torch.nn.Module, method: str, x: torch.Tensor, y: torch.Tensor,
+                     masks: torch.Tensor, cpu_explanation: explain.Explanation) -> dict[str, torch.Tensor]:
+    """Every registered metric of ``explain.evaluation`` for ``method`` on ``device``, each given the CPU's maps
+    (moved there): so that a metric that ranks pixels ranks the same values on both devices."""
+    import copy
+    import dataclasses
+
+    from explain.evaluation import METRICS, MetricInput
+
+    placed = copy.deepcopy(model).to(device)
+    explainer = explain.get_method(method)(placed)
+    moved = dataclasses.replace(cpu_explanation, **{
+        name: getattr(cpu_explanation, name).to(device)
+        for name in ("map_grid", "raw_map_grid", "scores", "class_indices", "probabilities", "attributions")
+        if getattr(cpu_explanation, name) is not None})
+    given = MetricInput(placed, explainer, x.to(device), moved, y.to(device), masks.to(device))
+    return {name: metric.compute(given) for name, metric in METRICS.items()
+            if metric.applies(cpu_explanation)}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("method", ["saliency", "gradcam"])
+def test_every_registered_metric_on_the_gpu_equals_the_cpu(method, exact_float32):
+    """The 41 metrics of ``explain.evaluate`` on the GPU: the CPU's values (the same draws: metrics draw from CPU
+    generators), and no error from a tensor left on the other device."""
+    from conftest import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.rand(2, 3, 32, 32, generator=generator), torch.tensor([1, 3])
+    masks = torch.zeros(2, 32, 32, dtype=torch.bool)
+    masks[0, 4:14, 6:20], masks[1, 18:30, 10:28] = True, True
+    explanation = explain.get_method(method)(model).explain(x, y)
+    on_cpu = metric_values_on("cpu", model, method, x, y, masks, explanation)
+    on_gpu = metric_values_on("cuda", model, method, x, y, masks, explanation)
+    assert on_gpu.keys() == on_cpu.keys()
+    for name, values in on_cpu.items():
+        if name in RANDOM_ON_THE_DEVICE:
+            assert on_gpu[name].shape == values.shape and torch.isfinite(on_gpu[name]).all(), name
+            continue
+        torch.testing.assert_close(on_gpu[name].cpu(), values, rtol=1e-3, atol=1e-4, equal_nan=True, msg=name)

@@ -111,6 +111,9 @@ def make_explainer(method: str, loaded: LoadedModel, layer: Optional[str] = None
     selector, the layer (the model's default layer, or chosen on the first call), and the
     ``--option KEY=VALUE`` settings."""
     cls = get_method(method)
+    if layer is not None and not cls.needs_layer:
+        raise ValueError(f"{cls.name} takes no layer: leave out --layer (it explains at the input), or choose a "
+                         "method that explains a layer, e.g. --method gradcam.")
     settings = dict(parse_option(text, cls) for text in options)
     common: dict[str, Any] = dict(preprocess=loaded.preprocess, class_names=loaded.class_names, **settings)
     if loaded.output is not None:

@@ -31,7 +31,7 @@ ImageIndex = Union[int, slice, Sequence[int], Tensor, np.ndarray]
 """Which images ``e[index]`` keeps: an int, a slice, a sequence of ints, or a bool mask of length N."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: field-wise == of tensors has no single truth value
 class Explanation:
     """Heatmaps for N images × K targets. ``len(e)`` is N; ``e[i]``, ``e[i:j]``, ``e[[i, j]]`` are the
     explanations of some of the images (an Explanation of 1, j − i, 2 images), and ``for one in e`` goes
@@ -170,8 +170,12 @@ class Explanation:
         return f"{self.method} @ {layer}"
 
     def overlay(self, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
-        """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets."""
-        return render.overlay(self.images, self.maps, alpha=alpha, cmap=cmap)
+        """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets. ``cmap``
+        colours maps in [0, 1]; signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle (``render.as_drawn``),
+        here and in ``save``, ``figure``, ``show`` and the notebook display."""
+        self._check_not_empty()
+        drawn, cmap = render.as_drawn(self.maps, cmap)
+        return render.overlay(self.images, drawn, alpha=alpha, cmap=cmap)
 
     def figure(
         self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
@@ -194,16 +198,31 @@ class Explanation:
         titled figure of ``figure()`` as vector graphics.
         """
         path = Path(path)
-        if path.suffix.lower() in VECTOR_FORMATS:
+        if path.is_dir():
+            raise IsADirectoryError(f"{str(path)!r} is a folder: give a file name in it, e.g. "
+                                    f"{str(path / 'cam.png')!r}.")
+        suffix = path.suffix.lower()
+        if suffix not in VECTOR_FORMATS and suffix not in Image.registered_extensions():
+            raise ValueError(f"cannot tell which format to write from {path.name!r}: end the name with .png, .jpg, "
+                             ".webp or .tif (the overlays as an image) or .pdf, .svg or .eps (the titled figure).")
+        self._check_not_empty()
+        if suffix in VECTOR_FORMATS:
             render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
         else:
             self.overlay_image(alpha=alpha, cmap=cmap).save(path)
         return path
 
+    def _check_not_empty(self) -> None:
+        if len(self) == 0:
+            raise ValueError("this explanation holds no image (an empty selection, e.g. e[mask] with no image "
+                             "chosen): there is nothing to draw.")
+
     def overlay_image(self, alpha: float = 0.5, cmap: str = "jet") -> Image.Image:
         """The overlays as one RGB image at the input's resolution: images side by side, one row per
         target (what ``save`` writes to a raster file)."""
-        return Image.fromarray(render.tile(render.overlay(self.images, self.map_grid, alpha=alpha, cmap=cmap)))
+        self._check_not_empty()
+        drawn, cmap = render.as_drawn(self.map_grid, cmap)
+        return Image.fromarray(render.tile(render.overlay(self.images, drawn, alpha=alpha, cmap=cmap)))
 
     def png(self, dpi: int = 80) -> bytes:
         """The figure of ``figure()`` as PNG bytes (what a notebook shows)."""
@@ -226,6 +245,8 @@ class Explanation:
     def _repr_html_(self) -> str:
         """Notebook display: the figure (once, as one PNG at 80 dpi), then a table of image, class,
         score and probability. There is no ``_repr_png_``: a notebook would store the figure twice."""
+        if len(self) == 0:
+            return f"<div><p><b>{html.escape(self.description())}</b>: no image (an empty selection)</p></div>"
         picture = base64.b64encode(self.png()).decode("ascii")
         rows = []
         for image in range(len(self)):

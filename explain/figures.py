@@ -11,6 +11,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypedDict
 
 import numpy as np
+import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
@@ -109,6 +110,9 @@ def figure(
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
+    if isinstance(explanations, Explanation):
+        raise TypeError("figure takes a list of explanations, one per method, of the same images: give "
+                        "figure([e]) for one method, or e.figure() for its images with each target's map.")
     if not explanations:
         raise ValueError("figure needs at least one explanation.")
     if rows not in ("images", "methods"):
@@ -118,7 +122,14 @@ def figure(
     count = len(explanations[0])
     if any(len(explanation) != count for explanation in explanations):
         raise ValueError("all explanations must be of the same images (the same N).")
+    if count == 0:
+        raise ValueError("the explanations hold no image: nothing to draw.")
     images = explanations[0].images
+    for position, explanation in enumerate(explanations[1:], start=2):
+        if explanation.images.shape != images.shape or not torch.allclose(explanation.images, images, atol=1 / 255):
+            raise ValueError(f"explanation {position} is of other images than the first ({tuple(images.shape[1:3])} "
+                             "display images differ): figure lays out the explanations of the same images by several "
+                             "methods. Explain the same inputs with each method.")
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)
@@ -146,20 +157,23 @@ def figure(
             axis.set_yticks([])
             first = image == 0
             if first and rows == "images":
-                axis.set_title(header if subtitle is None else f"{header}\n{subtitle}", fontsize=fontsize)
+                axis.set_title(header if subtitle is None else f"{header}\n{subtitle}", fontsize=fontsize,
+                               parse_math=False)
             elif subtitle is not None:
-                axis.set_title(subtitle, fontsize=fontsize)
+                axis.set_title(subtitle, fontsize=fontsize, parse_math=False)
             if rows == "methods" and image == 0:
-                axis.set_ylabel(header, fontsize=fontsize)
-    if colorbar:
+                axis.set_ylabel(header, fontsize=fontsize, parse_math=False)
+    if colorbar:  # one per colour map in use: the unsigned maps' (0 to 1), the signed maps' (-1 to 1)
         import matplotlib
 
-        any_signed = any(signs)
-        scalar = matplotlib.cm.ScalarMappable(
-            norm=Normalize(-1 if any_signed else 0, 1), cmap=render.DIVERGING_CMAP if any_signed else cmap)
-        bar = fig.colorbar(scalar, ax=axes, shrink=0.8)
-        bar.set_label("signed relevance (scaled)" if any_signed else "relevance (normalised)", fontsize=fontsize)
-        bar.ax.tick_params(labelsize=fontsize)
+        scales_drawn = [(0, cmap, "relevance (normalised)")] if not all(signs) else []
+        if any(signs):
+            scales_drawn.append((-1, render.DIVERGING_CMAP, "signed relevance (scaled)"))
+        for low, bar_cmap, label in scales_drawn:
+            scalar = matplotlib.cm.ScalarMappable(norm=Normalize(low, 1), cmap=bar_cmap)
+            bar = fig.colorbar(scalar, ax=axes, shrink=0.8 / len(scales_drawn))
+            bar.set_label(label, fontsize=fontsize)
+            bar.ax.tick_params(labelsize=fontsize)
     return fig
 
 
@@ -206,6 +220,8 @@ def compare(
     """
     from .methods import get_method
 
+    if isinstance(methods, str):  # one method by name, not its letters
+        methods = (methods,)
     classes = [get_method(name) for name in methods]
     options = dict(method_options or {})
     taken = [options_taken(cls) for cls in classes]

@@ -49,6 +49,7 @@ from PIL import Image
 
 from . import render
 from .batch import RunRecord, display_name, read_index_contents, read_run_record, write_atomically
+from .inputs import upright
 
 REPORT_PAGE = "report.html"
 REPORT_FOLDER = "report"
@@ -450,8 +451,10 @@ def _panels_from_maps(map_file: Path, source: Optional[Path], count: int, size: 
     if source is not None:
         try:
             with Image.open(source) as opened:
-                opened.draft("RGB", (shape[1] * 2, shape[0] * 2))
-                background = np.array(opened.convert("RGB").resize((shape[1], shape[0]), Image.Resampling.BILINEAR))
+                side = 2 * max(shape)  # the stored picture may be turned: at least twice the thumbnail either way
+                opened.draft("RGB", (side, side))
+                shown = upright(opened).convert("RGB")  # as the maps were made (load_image turns it upright)
+                background = np.array(shown.resize((shape[1], shape[0]), Image.Resampling.BILINEAR))
         except (OSError, ValueError, Image.DecompressionBombError):
             background = None
     if background is not None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch import Tensor
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -47,13 +47,38 @@ class Normalize:
         self.std = tuple(float(value) for value in std)
 
     def __call__(self, image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
-        tensor = image if isinstance(image, Tensor) and image.is_floating_point() else image_to_tensor(image)
+        if isinstance(image, Tensor) and image.is_floating_point():
+            tensor = _checked_unit_tensor(image)
+        else:
+            tensor = image_to_tensor(image)
         mean = torch.tensor(self.mean, dtype=tensor.dtype).view(-1, 1, 1)
         std = torch.tensor(self.std, dtype=tensor.dtype).view(-1, 1, 1)
         return (tensor - mean) / std
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+def _conversion_hint(array: np.ndarray) -> str:
+    """How to turn an image array of another dtype into uint8 or float [0, 1] values."""
+    if array.dtype == np.bool_:
+        return "A mask is no image: for black and white, array.astype(np.uint8) * 255."
+    if (np.issubdtype(array.dtype, np.integer) and array.dtype != np.uint16 and array.size
+            and int(array.min()) >= 0 and int(array.max()) <= 255):
+        return "Its values lie in 0-255: array.astype(np.uint8)."
+    return "Scale it yourself, e.g. 16-bit images as (array / 65535).astype('float32')."
+
+
+def _checked_unit_tensor(image: Tensor) -> Tensor:
+    """A float (C, H, W) image tensor for Normalize: 1 or 3 channels first, values in [0, 1]."""
+    shape = tuple(image.shape)
+    if image.dim() != 3 or shape[0] not in (1, 3):
+        hint = " It looks channels-last: give image.permute(2, 0, 1)." if image.dim() == 3 and shape[-1] == 3 else ""
+        raise ValueError(f"Normalize takes a (3, H, W) float tensor in [0, 1]; got shape {shape}.{hint}")
+    if image.numel() and (float(image.min()) < -1e-3 or float(image.max()) > 1 + 1e-3):
+        raise ValueError(f"Normalize takes a float tensor in [0, 1]; this one spans [{float(image.min()):.4g}, "
+                         f"{float(image.max()):.4g}]. Divide 0-255 values by 255 (or give a uint8 tensor).")
+    return image
 
 
 class Preprocess(Protocol):
@@ -186,16 +211,28 @@ def resizing_preprocess(base: Preprocess, size: Optional[Sequence[int]], mean: O
 
 
 def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
-    """Open an image file as an RGB PIL image (palette, grayscale and CMYK files are converted)."""
+    """Open an image file as an RGB PIL image, turned as viewers show it (its EXIF orientation applied: a phone
+    photo stored sideways is explained upright); palette, grayscale and CMYK files are converted. The file is
+    closed before this returns (the first frame of an animation is kept)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {str(path)!r}.")
     try:
-        image = Image.open(path)
-        image.load()
-    except OSError as error:
+        with Image.open(path) as opened:
+            opened.load()
+            image = upright(opened)
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"{str(path)!r} was not read: {error} If you trust the file, raise PIL's limit first, "
+                         "e.g. PIL.Image.MAX_IMAGE_PIXELS = None.") from error
+    except (OSError, SyntaxError) as error:  # PIL raises SyntaxError for some malformed headers
         raise ValueError(f"{str(path)!r} could not be read as an image: {error}") from error
     return _checked_rgb(image, source=str(path))
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """A copy of ``image`` turned and mirrored as its EXIF orientation tag says (as viewers show it)."""
+    turned = ImageOps.exif_transpose(image)
+    return turned if turned is not None else image.copy()
 
 
 def _checked_rgb(image: Image.Image, source: str = "the image") -> Image.Image:
@@ -270,7 +307,7 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
     else:
         raise ValueError(
             f"image arrays must be uint8 (0-255) or float in [0, 1]; got dtype {array.dtype}. "
-            "Scale 16-bit images yourself, e.g. (array / 65535).astype('float32')."
+            + _conversion_hint(array)
         )
     tensor = tensor.permute(2, 0, 1)
     if tensor.shape[0] == 1:

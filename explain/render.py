@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
-from typing import TYPE_CHECKING, Optional, Sequence, TypedDict, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypedDict, Union
 
 import matplotlib
 import numpy as np
@@ -43,25 +43,51 @@ class ExplanationFigureOptions(PanelOptions, total=False):
 def _as_float_tensor(values: ArrayLike) -> Tensor:
     if isinstance(values, Tensor):
         return values.detach().to("cpu", torch.float32)
-    return torch.as_tensor(np.asarray(values), dtype=torch.float32)
+    return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: read-only arrays (of PIL images) too
+
+
+def _is_uint8(values: ArrayLike) -> bool:
+    return (isinstance(values, np.ndarray) and values.dtype == np.uint8) or (
+        isinstance(values, Tensor) and values.dtype == torch.uint8)
+
+
+def _is_float_or_uint8(values: ArrayLike) -> bool:
+    if isinstance(values, Tensor):
+        return values.is_floating_point() or values.dtype == torch.uint8
+    array = np.asarray(values)
+    return array.dtype == np.uint8 or np.issubdtype(array.dtype, np.floating)
+
+
+ROUNDING = 1e-3
+"""How far outside [0, 1] a float image may stray (rounding of de-normalised model input) before it is refused."""
 
 
 def image_as_float(images: ArrayLike) -> Tensor:
-    """RGB images, uint8 (0-255) or float (0-1), → float tensor in [0, 1] of the same shape."""
-    is_uint8 = (isinstance(images, np.ndarray) and images.dtype == np.uint8) or (
-        isinstance(images, Tensor) and images.dtype == torch.uint8
-    )
+    """RGB images, uint8 (0-255) or float (0-1), → float tensor in [0, 1] of the same shape. Other integer
+    types and floats outside [0, 1] are refused: their scale is not known."""
+    if not _is_float_or_uint8(images):
+        raise ValueError(f"images must be uint8 (0-255) or float in [0, 1]; got {images.dtype} values. Convert "
+                         "them, e.g. images.astype(np.uint8) for 0-255 values.")
     tensor = _as_float_tensor(images)
-    if is_uint8:
+    if _is_uint8(images):
         tensor = tensor / 255.0
+    elif tensor.numel() and (float(tensor.min()) < -ROUNDING or float(tensor.max()) > 1 + ROUNDING):
+        raise ValueError(f"float images must lie in [0, 1]; these span [{float(tensor.min()):.4g}, "
+                         f"{float(tensor.max()):.4g}]. Divide 0-255 values by 255.")
     if tensor.shape[-1] != 3:
         raise ValueError(f"images must be RGB, (..., H, W, 3); got shape {tuple(tensor.shape)}.")
     return tensor.clamp(0.0, 1.0)
 
 
-def resize_maps(maps: ArrayLike, size: tuple[int, int]) -> Tensor:
-    """Maps (..., h, w) → (..., H, W) by bilinear interpolation (float tensor, CPU)."""
+def map_as_float(maps: ArrayLike) -> Tensor:
+    """Maps as a float tensor (CPU): uint8 maps (a heatmap read from an image file) are read as 0-255."""
     tensor = _as_float_tensor(maps)
+    return tensor / 255.0 if _is_uint8(maps) else tensor
+
+
+def resize_maps(maps: ArrayLike, size: tuple[int, int]) -> Tensor:
+    """Maps (..., h, w) → (..., H, W) by bilinear interpolation (float tensor, CPU; uint8 maps read as 0-255)."""
+    tensor = map_as_float(maps)
     if tuple(tensor.shape[-2:]) == tuple(size):
         return tensor
     leading = tensor.shape[:-2]
@@ -79,9 +105,10 @@ def colormap_table(cmap: str = "jet") -> Tensor:
 def colorize(maps: ArrayLike, cmap: str = "jet") -> Tensor:
     """Maps (..., H, W) in [0, 1] → RGB (..., H, W, 3) float in [0, 1] through a colour map.
 
-    A value v takes the colour map's entry round(v * 255); values outside [0, 1] are clipped.
+    A value v takes the colour map's entry round(v * 255); values outside [0, 1] are clipped; uint8 maps are
+    read as 0-255.
     """
-    values = _as_float_tensor(maps).nan_to_num(0.0).clamp(0.0, 1.0)
+    values = map_as_float(maps).nan_to_num(0.0).clamp(0.0, 1.0)
     indices = (values * 255.0).round().long()
     return colormap_table(cmap)[indices]
 
@@ -98,6 +125,15 @@ def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     scale = torch.quantile(flat, clip_percentile / 100.0, dim=1).clamp_min(1e-12)
     scaled = (values.reshape(flat.shape) / scale[:, None]).clamp(-1, 1).reshape(values.shape)
     return (scaled + 1) / 2
+
+
+def as_drawn(maps: Tensor, cmap: str) -> tuple[Tensor, str]:
+    """(values in [0, 1], colour map) with which an explanation's maps are drawn: maps in [0, 1] as they are,
+    with ``cmap``; signed maps (any value below 0: [-1, 1] after the default normalisation) centred, 0 at 0.5,
+    with the diverging DIVERGING_CMAP, so that negative evidence is not drawn as no evidence."""
+    if bool((maps < 0).any()):
+        return (maps.detach().float().cpu().clamp(-1, 1) + 1) / 2, DIVERGING_CMAP
+    return maps, cmap
 
 
 def overlay(
@@ -130,6 +166,9 @@ def overlay(
     extra_dims = values.dim() + 1 - image_tensor.dim()
     if extra_dims < 0:
         raise ValueError(f"got {tuple(image_tensor.shape)} images for maps of shape {tuple(values.shape)}.")
+    if image_tensor.dim() == 4 and values.shape[0] != image_tensor.shape[0]:
+        raise ValueError(f"got {image_tensor.shape[0]} images and {values.shape[0]} maps: give one map (or one "
+                         "(K, h, w) stack) per image.")
     if image_tensor.dim() == 4 and extra_dims == 1:  # (N, H, W, 3) images with (N, K, H, W) maps
         image_tensor = image_tensor.unsqueeze(1)
     image_tensor = image_tensor.expand(*values.shape, 3)
@@ -187,8 +226,12 @@ def explanation_figure(
     """
     from matplotlib.figure import Figure
 
-    maps = explanation.map_grid  # (N, K, H, W)
+    maps, cmap = as_drawn(explanation.map_grid, cmap)  # (N, K, H, W)
     count, targets_per_image = maps.shape[:2]
+    if count == 0:
+        raise ValueError("this explanation holds no image (an empty selection): there is nothing to draw.")
+    if image_titles is not None and len(image_titles) != count:
+        raise ValueError(f"image_titles holds {len(image_titles)} title(s) for {count} image(s): give one per image.")
     overlays = overlay(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
@@ -202,14 +245,14 @@ def explanation_figure(
         if show_original:
             axes[0, image_index].imshow(explanation.images[image_index].numpy(), interpolation="nearest")
             title = image_titles[image_index] if image_titles is not None else f"image {image_index}"
-            axes[0, image_index].set_title(title, fontsize=9)
+            axes[0, image_index].set_title(title, fontsize=9, parse_math=False)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
             axis.imshow(overlays[image_index, target_index], interpolation="nearest")
-            axis.set_title(explanation.title(image_index, target_index), fontsize=9)
+            axis.set_title(explanation.title(image_index, target_index), fontsize=9, parse_math=False)
     for axis in axes.flat:
         axis.set_axis_off()
-    figure.suptitle(explanation.description(), fontsize=10)
+    figure.suptitle(explanation.description(), fontsize=10, parse_math=False)
     return figure
 
 
@@ -223,14 +266,26 @@ def figure_png(figure: "Figure", dpi: float = 100) -> bytes:
 def shown_in_notebooks(figure: "Figure") -> "Figure":
     """``figure`` with a ``_repr_png_``: a Jupyter cell whose result it is shows it, without ``%matplotlib
     inline`` or pyplot (our figures are not pyplot's, so pyplot never shows them a second time). With
-    ``%matplotlib inline`` IPython's own formatter for figures draws it instead, once."""
+    ``%matplotlib inline`` IPython's own formatter for figures draws it instead, once. Its ``savefig``
+    keeps text as text in SVG too (matplotlib's default draws SVG glyphs as outlines)."""
     figure._repr_png_ = functools.partial(figure_png, figure)  # type: ignore[attr-defined]
+    figure.savefig = functools.partial(savefig_with_svg_text, figure)  # type: ignore[method-assign]
     return figure
 
 
+def savefig_with_svg_text(figure: "Figure", *arguments: Any, **options: Any) -> Any:
+    """``Figure.savefig``, with SVG text written as text."""
+    from matplotlib.figure import Figure
+
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        return Figure.savefig(figure, *arguments, **options)
+
+
 def save_figure(figure: "Figure", path: str, dpi: Optional[int] = 150) -> None:
-    """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...)."""
-    figure.savefig(path, dpi=dpi)
+    """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...). Text stays text in
+    SVG (searchable, editable), as it does in PDF."""
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(path, dpi=dpi)
 
 
 def label_text(class_index: Optional[int], class_names: Optional[Sequence[str]]) -> str:

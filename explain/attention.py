@@ -273,6 +273,20 @@ def _attend_with_heads(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
     return output.squeeze(1), probabilities
 
 
+class StepwiseAttention(Rule):
+    """Attention computed step by step (``attend``) instead of by the fused kernels, which have no second
+    derivative: for methods that differentiate twice (Shapley-CAM's Hessian-vector product). Equal to the
+    fused attention to float rounding; nothing is recorded."""
+
+    functions: ClassVar[frozenset[Callable[..., Any]]] = frozenset(
+        {F.scaled_dot_product_attention, F.multi_head_attention_forward})
+
+    def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return _attend_with_heads(*args, **kwargs)[0]
+        return multi_head_attention(recording_core(lambda probabilities: None), *args, **kwargs)
+
+
 # ------------------------------------------------------------------ recording attention
 
 

@@ -140,6 +140,10 @@ def errors_handled_outside() -> set[int]:
     return handled
 
 
+CHECKPOINTING_FLAGS = ("grad_checkpointing", "gradient_checkpointing")
+"""The module attributes with which timm and HuggingFace switch gradient checkpointing on."""
+
+
 def _overrides_train(module: nn.Module) -> bool:
     return type(module).train is not nn.Module.train
 
@@ -268,6 +272,19 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
             parameter.requires_grad_(False)
 
     @_protected
+    def without_gradient_checkpointing(self, model: nn.Module) -> None:
+        """timm's ``grad_checkpointing`` and HuggingFace's ``gradient_checkpointing`` off for the scope (each flag
+        back when it ends): a checkpointed block runs its forward again during the backward pass, when the
+        call's hooks and rules may be gone, so that the recomputed values differ from the first ones (and timm
+        checkpoints in eval mode too). The values are the same either way; checkpointing only saves memory."""
+        flags = [(module, name) for module in model.modules() for name in CHECKPOINTING_FLAGS
+                 if getattr(module, name, None) is True]
+        if not flags:
+            return
+        self._undo.append(lambda: _set_flags(flags, True))
+        _set_flags(flags, False)
+
+    @_protected
     def eval_mode(self, model: nn.Module) -> None:
         """Put every module in eval mode; each module's own flag comes back when the scope ends.
 
@@ -295,6 +312,11 @@ def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
         except RuntimeError:  # a frame still running (the one that holds the ``with``)
             pass
         traceback = traceback.tb_next
+
+
+def _set_flags(flags: list[tuple[nn.Module, str]], value: bool) -> None:
+    for module, name in flags:
+        setattr(module, name, value)
 
 
 def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:

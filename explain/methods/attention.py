@@ -119,7 +119,9 @@ class AttentionMethod(Explainer):
         with CallScope(self.model) as scope:
             windows = watch_windows(scope, self.model) if self.reads_windows else None
             with capture_attention(self.model, self.blocks, detach=detach) as attention:
-                output = self.call_model(batch)
+                # kept in the graph: the input is in it, so the attention is even when no parameter requires grad
+                inputs = batch if detach else batch.detach().requires_grad_(batch.is_floating_point())
+                output = self.call_model(inputs)
         selected = select_targets(output, target, topk, batch_size=count)
         partitions = self._window_partitions(attention, windows, count)
         probabilities = self._checked(attention, count) if partitions is None else attention.probabilities
@@ -167,12 +169,19 @@ class AttentionMethod(Explainer):
                 "need a transformer; for other models use GradCAM."
             )
         if any(p.shape[0] != count and p.shape[0] % count == 0 for p in probabilities):
+            most = max(p.shape[0] for p in probabilities)
+            rows = f"some attention has {most} rows for the {count} image(s) explained"
+            if self.reads_windows:  # the window path did not recognise it: not Swin's windows
+                raise ValueError(
+                    f"{rows}, in groups of tokens that are not Swin-style windows of one token grid (MobileViT "
+                    f"attends within folded patches, for one): {type(self).__name__} lays out only Swin-style window "
+                    "attention. Use AttnLRP, which reads any attention, or GradCAM(model) with its automatic layer."
+                )
             raise ValueError(
-                f"some attention has {max(p.shape[0] for p in probabilities)} rows for the {count} image(s) "
-                "explained: this looks like window attention (Swin and other hierarchical transformers attend "
-                "within local windows, so no token-to-token matrix of the whole image exists to roll out). Use "
-                "TransformerAttribution, AttnLRP or LeGrad, which read window attention, or GradCAM(model): it picks "
-                "a norm layer of the last stage."
+                f"{rows}: this looks like window attention (Swin's local windows, MobileViT's folded patches), so no "
+                "token-to-token matrix of the whole image exists to roll out. For Swin use TransformerAttribution, "
+                "AttnLRP or LeGrad, which read window attention; for other models AttnLRP, or GradCAM(model) with its "
+                "automatic layer."
             )
         shapes = sorted({(p.shape[0], *p.shape[-2:]) for p in probabilities})
         if len(shapes) > 1 or shapes[0][1] != shapes[0][2] or shapes[0][0] != count:

@@ -774,6 +774,7 @@ class Explainer(ABC):
             self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,
                                                     input_position, prepared.batch.shape[0], per_image)
             scope.eval_mode(self.model)
+            scope.without_gradient_checkpointing(self.model)
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
             copies_before = channels_last_copies()

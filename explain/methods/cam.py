@@ -17,9 +17,11 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from ..attention import StepwiseAttention
 from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..layers import default_layer
 from ..layouts import Layout, Reshape, infer_layout, model_tokens
+from ..rules import call_rules
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import BoundUnits, UnitTarget
 from .base import Attribution, Explainer, ExplainerOptions, PerThread, normalize_maps, register, upsample_maps
@@ -449,6 +451,12 @@ class ShapleyCAM(GradCAM):
 
     name = "shapleycam"
     summary = "Shapley-CAM: Grad-CAM weights from the gradient minus half a Hessian-vector product"
+
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        # the fused attention kernels (timm, HuggingFace sdpa, nn.MultiheadAttention) have no second derivative:
+        # attention is computed step by step for the call (the same values to float rounding)
+        with call_rules(StepwiseAttention()):
+            return super().attribute(batch, target, topk)
 
     def layer_gradients(self, scores: Tensor, activations: list[Tensor],
                         retain_graph: bool) -> tuple[list[Tensor], Tensor]:

@@ -135,11 +135,11 @@ class FullGrad(Explainer):
                                                     retain_graph=index < targets_per_image - 1)
                 disconnected.append(torch.full_like(score, all(g is None for g in gradients), dtype=torch.bool))
                 input_gradient = torch.zeros_like(inputs) if gradients[0] is None else gradients[0]
-                saliency, total = bias_saliency(recorded, gradients[1:], batch.shape[-2:])
+                saliency, total = bias_saliency(recorded, gradients[1:], batch.shape[-2:], batch.shape[0])
                 input_terms = (inputs * input_gradient).detach().float()
                 maps.append(saliency + rescaled(input_terms.abs(), (1, 2, 3)).sum(1))
                 completeness.append(score.detach().float() - input_terms.flatten(1).sum(1) - total)
-                zero.append(torch.stack([g.flatten(1).eq(0).all(1) for g in gradients if g is not None]
+                zero.append(torch.stack([g.reshape(score.shape[0], -1).eq(0).all(1) for g in gradients if g is not None]
                                         or [torch.ones_like(score, dtype=torch.bool)]).all(0))
         selected.scores = selected.scores.detach()
         return Attribution(
@@ -152,11 +152,22 @@ class FullGrad(Explainer):
         )
 
 
+def per_image_sums(terms: Tensor, count: int) -> Tensor:
+    """(count,) sums of a layer output's terms per image. The output has one row per image, or, for a layer run on
+    windows (Swin) or folded patches (MobileViT), count · k rows with each image's rows together (its batch is the
+    outer dimension, as those models lay them out)."""
+    if terms.shape[0] % count != 0:
+        raise ValueError(f"FullGrad: a layer with a bias returned {terms.shape[0]} rows for {count} image(s), with no "
+                         f"image-by-image layout (shape {tuple(terms.shape)}); its terms cannot be given to the "
+                         "images. Use GradCAM(model) for this model.")
+    return terms.reshape(count, -1).sum(1)
+
+
 def bias_saliency(recorded: list[tuple[Tensor, Tensor, bool]], gradients: Sequence[Optional[Tensor]],
-                  size: Sequence[int]) -> tuple[Union[Tensor, int], Union[Tensor, int]]:
+                  size: Sequence[int], count: int) -> tuple[Union[Tensor, int], Union[Tensor, int]]:
     """Σ over spatial layers and their channels of ψ(|b_c ∂y/∂z_c|) upsampled, (N, H, W); and Σ b · ∂y/∂z
     over every layer, (N,) (for the completeness check); 0 for no layer. recorded: (z, b, b per channel)
-    per layer call."""
+    per layer call; count: N."""
     saliency: Union[Tensor, int] = 0
     total: Union[Tensor, int] = 0
     for (_, bias, spatial), gradient in zip(recorded, gradients):
@@ -165,8 +176,8 @@ def bias_saliency(recorded: list[tuple[Tensor, Tensor, bool]], gradients: Sequen
         shape = [1] * gradient.dim()
         shape[1 if spatial else -1] = -1
         terms = (gradient * bias.view(shape)).detach().float()
-        total = total + terms.flatten(1).sum(1)
-        if spatial and terms.dim() == 4:  # one map per channel, rescaled on its own
+        total = total + per_image_sums(terms, count)
+        if spatial and terms.dim() == 4 and terms.shape[0] == count:  # one map per channel, rescaled on its own
             per_layer = rescaled(terms.abs(), (2, 3)).sum(1, keepdim=True)
             saliency = saliency + F.interpolate(per_layer, size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
     return saliency, total

@@ -414,6 +414,7 @@ class LeGrad(AttentionMethod):
     name = "legrad"
     summary = "LeGrad (Bousselham et al. 2024): each layer's score's gradient w.r.t. its attention, summed over layers"
     uses_gradients = True
+    reads_windows = True  # Swin's window attention, laid out on its stage's grid (its own pass reads the partitions)
 
     def __init__(
         self,

@@ -70,11 +70,12 @@ def _conversion_hint(array: np.ndarray) -> str:
 
 
 def _checked_unit_tensor(image: Tensor) -> Tensor:
-    """A float (C, H, W) image tensor for Normalize: 1 or 3 channels first, values in [0, 1]."""
+    """A float (C, H, W) or (N, C, H, W) image tensor for Normalize: 1 or 3 channels first, values in [0, 1]."""
     shape = tuple(image.shape)
-    if image.dim() != 3 or shape[0] not in (1, 3):
-        hint = " It looks channels-last: give image.permute(2, 0, 1)." if image.dim() == 3 and shape[-1] == 3 else ""
-        raise ValueError(f"Normalize takes a (3, H, W) float tensor in [0, 1]; got shape {shape}.{hint}")
+    if image.dim() not in (3, 4) or shape[-3] not in (1, 3):
+        hint = " It looks channels-last: move the channels first (permute)." if shape[-1:] == (3,) else ""
+        raise ValueError(f"Normalize takes a (3, H, W) or (N, 3, H, W) float tensor in [0, 1]; got shape "
+                         f"{shape}.{hint}")
     if image.numel() and (float(image.min()) < -1e-3 or float(image.max()) > 1 + 1e-3):
         raise ValueError(f"Normalize takes a float tensor in [0, 1]; this one spans [{float(image.min()):.4g}, "
                          f"{float(image.max()):.4g}]. Divide 0-255 values by 255 (or give a uint8 tensor).")

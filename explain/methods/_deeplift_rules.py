@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..attention import attend, calling_module, multi_head_attention, recording_core
@@ -448,6 +449,8 @@ class DeepLiftRules(Rule):
                 self._no_rule(func, "DeepLIFT has no rule for these arguments")
                 return PLAIN
             return result
+        if func is _scaled:
+            return self._scaled(args, call, values)
         if func in SOFTMAXES:
             return self._softmax(func, args, kwargs, call, values)
         if func in MAX_POOLS:
@@ -554,6 +557,34 @@ class DeepLiftRules(Rule):
 
         result = Linearized.apply(compute, linear_map, *inputs)
         return target.copy_(result) if target is not None else result
+
+    def _scaled(self, args: tuple[Any, ...], call: _Call, values: list[Tensor]) -> Any:
+        """A normalisation's y = c · r, c its centred values, r = 1/σ per token (``_scaled``). The rule of
+        products would give Δy = Δc · r̄ + c̄ · Δr, exact but unusable where one side's tokens are (nearly)
+        constant across channels, as those of the zero baseline are: there r' = 1/√eps (316 for a LayerNorm's
+        eps = 1e-5), so Δc gets the multiplier r̄ ≈ 158/σ's worth of signal and Δr takes it back, two terms
+        ~150 times larger than Δy and of opposite signs. Through a few normalisations in sequence the
+        multipliers grow by that factor each time (1e14 after 8 LayerNorms) and the attributions, though
+        summing to Δy in exact arithmetic, lose it to rounding. So Δy is split in the order that keeps the
+        smaller scale: Δy = Δc · r + c' · Δr where r ≤ r' (the image's tokens vary more than the baseline's),
+        Δy = Δc · r' + c · Δr elsewhere, each exact. Against a baseline whose tokens are constant (c' = 0) this
+        is Δy = Δc · r, the normalisation held at the image's scale (the LayerNorm rule of Ali et al. 2022,
+        which treats σ as a constant), and the scale's change gets no share, having none to give."""
+        values_in, scale = args
+        if len(values) != 2 or not all(isinstance(tensor, Tensor) and tensor in self.dependent
+                                       for tensor in (values_in, scale)):
+            return PLAIN  # a product with a constant: linear
+        reference_values, reference_scale = self._references(call, [values_in, scale])
+        if not self.explaining:
+            return PLAIN
+        image_smaller = scale.detach().abs() <= reference_scale.abs()
+        kept_scale = torch.where(image_smaller, scale.detach(), reference_scale)
+        kept_values = torch.where(image_smaller, reference_values, values_in.detach())
+
+        def linear_map(values_difference: Tensor, scale_difference: Tensor) -> Tensor:
+            return values_difference * kept_scale + kept_values * scale_difference
+
+        return Linearized.apply(lambda *_: values_in * scale, linear_map, values_in, scale)
 
     def _softmax(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
                  values: list[Tensor]) -> Any:
@@ -696,7 +727,16 @@ def _normalized(inputs: Tensor, dims: tuple[int, ...], eps: float, centred: bool
     values = _float_steps(inputs)
     if centred:
         values = values - values.mean(dims, keepdim=True)
-    return (values * torch.rsqrt((values * values).mean(dims, keepdim=True) + eps)).to(inputs.dtype)
+    return _scaled(values, torch.rsqrt((values * values).mean(dims, keepdim=True) + eps)).to(inputs.dtype)
+
+
+def _scaled(values: Tensor, scale: Tensor) -> Tensor:
+    """values · scale: a normalisation's last step, its centred values times 1/σ. A function of its own (one
+    that torch function modes see, as ``F.layer_norm``) so that DeepLIFT gives it the rule of normalisations
+    (``DeepLiftRules._scaled``) rather than that of products."""
+    if has_torch_function_variadic(values, scale):
+        return handle_torch_function(_scaled, (values, scale), values, scale)
+    return values * scale
 
 
 def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,

@@ -20,7 +20,9 @@ gradient being exact there. On the images' forward each call gets its DeepLIFT r
   the product as above, with a shift shared by x and x';
 - layer, group, RMS and instance normalisation, attention (``scaled_dot_product_attention``,
   ``nn.MultiheadAttention``), ``glu``, ``normalize`` and p-norms: computed step by step, each
-  step by its rule;
+  step by its rule; a normalisation's last step, y = c · r (centred values times r = 1/σ), gets
+  Δy = Δc · r + c' · Δr where r ≤ r', Δy = Δc · r' + c · Δr elsewhere (exact, and free of the
+  baseline's 1/√eps where its tokens are constant across channels, as the zero baseline's are);
 - linear functions (convolutions, linear layers, BatchNorm in eval mode, sums, pooling by
   averages, reshaping, indexing): their own gradient, which is exact.
 
@@ -58,7 +60,9 @@ class DeepLift(GradientExplainer):
         IntegratedGradients). eps: |Δz| below which the ordinary derivative is used.
     ``Explanation.diagnostics["summation_error"]`` (N, K) is Σ attributions − (y(x) − y(x')),
     zero up to rounding where every nonlinear function got its rule; ``["score_change"]`` is
-    y(x) − y(x'). A ``RuntimeWarning`` names the functions that got none.
+    y(x) − y(x'). A ``RuntimeWarning`` names the functions that got none, another says where the
+    attributions do not sum to the score change although every function had its rule (multipliers grown
+    through the layers against a degenerate baseline), and attributions that overflow raise.
     The model runs on the baselines, then on the images; the targets (top-1, top-k) and scores come
     from the images' forward. A model whose rows depend on each other in eval mode (batch
     statistics computed inside its forward) has no per-image DeepLIFT.
@@ -82,6 +86,7 @@ class DeepLift(GradientExplainer):
         self.warn_about_unruled(unruled)
         self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
+        self.check_summation(attributions, summation_error, score_change, unruled)
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())
 
@@ -133,6 +138,38 @@ class DeepLift(GradientExplainer):
             f"{self.method_name}: no DeepLIFT rule for {listed}. There the multipliers are the plain gradient, so "
             "the attributions need not sum to y(x) − y(x′) (diagnostics['summation_error'] says by how much).",
             RuntimeWarning, stacklevel=4)
+
+    def check_summation(self, attributions: Tensor, summation_error: Tensor, score_change: Tensor,
+                        unruled: dict[str, str]) -> None:
+        """Raise where the attributions overflowed although the scores did not, and warn where they do not sum
+        to y(x) − y(x′) although every function got its rule: DeepLIFT's multipliers then grew through the
+        layers until rounding (or the float range) lost the score change, as they can where the baseline's
+        activations are degenerate (tokens constant across channels divided by a norm computed by hand,
+        ``x / x.std()``: the rule of quotients then multiplies by the baseline's huge 1/σ')."""
+        advice = ("A baseline that is not constant across channels (baseline='blur', the data mean, or "
+                  "DeepLiftShap with real images as baselines) avoids this, as does IntegratedGradients.")
+        overflowed = ~torch.isfinite(attributions).flatten(2).all(dim=2) & torch.isfinite(score_change)
+        if overflowed.any():
+            pairs = ", ".join(f"image {n}, target {k}: y(x) − y(x′) = {score_change[n, k].item():.3g}"
+                              for n, k in overflowed.nonzero().tolist()[:6])
+            raise ValueError(
+                f"{self.method_name}: the attributions hold NaN or inf ({pairs}) although the model's scores are "
+                "finite: DeepLIFT's multipliers, not the model, overflowed, growing from layer to layer against "
+                f"this baseline. {advice}")
+        if unruled:
+            return  # the warning about the functions without a rule says already that the summation may fail
+        epsilon = torch.finfo(attributions.dtype).eps
+        tolerance = torch.maximum(1e-2 * score_change.abs(), 1e3 * epsilon * score_change.abs().clamp_min(1))
+        wrong = summation_error.abs() > tolerance
+        if wrong.any():
+            pairs = ", ".join(f"image {n}, target {k}: the attributions sum to "
+                              f"{(summation_error[n, k] + score_change[n, k]).item():.3g}, y(x) − y(x′) = "
+                              f"{score_change[n, k].item():.3g}" for n, k in wrong.nonzero().tolist()[:6])
+            warnings.warn(
+                f"{self.method_name}: the attributions do not sum to the score change ({pairs}; "
+                "diagnostics['summation_error']): DeepLIFT's multipliers grew from layer to layer against this "
+                f"baseline until rounding lost the score change, so the map is not to be trusted. {advice}",
+                RuntimeWarning, stacklevel=4)
 
 
 @register
@@ -191,5 +228,6 @@ class DeepLiftShap(DeepLift):
         score_change = change / len(baselines)
         self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
+        self.check_summation(attributions, summation_error, score_change, unruled)
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())

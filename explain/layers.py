@@ -158,6 +158,8 @@ class _ModuleRun:
     fingerprint: Optional[Tensor]
     depends_on_image: bool = True
     reaches_output: bool = True
+    too_small: bool = False
+    """Whether the output has the batch's rows and a map layout, but h or w below 2 (a last stage at a small input)."""
 
     @property
     def is_candidate(self) -> bool:
@@ -195,13 +197,15 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     runs on N × patch-area rows): the last candidate to finish. Global pooling and the classifier
     give no maps, so that is the last stage before them (``layer4`` on a ResNet, ``features`` on
     VGG, DenseNet, MobileNet, EfficientNet and ConvNeXt, ``stages`` or ``final_conv`` in timm); a
-    container finishes after its children, so a stage wins over its last block.
+    container finishes after its children, so a stage wins over its last block. Where a block's output is too
+    small to draw (h or w below 2: the last stage at a small input), no layer inside it is chosen unless the
+    block is a plain sequence: its branches or shortcut may bypass that layer (``_whole_paths``).
 
     Raises ModelInputError when the model fails on the batch, ValueError when no layer qualifies.
     """
     runs = _trace(model, batch, run)
     _mark_image_dependence(model, batch, run, runs)
-    candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
+    candidates = _whole_paths([module_run for module_run in runs.values() if module_run.is_candidate], runs)
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
         return norm
@@ -212,6 +216,16 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
             "explicitly (`explain layers MODEL` or explain.list_layers(model) lists them with their shapes)."
         )
     return candidates[-1].name
+
+
+def _whole_paths(candidates: list[_ModuleRun], runs: dict[str, _ModuleRun]) -> list[_ModuleRun]:
+    """The candidates less those inside a block whose output is too small to draw (a last stage at a small
+    input): a block that is not a plain sequence (Inception's branches, a residual block's shortcut, ShuffleNet's
+    split) may route evidence around any one layer inside it, so such a layer would show part of it. The last
+    whole stage before that block is explained instead (``Mixed_6e`` for Inception v3 at 96 px)."""
+    blocks = [module_run.name + "." for module_run in runs.values()
+              if module_run.too_small and module_run.calls == 1 and not isinstance(module_run.module, CONTAINERS)]
+    return [candidate for candidate in candidates if not any(candidate.name.startswith(block) for block in blocks)]
 
 
 def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _ModuleRun]:
@@ -229,13 +243,15 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
             runs[name].calls += 1
             return
         main = _main_tensor(output)
-        layout = None if main is None else _map_layout(main, modules[name], count, input_size, tokens)
+        grid = None if main is None else _map_grid(main, modules[name], count, input_size, tokens)
+        layout = None if grid is None or min(grid[1:]) < 2 else grid[0]
         if main is not None and layout is not None and main.grad_fn is not None:
             graph_nodes[name] = main.grad_fn
         runs[name] = _ModuleRun(
             name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
             fingerprint=None if main is None or layout is None else _fingerprint(main.detach()),
+            too_small=grid is not None and layout is None,
         )
 
     inputs = batch.detach().requires_grad_(batch.is_floating_point())
@@ -368,10 +384,10 @@ def _main_tensor(output: object) -> Optional[Tensor]:
     return first if isinstance(first, Tensor) else None
 
 
-def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int],
-                tokens: Optional[ModelTokens]) -> Optional[str]:
-    """The layout kind (as a CAM would read the module's output ``tensor``, of a model stating ``tokens``)
-    when the tensor has ``count`` rows and lays out as maps with h, w ≥ 2, else None."""
+def _map_grid(tensor: Tensor, module: nn.Module, count: int, input_size: Sequence[int],
+              tokens: Optional[ModelTokens]) -> Optional[tuple[str, int, int]]:
+    """(layout kind, h, w) as a CAM would read the module's output ``tensor`` (of a model stating ``tokens``)
+    when the tensor has ``count`` rows and lays out as maps, else None. Maps are drawable where h, w ≥ 2."""
     if (tensor.dim() not in (3, 4) or tensor.shape[0] != count or not tensor.is_floating_point()
             or tensor.layout != torch.strided):
         return None
@@ -386,7 +402,7 @@ def _map_layout(tensor: Tensor, module: nn.Module, count: int, input_size: Seque
         height, width = tensor.shape[1:3]
     else:
         height, width = tensor.shape[2:]
-    return layout.kind if height >= 2 and width >= 2 else None
+    return layout.kind, int(height), int(width)
 
 
 def _fingerprint(tensor: Tensor) -> Tensor:

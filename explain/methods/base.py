@@ -208,6 +208,8 @@ class Attribution:
     negative_everywhere: (N, K) bool, where a map was ≤ 0 everywhere, and not all zero, before
         its ReLU (CAM methods).
     baseline_is_input: (N,) bool, where a path method's baseline equals the image (a path of length 0).
+    empty_reason: why a map of this call that is zero everywhere is so, when the method knows it better than
+        the generic "the layer's activations are zero" (FEM: a threshold no value can reach).
     """
 
     maps: Tensor
@@ -220,6 +222,7 @@ class Attribution:
     disconnected: Optional[Tensor] = None
     negative_everywhere: Optional[Tensor] = None
     baseline_is_input: Optional[Tensor] = None
+    empty_reason: Optional[str] = None
 
 
 def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
@@ -371,9 +374,10 @@ def warn_about_empty_maps(raw_maps: Tensor, attribution: "Attribution", method: 
     for n, k in (empty_map | empty_region).nonzero().tolist():
         reason = next((name for name, flags in checks if flags is not None and bool(flags[n, k])), "other")
         groups.setdefault(reason, []).append(f"({n}, {k})")
+    reasons = dict(EMPTY_MAP_REASONS, other=attribution.empty_reason or EMPTY_MAP_REASONS["other"])
     lines = [
         f"(image, target) {', '.join(pairs[:8])}{' and more' if len(pairs) > 8 else ''}: "
-        + EMPTY_MAP_REASONS[reason].format(where=where, region=attribution.selected.empty_region_advice) + "."
+        + reasons[reason].format(where=where, region=attribution.selected.empty_region_advice) + "."
         for reason, pairs in groups.items()
     ]
     heading = ("returned maps that are zero everywhere" if bool(empty_map[empty_region].all())

@@ -521,6 +521,16 @@ class FEM(CAM):
         stds = activations.std(dim=(2, 3), keepdim=True, correction=0)
         return means * (activations > means + self.k * stds).to(activations.dtype)
 
+    def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        attribution = super().attribute(batch, target, topk)
+        positions = min(maps.shape[-2] * maps.shape[-1] for maps in attribution.low_res_maps or [attribution.maps])
+        if (positions - 1) ** 0.5 <= self.k:  # no value of n can exceed the mean by more than √(n − 1) σ
+            attribution.empty_reason = (
+                f"over a layer map of {positions} positions no value exceeds its channel's mean by more than "
+                f"√{positions - 1} = {(positions - 1) ** 0.5:.2f} standard deviations, so FEM's k = {self.k:g} "
+                "threshold cannot be reached. Give a larger input, choose an earlier layer, or a smaller k")
+        return attribution
+
 
 @register
 class EigenCAM(CAM):

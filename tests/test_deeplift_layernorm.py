@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-import transformers
+from test_zoo_attacks import hf_mobilevit
 from torch import Tensor, nn
 
 import explain
@@ -163,25 +163,10 @@ def test_rms_group_and_instance_norms_sum_to_the_score_change_against_the_zero_b
 # ------------------------------------------------------------------ MobileViT
 
 
-def tiny_mobilevit() -> nn.Module:
-    """HuggingFace MobileViT, tiny, random init with zero biases (its own init gives logits of exactly 0)."""
-    torch.manual_seed(0)
-    model = transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
-        image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
-        num_labels=4)).eval()
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        if isinstance(module, (nn.Conv2d, nn.Linear)):
-            nn.init.normal_(module.weight, std=module.weight[0].numel() ** -0.5)
-    return model
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_mobilevit_against_the_zero_baseline_sums_to_the_score_change(dtype):
     """Nine transformer layers of LayerNorms on tokens that the zero baseline makes constant."""
-    model = tiny_mobilevit().to(dtype)
+    model = hf_mobilevit(image_size=32, labels=4).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(2, 3, 32, 32, dtype=dtype)
     with warnings.catch_warnings():

@@ -268,12 +268,13 @@ def test_mobilevit_error_does_not_recommend_the_method_that_raised_it(method):
 # --- DeepLIFT through LayerNorm when the baseline's tokens are constant ------------------------------------------
 
 
-def hf_mobilevit() -> nn.Module:
+def hf_mobilevit(image_size: int = 64, labels: int = 5) -> nn.Module:
     """HuggingFace MobileViT, tiny; re-initialised so that its logits depend on the image (its own init gives
     logits of exactly 0). Biases start at 0, as in most freshly built models."""
     torch.manual_seed(0)
     model = transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
-        image_size=64, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_labels=5)).eval()
+        image_size=image_size, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+        num_labels=labels)).eval()
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             nn.init.ones_(module.weight)

@@ -12,6 +12,7 @@ import pytest
 import timm
 import torch
 import torchvision
+from test_zoo_attacks import assert_same_state, quiet, state
 from torch import nn
 
 import explain
@@ -24,38 +25,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def state(model: nn.Module) -> dict:
-    """Everything of the model that a call must leave as found, compared bit for bit."""
-    found: dict = {}
-    for name, module in model.named_modules():
-        found["module:" + name] = (id(module), module.training, len(module._forward_hooks),
-                                   len(module._forward_pre_hooks), len(module._backward_hooks),
-                                   len(module._backward_pre_hooks), sorted(vars(module)))
-    for name, parameter in model.named_parameters():
-        found["parameter:" + name] = (parameter.detach().clone(), parameter.requires_grad, parameter.grad)
-    for name, buffer in model.named_buffers():
-        found["buffer:" + name] = buffer.detach().clone()
-    return found
-
-
-def assert_same_state(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    for key, old in before.items():
-        new = after[key]
-        if isinstance(old, torch.Tensor):
-            assert torch.equal(old, new), key
-        elif key.startswith("parameter:"):
-            assert torch.equal(old[0], new[0]) and old[1:] == new[1:], key
-        else:
-            assert old == new, key
-
-
-def quiet(call):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return call()
 
 
 def hand_gradcam(model: nn.Module, layer: str, x: torch.Tensor, targets: list[int]) -> torch.Tensor:

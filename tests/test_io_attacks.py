@@ -342,3 +342,23 @@ def test_an_empty_selection_shows_in_a_notebook_as_a_line(demo, images):
     assert "no image" in shown and "<img" not in shown
     with pytest.raises(ValueError, match="no image"):
         e[[]].overlay()
+
+
+def test_the_report_draws_a_phone_photo_upright_under_its_maps(tmp_path):
+    """The HTML report's thumbnails put each map on its source image: that image must be turned as its EXIF
+    orientation says, as the maps were made (load_image), not drawn sideways under them."""
+    from explain.html_report import _panels_from_maps
+
+    stored = np.zeros((32, 64, 3), np.uint8)
+    stored[:, :32, 0] = 255  # left half red as stored → top half red once turned for display
+    picture = Image.fromarray(stored)
+    exif = picture.getexif()
+    exif[0x0112] = 6
+    source = tmp_path / "phone.jpg"
+    picture.save(source, exif=exif.tobytes(), quality=95)
+    map_file = tmp_path / "maps.npy"
+    np.save(map_file, np.zeros((1, 64, 32), np.float32))  # the maps of the upright (portrait) image
+    (panel,) = _panels_from_maps(map_file, source, 1, 64)
+    pixels = np.asarray(panel).astype(int)
+    assert pixels.shape[:2] == (64, 32)
+    assert pixels[8, 16, 0] - pixels[56, 16, 0] > 80  # red on top, as shown

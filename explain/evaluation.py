@@ -490,13 +490,27 @@ class Evaluation:
         return figure
 
 
+def _class_indices(labels: Any) -> Tensor:
+    """The data's labels as a tensor of class indices; class names and other values are refused, saying so."""
+    try:
+        tensor = torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError):
+        tensor = None
+    if tensor is None or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        shown = f"{type(labels).__name__}" + (f" of {tensor.dtype}" if tensor is not None else "")
+        raise ValueError(f"the data's labels must be class indices, (N,) integers; got a {shown}. Map class names "
+                         "to indices first, e.g. with the model's config.label2id (HuggingFace) or the index of "
+                         "each name in your class list.")
+    return tensor.long()
+
+
 def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int
              ) -> Iterator[tuple[Tensor, Tensor, Optional[Tensor]]]:
     """The data as (inputs, labels, masks or None) batches: a single (inputs, labels[, masks]) tuple is cut into
     batches of ``batch_size``; an iterable (a DataLoader) gives its own batches. Masks may be numpy arrays; tensors
     made inside the caller's ``torch.inference_mode()`` are copied into ordinary ones (autograd refuses them)."""
     if isinstance(data, tuple) and len(data) in (2, 3) and isinstance(data[0], Tensor):
-        inputs, labels = data[0], torch.as_tensor(data[1])
+        inputs, labels = data[0], _class_indices(data[1])
         masks = None if len(data) == 2 or data[2] is None else torch.as_tensor(data[2])
         if inputs.dim() != 4 or labels.shape != (inputs.shape[0],):
             raise ValueError(f"data must be (inputs (N, C, H, W), labels (N,)[, masks (N, H, W)]); got inputs of "

@@ -588,6 +588,9 @@ class Explainer(ABC):
     """Registry name, as the command line's ``--method`` takes it."""
     needs_layer: ClassVar[bool] = False
     """Whether the constructor takes a target layer after the model (CAM methods)."""
+    scores_are_outputs: ClassVar[bool] = True
+    """Whether ``Explanation.scores`` are the model's (selected) outputs for the classes explained (Finer-CAM's are
+    its contrastive scores)."""
     summary: ClassVar[str] = ""
     """One line for ``explain methods``."""
     records_the_forward: ClassVar[bool] = True

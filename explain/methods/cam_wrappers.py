@@ -95,6 +95,7 @@ class FinerCAM(Explainer):
     name = "finercam"
     summary = "Finer-CAM: a CAM of the class's score against the most similar classes (fine-grained differences)"
     needs_layer = True
+    scores_are_outputs = False
     records_the_forward = False  # the wrapped CAM checks the model for itself
 
     def __init__(self, model: nn.Module, layer: TargetLayers = None, *, cam: Union[type[CAM], CAM] = GradCAM,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -142,6 +142,24 @@ def as_masks(masks_or_boxes: Tensor, size: Sequence[int], count: int) -> Tensor:
                          f"{'is' if len(indices) == 1 else 'are'} empty: "
                          "there is no object to point at. Leave those images out of the evaluation.")
     return masks
+
+
+def run_model(model: nn.Module, inputs: Tensor, options: Mapping[str, Any], count: int,
+              images: Optional[Tensor] = None) -> Any:
+    """The model's output for ``inputs``, given the model's other inputs as ``explain`` takes them in ``options``
+    (``forward_args``, ``forward_kwargs``, ``input_position``, ``per_image``: CLIP's prompts). count: the number of
+    images explained; images: (R,) which image each row of ``inputs`` is a copy of (None: row n is image n), so
+    that per-image inputs follow their image."""
+    from ..methods.base import ForwardCall
+
+    call = ForwardCall.stated(options.get("forward_args", ()), options.get("forward_kwargs") or {},
+                              options.get("input_position", 0), count, options.get("per_image"))
+    if call is None:
+        return model(inputs)
+    if images is not None:
+        call = call.for_rows(images)
+    args, kwargs = call.arguments(inputs)
+    return model(*args, **kwargs)
 
 
 def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -> Tensor:

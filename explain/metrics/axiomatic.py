@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..capture import find_layers, model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec, prepare_inputs
-from ..methods.base import Explainer
+from ..methods.base import Explainer, autocast_dtype
 from ..methods.options import int_option, number_option
 from ..targets import OutputSelector, Target, select_output, select_targets
 from ._common import (
@@ -39,6 +39,7 @@ from ._common import (
     check_finite,
     class_scores,
     model_inputs,
+    run_model,
     short_repr,
 )
 
@@ -272,9 +273,11 @@ class InputInvariance:
     difference: Tensor
 
 
-def _first_layer(model: nn.Module, batch: Tensor, layer: Optional[str]) -> tuple[str, nn.Module]:
+def _first_layer(model: nn.Module, batch: Tensor, layer: Optional[str], options: Mapping[str, Any]
+                 ) -> tuple[str, nn.Module]:
     """The layer that absorbs the shift: ``layer`` by name, else the first module with parameters of its
-    own that the forward runs. Refused when it does not take the model's input as it is."""
+    own that the forward runs (with the model's other inputs of ``options``, as ``explain`` takes them). Refused
+    when it does not take the model's input as it is."""
     if layer is not None:
         candidates = find_layers(model, [layer])
     else:
@@ -292,15 +295,14 @@ def _first_layer(model: nn.Module, batch: Tensor, layer: Optional[str]) -> tuple
                for name, module in candidates]
     try:
         with torch.no_grad(), preserved_model_state(model):
-            model(batch[:1])
+            run_model(model, batch, options, batch.shape[0])
     finally:
         for handle in handles:
             handle.remove()
     if not seen:
         raise ValueError(f"the layer {layer!r} never ran in the model's forward: name the layer the input goes to.")
     name, module, layer_input = seen[0]
-    if not isinstance(layer_input, Tensor) or layer_input.shape != batch[:1].shape or not torch.equal(
-            layer_input, batch[:1]):
+    if not isinstance(layer_input, Tensor) or layer_input.shape != batch.shape or not torch.equal(layer_input, batch):
         raise ValueError(f"the first layer with parameters, {name!r}, does not take the model's input as it is (the "
                          "model computes something before it): input invariance shifts the input of the layer that "
                          "absorbs the shift. Name that layer with layer=, or explain a model whose first operation "
@@ -345,7 +347,7 @@ def input_invariance(
     with torch.inference_mode(False):  # a copy made in the caller's inference_mode would hold inference tensors
         shifted_explainer = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
     shifted_model = shifted_explainer.model
-    name, first = _first_layer(shifted_model, batch, layer)
+    name, first = _first_layer(shifted_model, batch, layer, options)
     with torch.no_grad(), preserved_model_state(shifted_model):
         zeros = torch.zeros_like(batch[:1])
         correction = first(zeros + shift) - first(zeros)  # ℓ(x + m) − (ℓ(m) − ℓ(0)) = ℓ(x) for an affine ℓ
@@ -356,7 +358,16 @@ def input_invariance(
         handle.remove()
     expected, obtained = original.scores.float(), shifted.scores.float()  # the explained scores, f(x) and f₂(x + m)
     gap = (obtained - expected).abs().max().item()
-    if not gap <= 1e-4 * max(1.0, expected.abs().max().item()):
+    model_precision = model_dtype(shifted_model)
+    precision = autocast_dtype(batch.device.type) or (
+        model_precision if model_precision in (torch.float16, torch.bfloat16) else None)
+    tolerance = 1e-4 if precision is None else 8 * torch.finfo(precision).eps  # rounding of the shift's two paths
+    if not gap <= tolerance * max(1.0, expected.abs().max().item()):
+        if precision is not None:
+            raise ValueError(
+                f"the model copy whose layer {name!r} absorbs the shift gives scores {gap:.3g} away from the model's "
+                f"on the shifted input, more than {precision} rounding explains: compute input invariance outside "
+                "torch.autocast, on model.float().")
         raise ValueError(f"the model copy whose layer {name!r} absorbs the shift does not give the model's scores on "
                          f"the shifted input (largest difference {gap:.3g}): that layer is not affine in its input. "
                          "Name the model's first affine layer (a convolution or linear layer) with layer=.")

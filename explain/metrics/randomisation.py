@@ -24,7 +24,7 @@ from ..inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import int_option, number_option
 from ..targets import Target, select_output
-from ._common import as_tensor, check_count, short_repr
+from ._common import as_tensor, check_count, run_model, short_repr
 from .complexity import _wide
 from .robustness import NoiseSamples, Perturb, Reference, add_noise, check_noise, explained_reference
 from .sanity import ORDERS, RandomizationStage, Randomize, _magnitude, default_stages, randomized_copies, spearman
@@ -130,7 +130,7 @@ def random_logit(
     reference = explained_reference(explainer, inputs, target, explanation, options, "the random logit test")
     batch, classes = reference.batch, reference.classes
     with torch.no_grad(), preserved_model_state(model):
-        class_count = select_output(model(batch[:1]), explainer.output).shape[1]
+        class_count = select_output(run_model(model, batch, options, batch.shape[0]), explainer.output).shape[1]
     if class_count < 2:
         raise ValueError("the model has a single output class: there is no other class to compare with.")
     if other_classes is None:
@@ -178,7 +178,8 @@ def discrete_entropy(maps: Tensor, bins: int = 100) -> Tensor:
     ``bins`` equal bins (``histogram_counts``), in [0, ln bins]: 0 for a constant map."""
     counts = histogram_counts(maps.reshape(maps.shape[0], -1), bins)
     shares = _wide(counts) / counts.sum(dim=1, keepdim=True)
-    return -torch.where(shares > 0, shares * shares.clamp_min(1e-300).log(), 0.0).sum(dim=1)
+    plogp = torch.where(shares > 0, shares * shares.clamp_min(1e-300).log(), 0.0).sum(dim=1)
+    return 0.0 - plogp  # 0 − x: +0 for a constant map (−x would give −0, and a division by it −inf)
 
 
 @dataclass
@@ -228,13 +229,15 @@ def efficient_mprt(
     reference = explained_reference(explainer, inputs, target, explanation, options, "eMPRT")
     stages_run = deque(randomized_copies(  # every stage randomised, then one explanation of the randomised model
         explainer, reference.batch, default_stages(explainer.model) if stages is None else stages, order="bottom_up",
-        seed=seed, randomize=randomize), maxlen=1)
+        seed=seed, randomize=randomize, explain_options=options), maxlen=1)
     if not stages_run:
         raise ValueError("none of the stages runs in the model's forward: name layers the model runs.")
     _, layers, randomized = stages_run[0]
     after = randomized.explain(reference.batch, reference.classes, **options).raw_map_grid[:, 0]
     before_entropy, after_entropy = discrete_entropy(reference.maps, bins), discrete_entropy(after, bins)
-    return EfficientMPRT(rise=(after_entropy - before_entropy) / before_entropy, entropy=before_entropy,
+    rise = torch.where(before_entropy > 0, (after_entropy - before_entropy) / before_entropy.clamp_min(1e-300),
+                       torch.where(after_entropy > 0, float("inf"), float("nan")))  # a constant map: 0 / 0 or inf
+    return EfficientMPRT(rise=rise, entropy=before_entropy,
                          randomized_entropy=after_entropy, layers=layers)
 
 
@@ -322,7 +325,7 @@ def smooth_mprt(
     results: list[RandomizationStage] = []
     for name, layers, randomized in randomized_copies(
             explainer, batch, default_stages(model) if stages is None else stages, order=order, seed=seed,
-            randomize=randomize):
+            randomize=randomize, explain_options=options):
         current = _magnitude(smoothed(randomized))
         results.append(RandomizationStage(layer=name, layers=layers, rank_correlation=spearman(trained, current),
                                           ssim=_ssim(trained, current)))

@@ -38,7 +38,7 @@ from ..inputs import Inputs, PreprocessSpec, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import bool_option, int_option, number_option
 from ..targets import OutputSelector, Target, select_output
-from ._common import MapsLike, as_maps, as_tensor, check_count, check_finite, model_inputs, short_repr
+from ._common import MapsLike, as_maps, as_tensor, check_count, check_finite, model_inputs, run_model, short_repr
 from .axiomatic import Baseline, baseline_for
 from .complexity import _wide
 
@@ -96,20 +96,44 @@ def explained_reference(explainer: Explainer, inputs: Inputs, target: Target, ex
     else:
         explained = explanation
         check_count(len(explained), "explained images", batch.shape[0], "images")
+        if explained.method != explainer.method_name:
+            raise ValueError(f"the explanation was made by {explained.method}, not by this explainer "
+                             f"({explainer.method_name}): give this explainer's explanation of these images, or none.")
     if explained.class_indices is None or explained.class_indices.shape[1] != 1:
         raise ValueError(f"{metric} explains one class per image: give a class (or none, for the top class) per "
                          "image, not a callable or several targets.")
     if explained.raw_map_grid.shape[-2:] != batch.shape[-2:]:
         raise ValueError(f"the explanation's maps are {tuple(explained.raw_map_grid.shape[-2:])}, the images "
                          f"{tuple(batch.shape[-2:])}: give the explanation of these images.")
+    if explanation is not None:
+        _check_scores_of_this_model(explainer, batch, explained, options)
     return Reference(batch=batch, maps=explained.raw_map_grid[:, 0].to(batch.device),
                      classes=explained.class_indices[:, 0].to(batch.device))
 
 
+def _check_scores_of_this_model(explainer: Explainer, batch: Tensor, explained: Explanation,
+                                options: Mapping[str, Any]) -> None:
+    """Refuse an explanation whose scores are not this model's outputs for these images (another model's, or of
+    other images). Skipped where one plain forward cannot tell: a model with other inputs, Finer-CAM's scores."""
+    if not explainer.scores_are_outputs:
+        return
+    assert explained.class_indices is not None, "checked by the caller"
+    outputs = forward_outputs(explainer.model, batch, explainer.output, options=options, count=batch.shape[0])[0]
+    classes = explained.class_indices[:, :1].to(outputs.device)
+    expected, given = outputs.gather(1, classes).float(), explained.scores[:, :1].to(outputs.device).float()
+    if not torch.allclose(given, expected, rtol=2e-2, atol=2e-2 * max(1.0, float(expected.abs().max()))):
+        raise ValueError(f"the explanation's scores ({given.flatten()[:4].tolist()}) are not this model's outputs for "
+                         f"these images ({expected.flatten()[:4].tolist()}): give this explainer's explanation of "
+                         "these images, or none.")
+
+
 def forward_outputs(model: nn.Module, inputs: Tensor, output: OutputSelector,
-                    layers: Sequence[tuple[str, nn.Module]] = ()) -> tuple[Tensor, Optional[Tensor]]:
+                    layers: Sequence[tuple[str, nn.Module]] = (), options: Optional[Mapping[str, Any]] = None,
+                    count: Optional[int] = None, images: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """(R, K) scores the model outputs for ``inputs`` (``select_output``) and, when ``layers`` are given,
-    (R, D) their outputs flattened and concatenated, in the order they ran; no graph is built."""
+    (R, D) their outputs flattened and concatenated, in the order they ran; no graph is built. options, count,
+    images: the model's other inputs as ``explain`` takes them, for ``count`` images, row r a copy of image
+    ``images[r]`` (``run_model``)."""
     recorded: list[Tensor] = []
 
     def record(name: str, result: object) -> None:
@@ -122,7 +146,8 @@ def forward_outputs(model: nn.Module, inputs: Tensor, output: OutputSelector,
                for name, module in layers]
     try:
         with torch.no_grad(), preserved_model_state(model):
-            scores = select_output(model(inputs), output)
+            scores = select_output(run_model(model, inputs, options or {}, inputs.shape[0] if count is None else count,
+                                             images), output)
     finally:
         for handle in handles:
             handle.remove()
@@ -201,7 +226,8 @@ def over_copies(
     images_count = reference.batch.shape[0]
     needs_forward = logits or bool(layers) or keep_prediction
     if needs_forward:
-        reference.logits, reference.representations = forward_outputs(model, reference.batch, explainer.output, layers)
+        reference.logits, reference.representations = forward_outputs(model, reference.batch, explainer.output, layers,
+                                                                      options, images_count)
     values = torch.empty(count * images_count, dtype=torch.float64, device=reference.batch.device)
     for start in range(0, count * images_count, batch_size):
         rows = torch.arange(start, min(start + batch_size, count * images_count), device=reference.batch.device)
@@ -210,7 +236,8 @@ def over_copies(
         maps = explainer.explain(inputs, reference.classes[images], **options).raw_map_grid[:, 0].to(rows.device)
         copies = Copies(samples=samples, images=images, inputs=inputs, maps=maps)
         if needs_forward:
-            copies.logits, copies.representations = forward_outputs(model, inputs, explainer.output, layers)
+            copies.logits, copies.representations = forward_outputs(model, inputs, explainer.output, layers, options,
+                                                                    images_count, images)
         measured = measure(copies).to(values.dtype)
         if keep_prediction:
             assert copies.logits is not None and reference.logits is not None

@@ -20,6 +20,7 @@ from ..capture import find_layers, model_device, model_dtype, preserved_model_st
 from ..inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
 from ..targets import Target
+from ._common import run_model
 
 
 def average_ranks(values: Tensor) -> Tensor:
@@ -79,7 +80,7 @@ class RandomizationStage:
     ssim: Tensor
 
 
-def _execution_order(model: nn.Module, names: Sequence[str], batch: Tensor) -> list[str]:
+def _execution_order(model: nn.Module, names: Sequence[str], batch: Tensor, options: Mapping[str, Any]) -> list[str]:
     order: list[str] = []
     handles = [
         module.register_forward_hook(lambda module, args, output, name=name: order.append(name))
@@ -87,7 +88,7 @@ def _execution_order(model: nn.Module, names: Sequence[str], batch: Tensor) -> l
     ]
     try:
         with torch.no_grad(), preserved_model_state(model):
-            model(batch)
+            run_model(model, batch, options, batch.shape[0])
     finally:
         for handle in handles:
             handle.remove()
@@ -104,15 +105,36 @@ class _ResetsRunningStats(Protocol):
     def reset_running_stats(self) -> None: ...
 
 
+FREE_PARAMETER_STD = 0.02
+"""The spread of the normal draw (truncated at ±2 std) that re-initialises a parameter no ``reset_parameters``
+covers: position embeddings, class tokens, relative position bias tables, layer scales (timm's and
+HuggingFace's own initialisation of such parameters)."""
+
+
 def reinitialize(module: nn.Module, generator_seed: int) -> None:
-    """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded."""
+    """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded: each submodule's own
+    ``reset_parameters`` (``_reset_parameters`` for nn.MultiheadAttention) where it has one, else its own
+    parameters drawn afresh (``reinitialize_free_parameters``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(generator_seed)
         for submodule in module.modules():
             if isinstance(submodule, _ResetsParameters):  # hasattr(submodule, "reset_parameters")
                 submodule.reset_parameters()
-            elif isinstance(submodule, _ResetsRunningStats):
-                submodule.reset_running_stats()
+            elif isinstance(submodule, nn.MultiheadAttention):  # its reset is private
+                submodule._reset_parameters()
+            else:
+                if isinstance(submodule, _ResetsRunningStats):
+                    submodule.reset_running_stats()
+                reinitialize_free_parameters(submodule)
+
+
+def reinitialize_free_parameters(module: nn.Module) -> None:
+    """Draw the module's own parameters (not its children's) afresh from N(0, FREE_PARAMETER_STD²) truncated at
+    ±2 std, from torch's generator."""
+    with torch.no_grad():
+        for parameter in module.parameters(recurse=False):
+            nn.init.trunc_normal_(parameter, std=FREE_PARAMETER_STD, a=-2 * FREE_PARAMETER_STD,
+                                  b=2 * FREE_PARAMETER_STD)
 
 
 def _magnitude(maps: Tensor) -> Tensor:
@@ -140,6 +162,7 @@ def randomized_copies(
     order: str = "top_down",
     seed: int = 0,
     randomize: Optional[Randomize] = None,
+    explain_options: Optional[Mapping[str, Any]] = None,
 ) -> Iterator[tuple[str, list[str], Explainer]]:
     """Randomise ``stages`` one after the other, cumulatively, on one deep copy of the explainer and its
     model, yielding (layer, the layers randomised so far, the copy) after each stage. The given model is
@@ -148,11 +171,14 @@ def randomized_copies(
     order: "top_down" (from the last layer the forward on ``batch`` runs back to the first, as Adebayo et
         al. 2018) or "bottom_up" (first layer first, as Hedström et al. 2023 recommend).
     randomize: re-initialises a stage's layer, given the layer and the stage's index; default
-        ``reinitialize(layer, seed + index)``. A stage that never runs in the forward is left out.
+        ``reinitialize(layer, seed + index)``, and with the stage that runs first, the parameters the model
+        holds itself (timm's ``pos_embed`` and ``cls_token``: the embedding's). A stage that never runs in the
+        forward is left out. explain_options: the model's other inputs (``forward_kwargs``, ...) as ``explain``
+        takes them, for the forward that orders the stages.
     """
     if not isinstance(order, str) or order not in ORDERS:
         raise ValueError(f"order must be 'top_down' or 'bottom_up'; got {order!r}.")
-    executed = _execution_order(explainer.model, stages, batch)
+    executed = _execution_order(explainer.model, stages, batch, explain_options or {})
     sequence = list(reversed(executed)) if order == "top_down" else executed
     with torch.inference_mode(False):  # a copy made in the caller's inference_mode would hold inference tensors
         randomized = copy.deepcopy(explainer)  # copies the model too, and the layers' references into it
@@ -161,6 +187,10 @@ def randomized_copies(
         with torch.inference_mode(False):
             if randomize is None:
                 reinitialize(modules[name], seed + index)
+                if name == executed[0]:  # the model's own parameters go with the embedding, which runs first
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(seed + index + len(sequence))
+                        reinitialize_free_parameters(randomized.model)
             else:
                 randomize(modules[name], index)
         yield name, sequence[: index + 1], randomized
@@ -190,7 +220,8 @@ def cascading_randomization(
     reference = _magnitude(trained.map_grid[:, 0])
     results: list[RandomizationStage] = []
     for name, layers, randomized in randomized_copies(
-            explainer, batch, default_stages(model) if stages is None else stages, seed=seed):
+            explainer, batch, default_stages(model) if stages is None else stages, seed=seed,
+            explain_options=options):
         maps = randomized.explain(batch, classes, **options).map_grid[:, 0]
         current = _magnitude(maps)
         results.append(RandomizationStage(

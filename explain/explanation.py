@@ -171,11 +171,10 @@ class Explanation:
 
     def overlay(self, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
         """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets. ``cmap``
-        colours maps in [0, 1]; signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle (``render.as_drawn``),
-        here and in ``save``, ``figure``, ``show`` and the notebook display."""
+        colours maps in [0, 1]; an image's signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle
+        (``render.as_drawn``), here and in ``save``, ``figure``, ``show`` and the notebook display."""
         self._check_not_empty()
-        drawn, cmap = render.as_drawn(self.maps, cmap)
-        return render.overlay(self.images, drawn, alpha=alpha, cmap=cmap)
+        return render.overlay_explained(self.images, self.maps, alpha=alpha, cmap=cmap)
 
     def figure(
         self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
@@ -221,8 +220,8 @@ class Explanation:
         """The overlays as one RGB image at the input's resolution: images side by side, one row per
         target (what ``save`` writes to a raster file)."""
         self._check_not_empty()
-        drawn, cmap = render.as_drawn(self.map_grid, cmap)
-        return Image.fromarray(render.tile(render.overlay(self.images, drawn, alpha=alpha, cmap=cmap)))
+        overlays = render.overlay_explained(self.images, self.map_grid, alpha=alpha, cmap=cmap)
+        return Image.fromarray(render.tile(overlays))
 
     def png(self, dpi: int = 80) -> bytes:
         """The figure of ``figure()`` as PNG bytes (what a notebook shows)."""

@@ -127,9 +127,11 @@ def figure(
     images = explanations[0].images
     for position, explanation in enumerate(explanations[1:], start=2):
         if explanation.images.shape != images.shape or not torch.allclose(explanation.images, images, atol=1 / 255):
-            raise ValueError(f"explanation {position} is of other images than the first ({tuple(images.shape[1:3])} "
-                             "display images differ): figure lays out the explanations of the same images by several "
-                             "methods. Explain the same inputs with each method.")
+            sizes = (f"{tuple(explanation.images.shape[1:3])} display images against the first's "
+                     f"{tuple(images.shape[1:3])}" if explanation.images.shape != images.shape else "other pixels")
+            raise ValueError(f"explanation {position} is of other images than the first ({sizes}): figure lays out the "
+                             "explanations of the same images by several methods. Explain the same inputs with each "
+                             "method, with one preprocess (the same size) for all.")
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)

@@ -428,10 +428,10 @@ def _save_jpeg(picture: Image.Image, path: Path) -> None:
     write_atomically(path, lambda temporary: picture.save(temporary, format="JPEG", quality=THUMBNAIL_QUALITY))
 
 
-@functools.lru_cache(maxsize=1)
-def _colour_table() -> np.ndarray:
-    """render.colorize's colours as uint8, (256, 3): built once, not for every thumbnail."""
-    return (render.colormap_table("jet").numpy() * 255.0).round().astype(np.uint8)
+@functools.lru_cache(maxsize=4)
+def _colour_table(cmap: str = "jet") -> np.ndarray:
+    """render.colorize's colours as uint8, (256, 3): built once per colour map, not for every thumbnail."""
+    return (render.colormap_table(cmap).numpy() * 255.0).round().astype(np.uint8)
 
 
 def _panels_from_maps(map_file: Path, source: Optional[Path], count: int, size: int) -> Optional[list[Image.Image]]:
@@ -446,7 +446,8 @@ def _panels_from_maps(map_file: Path, source: Optional[Path], count: int, size: 
     height, width = maps.shape[1:]
     scale = min(1.0, size / max(height, width))
     shape = (max(1, round(height * scale)), max(1, round(width * scale)))
-    small = render.resize_maps(np.nan_to_num(maps.astype(np.float32)).clip(0.0, 1.0), shape)
+    values, cmap = render.as_drawn(maps.astype(np.float32), "jet")  # signed maps diverging, as explain draws them
+    small = render.resize_maps(values, shape)
     background: Optional[np.ndarray] = None
     if source is not None:
         try:
@@ -458,9 +459,9 @@ def _panels_from_maps(map_file: Path, source: Optional[Path], count: int, size: 
         except (OSError, ValueError, Image.DecompressionBombError):
             background = None
     if background is not None:
-        pixels = render.overlay(background, small)
+        pixels = render.overlay(background, small, cmap=cmap)
     else:
-        pixels = _colour_table()[(small.numpy() * 255.0).round().astype(np.intp)]
+        pixels = _colour_table(cmap)[(small.numpy().clip(0.0, 1.0) * 255.0).round().astype(np.intp)]
     return [Image.fromarray(np.ascontiguousarray(panel)) for panel in pixels]
 
 

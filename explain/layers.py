@@ -160,11 +160,15 @@ class _ModuleRun:
     reaches_output: bool = True
     too_small: bool = False
     """Whether the output has the batch's rows and a map layout, but h or w below 2 (a last stage at a small input)."""
+    bypassed: bool = False
+    """Whether the module runs inside a block too small to draw that reaches the image by another path too (a
+    branch, a shortcut): its maps would show part of the evidence (``_mark_bypassed``)."""
 
     @property
     def is_candidate(self) -> bool:
         return (self.calls == 1 and self.is_tensor and self.layout is not None and self.depends_on_image
-                and self.reaches_output and not self.passes_input_through and not isinstance(self.module, POOLING))
+                and self.reaches_output and not self.bypassed and not self.passes_input_through
+                and not isinstance(self.module, POOLING))
 
 
 def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) -> str:
@@ -199,13 +203,13 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     VGG, DenseNet, MobileNet, EfficientNet and ConvNeXt, ``stages`` or ``final_conv`` in timm); a
     container finishes after its children, so a stage wins over its last block. Where a block's output is too
     small to draw (h or w below 2: the last stage at a small input), no layer inside it is chosen unless the
-    block is a plain sequence: its branches or shortcut may bypass that layer (``_whole_paths``).
+    layer is on the block's only path: its branches or shortcut would bypass it (``_mark_bypassed``).
 
     Raises ModelInputError when the model fails on the batch, ValueError when no layer qualifies.
     """
     runs = _trace(model, batch, run)
     _mark_image_dependence(model, batch, run, runs)
-    candidates = _whole_paths([module_run for module_run in runs.values() if module_run.is_candidate], runs)
+    candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
         return norm
@@ -218,16 +222,6 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     return candidates[-1].name
 
 
-def _whole_paths(candidates: list[_ModuleRun], runs: dict[str, _ModuleRun]) -> list[_ModuleRun]:
-    """The candidates less those inside a block whose output is too small to draw (a last stage at a small
-    input): a block that is not a plain sequence (Inception's branches, a residual block's shortcut, ShuffleNet's
-    split) may route evidence around any one layer inside it, so such a layer would show part of it. The last
-    whole stage before that block is explained instead (``Mixed_6e`` for Inception v3 at 96 px)."""
-    blocks = [module_run.name + "." for module_run in runs.values()
-              if module_run.too_small and module_run.calls == 1 and not isinstance(module_run.module, CONTAINERS)]
-    return [candidate for candidate in candidates if not any(candidate.name.startswith(block) for block in blocks)]
-
-
 def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _ModuleRun]:
     """One run of the model on ``batch``: per module, in the order modules first finish, what it did."""
     named = [(name, module) for name, module in model.named_modules() if name]
@@ -236,6 +230,7 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     count, input_size = batch.shape[0], tuple(batch.shape[-2:])
 
     graph_nodes: dict[str, Any] = {}  # the autograd node of each map-like output, while the run's graph lives
+    small_nodes: dict[str, Any] = {}  # the same for outputs too small to draw
     tokens = model_tokens(model)  # read once, not in each module's hook
 
     def record(name: str, args: tuple[object, ...], output: object) -> None:
@@ -247,6 +242,8 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
         layout = None if grid is None or min(grid[1:]) < 2 else grid[0]
         if main is not None and layout is not None and main.grad_fn is not None:
             graph_nodes[name] = main.grad_fn
+        if main is not None and grid is not None and layout is None and main.grad_fn is not None:
+            small_nodes[name] = main.grad_fn
         runs[name] = _ModuleRun(
             name, modules[name], calls=1, is_tensor=isinstance(output, Tensor),
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
@@ -261,7 +258,37 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
     if reached:  # what is explained depends on the image: a map-like output that it does not descend from is not
         for name, node in graph_nodes.items():  # a candidate (an auxiliary head whose output goes elsewhere)
             runs[name].reaches_output = id(node) in reached
+    _mark_bypassed(runs, graph_nodes, small_nodes, inputs)
     return runs
+
+
+def _mark_bypassed(runs: dict[str, _ModuleRun], graph_nodes: dict[str, Any], small_nodes: dict[str, Any],
+                   inputs: Tensor) -> None:
+    """Mark the map-like outputs inside a block whose output is too small to draw (a last stage at a small input)
+    that the block's output reaches the image without: Inception's branches, a residual block's layers beside its
+    shortcut, ShuffleNet's split. A layer on the block's only path (a plain sequence, a whole stage inside a
+    wrapper that pools) stays a candidate. Blocks that are containers run their children in sequence: skipped."""
+    for block, block_node in small_nodes.items():
+        if runs[block].calls != 1 or isinstance(runs[block].module, CONTAINERS):
+            continue
+        for name, node in graph_nodes.items():
+            if name.startswith(block + ".") and _reaches_input_avoiding(block_node, node, inputs):
+                runs[name].bypassed = True
+
+
+def _reaches_input_avoiding(start: Any, avoided: Any, inputs: Tensor) -> bool:
+    """Whether the autograd graph leads from node ``start`` back to the leaf ``inputs`` without passing ``avoided``."""
+    seen: set[int] = set()
+    pending = [start]
+    while pending:
+        node = pending.pop()
+        if node is avoided or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "variable", None) is inputs:
+            return True
+        pending.extend(parent for parent, _ in node.next_functions if parent is not None)
+    return False
 
 
 def _graph_without_tensors() -> torch.autograd.graph.saved_tensors_hooks:

@@ -127,13 +127,30 @@ def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     return (scaled + 1) / 2
 
 
-def as_drawn(maps: Tensor, cmap: str) -> tuple[Tensor, str]:
-    """(values in [0, 1], colour map) with which an explanation's maps are drawn: maps in [0, 1] as they are,
-    with ``cmap``; signed maps (any value below 0: [-1, 1] after the default normalisation) centred, 0 at 0.5,
-    with the diverging DIVERGING_CMAP, so that negative evidence is not drawn as no evidence."""
-    if bool((maps < 0).any()):
-        return (maps.detach().float().cpu().clamp(-1, 1) + 1) / 2, DIVERGING_CMAP
-    return maps, cmap
+def as_drawn(maps: ArrayLike, cmap: str) -> tuple[Tensor, str]:
+    """(values in [0, 1], colour map) with which one image's maps (any shape) are drawn: maps in [0, 1] as they
+    are, with ``cmap``; signed maps (any value below 0: [-1, 1] after the default normalisation) centred, 0 at
+    0.5, with the diverging DIVERGING_CMAP, so that negative evidence is not drawn as no evidence. NaN is drawn
+    as 0 (no evidence)."""
+    values = map_as_float(maps).nan_to_num(0.0)
+    if bool((values < 0).any()):
+        return (values.clamp(-1, 1) + 1) / 2, DIVERGING_CMAP
+    return values, cmap
+
+
+def overlay_explained(images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+    """``overlay`` of an explanation's maps, (N, H, W) or (N, K, H, W), on its (N, H, W, 3) images, each image's
+    maps drawn as ``as_drawn`` decides for that image alone (an image's drawing never depends on the others of
+    its batch). Returns uint8 (N, H, W, 3) or (N, K, H, W, 3)."""
+    pictures = [_overlay_drawn(image, image_maps, alpha, cmap) for image, image_maps in zip(images, maps)]
+    if not pictures:
+        raise ValueError("there is no image to draw.")
+    return np.stack(pictures)
+
+
+def _overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float, cmap: str) -> np.ndarray:
+    values, colours = as_drawn(maps, cmap)
+    return overlay(image, values, alpha=alpha, cmap=colours)
 
 
 def overlay(
@@ -226,13 +243,13 @@ def explanation_figure(
     """
     from matplotlib.figure import Figure
 
-    maps, cmap = as_drawn(explanation.map_grid, cmap)  # (N, K, H, W)
+    maps = explanation.map_grid  # (N, K, H, W)
     count, targets_per_image = maps.shape[:2]
     if count == 0:
         raise ValueError("this explanation holds no image (an empty selection): there is nothing to draw.")
     if image_titles is not None and len(image_titles) != count:
         raise ValueError(f"image_titles holds {len(image_titles)} title(s) for {count} image(s): give one per image.")
-    overlays = overlay(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
+    overlays = overlay_explained(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
     if figure is None:

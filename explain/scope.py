@@ -273,16 +273,27 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
 
     @_protected
     def without_gradient_checkpointing(self, model: nn.Module) -> None:
-        """timm's ``grad_checkpointing`` and HuggingFace's ``gradient_checkpointing`` off for the scope (each flag
-        back when it ends): a checkpointed block runs its forward again during the backward pass, when the
-        call's hooks and rules may be gone, so that the recomputed values differ from the first ones (and timm
-        checkpoints in eval mode too). The values are the same either way; checkpointing only saves memory."""
-        flags = [(module, name) for module in model.modules() for name in CHECKPOINTING_FLAGS
-                 if getattr(module, name, None) is True]
-        if not flags:
-            return
-        self._undo.append(lambda: _set_flags(flags, True))
-        _set_flags(flags, False)
+        """timm's ``grad_checkpointing`` and HuggingFace's ``gradient_checkpointing`` off for the scope: a
+        checkpointed block runs its forward again during the backward pass, when the call's hooks and rules may be
+        gone, so that the recomputed values differ from the first ones (and timm checkpoints in eval mode too).
+        The values are the same either way; checkpointing only saves memory. Only plain attributes set to True are
+        switched (not properties); each comes back on when the last call that switched it off ends, so that calls
+        on one model in several threads keep it off for each other."""
+        with _checkpointing_lock:
+            taken: list[tuple[int, str]] = []
+            for module in model.modules():
+                for name in CHECKPOINTING_FLAGS:
+                    key = (id(module), name)
+                    if key in _checkpointing_off:
+                        _checkpointing_off[key][0] += 1
+                    elif vars(module).get(name) is True:
+                        _checkpointing_off[key] = [1, module]
+                        setattr(module, name, False)
+                    else:
+                        continue
+                    taken.append(key)
+            if taken:
+                self._undo.append(lambda: _checkpointing_back_on(taken))
 
     @_protected
     def eval_mode(self, model: nn.Module) -> None:
@@ -314,9 +325,19 @@ def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
         traceback = traceback.tb_next
 
 
-def _set_flags(flags: list[tuple[nn.Module, str]], value: bool) -> None:
-    for module, name in flags:
-        setattr(module, name, value)
+_checkpointing_lock = threading.Lock()
+_checkpointing_off: dict[tuple[int, str], list[Any]] = {}
+"""Per (id(module), flag name) switched off by open scopes: [how many scopes, the module]."""
+
+
+def _checkpointing_back_on(taken: list[tuple[int, str]]) -> None:
+    with _checkpointing_lock:
+        for key in taken:
+            entry = _checkpointing_off[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _checkpointing_off[key]
+                setattr(entry[1], key[1], True)
 
 
 def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:

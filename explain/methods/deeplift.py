@@ -86,7 +86,7 @@ class DeepLift(GradientExplainer):
         self.warn_about_unruled(unruled)
         self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
-        self.check_summation(attributions, summation_error, score_change, unruled)
+        self.check_summation(attributions, summation_error, score_change, selected.scores, unruled)
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())
 
@@ -139,7 +139,7 @@ class DeepLift(GradientExplainer):
             "the attributions need not sum to y(x) − y(x′) (diagnostics['summation_error'] says by how much).",
             RuntimeWarning, stacklevel=4)
 
-    def check_summation(self, attributions: Tensor, summation_error: Tensor, score_change: Tensor,
+    def check_summation(self, attributions: Tensor, summation_error: Tensor, score_change: Tensor, scores: Tensor,
                         unruled: dict[str, str]) -> None:
         """Raise where the attributions overflowed although the scores did not, and warn where they do not sum
         to y(x) − y(x′) although every function got its rule: DeepLIFT's multipliers then grew through the
@@ -159,7 +159,9 @@ class DeepLift(GradientExplainer):
         if unruled:
             return  # the warning about the functions without a rule says already that the summation may fail
         epsilon = torch.finfo(attributions.dtype).eps
-        tolerance = torch.maximum(1e-2 * score_change.abs(), 1e3 * epsilon * score_change.abs().clamp_min(1))
+        # rounding: float32 scores of ~1000 differ by ulps of 1000, whatever Δ; |y(x)| + |Δ| bounds |y(x′)| too
+        magnitude = (scores.detach().double().abs().to(score_change.device) + score_change.abs()).clamp_min(1)
+        tolerance = torch.maximum(1e-2 * score_change.abs(), 1e3 * epsilon * magnitude)
         wrong = summation_error.abs() > tolerance
         if wrong.any():
             pairs = ", ".join(f"image {n}, target {k}: the attributions sum to "
@@ -228,6 +230,6 @@ class DeepLiftShap(DeepLift):
         score_change = change / len(baselines)
         self._disconnected = disconnected
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
-        self.check_summation(attributions, summation_error, score_change, unruled)
+        self.check_summation(attributions, summation_error, score_change, selected.scores, unruled)
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
                                      summation_error=summation_error.float(), score_change=score_change.float())

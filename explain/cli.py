@@ -538,7 +538,7 @@ def run_vlm(argv: Sequence[str]) -> int:
         from .data.demo_vlm import load_vlm_demo
 
         model, processor = load_vlm_demo()
-        model = model.to(device)
+        model = model.to(device=device, dtype=DTYPES[arguments.dtype] if arguments.dtype else None)
     else:
         model, processor = load_vision_language_model(arguments.model, device=device, dtype=arguments.dtype,
                                                       allow_pickle=arguments.allow_pickle)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..attention import capture_attention
 from ..explanation import Explanation
 from ..inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
-from ..methods.base import check_finite_maps, normalize_maps, reduced_precision
+from ..methods.base import check_finite_maps, check_parameters_usable, normalize_maps, reduced_precision
 from ..scope import CallScope
 from .layout import ImageLayout, layout_for, paint
 
@@ -84,9 +84,20 @@ def as_pil_image(image: ImageSource) -> Image.Image:
         return load_image(image)
     if isinstance(image, Image.Image):
         return _checked_rgb(image, source="the PIL image")
+    if isinstance(image, (list, tuple)):
+        raise ValueError(f"got a {type(image).__name__} of {len(image)} images: a vision-language model takes one "
+                         "image per call here. Explain each image in turn.")
+    if isinstance(image, Tensor) and image.dim() == 4:
+        if image.shape[0] != 1:
+            raise ValueError(f"got a batch of {image.shape[0]} images, shape {tuple(image.shape)}: a vision-language "
+                             "model takes one image per call here. Explain each image in turn.")
+        image = image[0]
+    if isinstance(image, np.ndarray) and image.ndim == 4:
+        if image.shape[0] != 1:
+            raise ValueError(f"got a batch of {image.shape[0]} images, shape {image.shape}: a vision-language model "
+                             "takes one image per call here. Explain each image in turn.")
+        image = image[0]
     if isinstance(image, Tensor) and image.is_floating_point():
-        if image.dim() == 4 and image.shape[0] == 1:
-            image = image[0]
         if image.dim() != 3 or image.shape[0] != 3:
             raise ValueError(f"a float image tensor must be one (3, H, W) RGB image in [0, 1]; got shape "
                              f"{tuple(image.shape)}. A vision-language model takes one image per call here.")
@@ -97,8 +108,11 @@ def as_pil_image(image: ImageSource) -> Image.Image:
             raise ValueError(f"a float image tensor must lie in [0, 1] (the processor normalises it); this one "
                              f"spans [{low:.3g}, {high:.3g}]. Pass the image before normalisation.")
         pixels = image.detach().float().cpu()
-    else:
+    elif isinstance(image, (np.ndarray, Tensor)):
         pixels = image_to_tensor(image)
+    else:
+        raise TypeError(f"cannot explain a {type(image).__name__}: give a path, a PIL image, an (H, W, 3) ndarray or a "
+                        "(3, H, W) tensor.")
     array = (pixels.permute(1, 2, 0).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
     return Image.fromarray(array, mode="RGB")
 
@@ -241,6 +255,7 @@ class GenerationExplainer:
             raise TypeError(f"answer must be the answer's text, a str; got {type(answer).__name__}. To explain token "
                             "ids, decode them first: processor.tokenizer.decode(ids).")
         spans = checked_spans(spans)
+        check_parameters_usable(self.model)  # before generating: parameters made in inference mode take no gradient
         scope = CallScope(self.model, eval_mode=True)
         with scope:
             for module in self.model.modules():  # state transformers keeps between calls (Qwen2-VL's rope offset)

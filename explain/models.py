@@ -128,15 +128,22 @@ def load_model(
     if weights == RANDOM_WEIGHTS and source.startswith("hf:"):
         raise ValueError(f"weights={RANDOM_WEIGHTS!r} is for an architecture (a torchvision or timm name); "
                          f"{source!r} brings its own weights.")
+    if num_classes is not None and not (source.startswith(("timm:", "torchvision:"))
+                                        or source in torchvision.models.list_models() or source in DEMO_MODELS):
+        raise ValueError(f"num_classes goes with an architecture (a torchvision or timm name, or a shipped model with "
+                         f"a weights file); {source!r} brings its own classifier.")
     if source in DEMO_MODELS:
-        loaded = _load_demo(source, weights)
+        loaded = _load_demo(source, weights, num_classes, allow_pickle)
     elif source.startswith("timm:"):
-        loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes)
+        loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes, allow_pickle)
     elif source.startswith("hf:"):
         loaded = _load_huggingface(source.removeprefix("hf:"), weights, output, allow_pickle)
     elif source.startswith("torchvision:") or source in torchvision.models.list_models():
-        loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes)
+        loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes, allow_pickle)
     elif Path(source).expanduser().is_file():
+        if weights is not None:
+            raise ValueError(f"{source!r} is a whole model, with its own weights: leave out weights (--weights), or "
+                             "name its architecture with the weights file: --model resnet18 --weights FILE.")
         loaded = _load_whole_model(Path(source).expanduser(), allow_pickle)
     else:
         raise ValueError(_unknown_source_message(source))
@@ -187,17 +194,23 @@ def weights_choices(source: str) -> str:
 # ---------------------------------------------------------------- sources
 
 
-def _load_demo(name: str, weights: Optional[str]) -> LoadedModel:
+def _load_demo(name: str, weights: Optional[str], num_classes: Optional[int] = None,
+               allow_pickle: bool = False) -> LoadedModel:
     architecture, load_trained = DEMO_MODELS[name]
+    head: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
     model: nn.Module
     if weights is None:
+        if num_classes is not None:
+            raise ValueError(f"num_classes goes with a weights file for {name!r} (a fine-tuned copy); the shipped "
+                             f"weights have {len(CLASS_NAMES)} classes.")
         model = load_trained()
     elif weights == RANDOM_WEIGHTS:
-        model = architecture()
+        model = architecture(**head)
     else:
-        model = architecture()
-        load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
-    return LoadedModel(model, Normalize(), list(CLASS_NAMES), name, input_size=(3, 64, 64),
+        model = architecture(**head)
+        load_state_dict(model, read_state_dict(Path(weights).expanduser(), allow_pickle), weights, name)
+    names = list(CLASS_NAMES) if num_classes in (None, len(CLASS_NAMES)) else None
+    return LoadedModel(model, Normalize(), names, name, input_size=(3, 64, 64),
                        default_layer="layer4" if name == "demo" else None, random_weights=weights == RANDOM_WEIGHTS)
 
 
@@ -211,7 +224,18 @@ def _weights_enum(name: str) -> Any:
 def _torchvision_weights(model_name: str, weights: str) -> Any:
     enum = _weights_enum(model_name)
     if "." in weights and not weights.startswith("."):
-        return torchvision.models.get_weight(weights)
+        if weights.count(".") != 1:  # not Enum.MEMBER: a file name
+            raise FileNotFoundError(f"no weights file at {weights!r}.")
+        try:
+            chosen = torchvision.models.get_weight(weights)
+        except (ValueError, KeyError, AttributeError):
+            chosen = None
+        if enum is not None and isinstance(chosen, enum):
+            return chosen
+        known = "" if enum is None else f" {model_name} takes {enum.__name__}: " + ", ".join(
+            f"{enum.__name__}.{member.name}" for member in enum) + "."
+        what = "weights of another architecture" if chosen is not None else "not torchvision weights"
+        raise ValueError(f"--weights {weights!r} are {what}, and no such file exists.{known}")
     if enum is None:
         raise ValueError(f"torchvision has no pretrained weights for {model_name!r}; give a state-dict file.")
     try:
@@ -223,7 +247,8 @@ def _torchvision_weights(model_name: str, weights: str) -> Any:
         ) from None
 
 
-def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[int]) -> LoadedModel:
+def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[int],
+                      allow_pickle: bool = False) -> LoadedModel:
     if name not in torchvision.models.list_models():
         raise ValueError(_unknown_source_message(name))
     enum = _weights_enum(name)
@@ -237,7 +262,7 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
             head["weights_backbone"] = None
         model = torchvision.models.get_model(name, weights=None, **head)
         if weights is not None:
-            load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, name)
+            load_state_dict(model, read_state_dict(Path(weights).expanduser(), allow_pickle), weights, name)
     else:
         if num_classes is not None:
             raise ValueError(f"--num-classes {num_classes} goes with a fine-tuned state-dict file, not with the "
@@ -268,7 +293,8 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
     return LoadedModel(model, preprocess, names, name, input_size=size, task=task, random_weights=weights is None)
 
 
-def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) -> LoadedModel:
+def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int],
+               allow_pickle: bool = False) -> LoadedModel:
     try:
         import timm
         import timm.data
@@ -296,7 +322,7 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int]) ->
             "and pass its path: --weights /path/to/model.safetensors"
         ) from error
     if weights is not None and not pretrained:
-        load_state_dict(model, read_state_dict(Path(weights).expanduser()), weights, f"timm:{name}")
+        load_state_dict(model, read_state_dict(Path(weights).expanduser(), allow_pickle), weights, f"timm:{name}")
     config = timm.data.resolve_model_data_config(model)
     preprocess = TransformPreprocess(timm.data.create_transform(**config), config["mean"], config["std"])
     return LoadedModel(model, preprocess, model_class_names(model), f"timm:{name}",
@@ -314,6 +340,13 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
                          "torchvision and timm architectures.")
     local = Path(identifier).expanduser()
     where = str(local) if local.is_dir() else identifier
+    spelled_as_path = identifier.startswith(("/", ".", "~")) or "\\" in identifier or identifier.count("/") > 1
+    if spelled_as_path and not local.is_dir():
+        raise FileNotFoundError(f"no directory at {identifier!r}: an hf: folder is what model.save_pretrained(DIR) "
+                                "writes (a hub id is written owner/name).")
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise WeightsUnavailableError(f"the folder {str(local)!r} has no config.json: it should hold what "
+                                      "model.save_pretrained(DIR) writes (config.json and model.safetensors).")
     if local.is_dir() and not allow_pickle:
         _refuse_pickled_weights(local)
     try:
@@ -412,13 +445,26 @@ def _load_whole_model(path: Path, allow_pickle: bool) -> LoadedModel:
             "is loaded only when you say you trust it: add --allow-pickle (allow_pickle=True). For a state dict, "
             "name the architecture instead: --model resnet18 --weights FILE [--num-classes N]."
         )
-    loaded = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+    except (AttributeError, ModuleNotFoundError, ImportError) as error:  # the pickled model's class is not here
+        raise WeightsUnavailableError(
+            f"{str(path)!r} holds a whole model whose class cannot be imported here ({_first_line(error)}): the module "
+            "that defines it must be importable (on PYTHONPATH, as when it was saved). Or save a state dict instead "
+            "and name the architecture: --model ARCH --weights FILE."
+        ) from error
+    except Exception as error:  # empty, truncated or not a torch file
+        raise WeightsUnavailableError(
+            f"could not read a model from {str(path)!r} ({_first_line(error)}): the file is empty, damaged or not "
+            "written by torch.save. Save it again."
+        ) from error
     if isinstance(loaded, dict):
         loaded = next((value for value in loaded.values() if isinstance(value, nn.Module)), loaded)
     if not isinstance(loaded, nn.Module):
         raise WeightsUnavailableError(
-            f"{str(path)!r} holds a {type(loaded).__name__}, not a model; for a state dict name the architecture: "
-            "--model resnet18 --weights FILE."
+            f"{str(path)!r} holds a {type(loaded).__name__}, not a model; for a state dict (or a training checkpoint) "
+            "name the architecture: --model ARCH --weights FILE (with --allow-pickle for a checkpoint that holds "
+            "more than tensors)."
         )
     return LoadedModel(loaded, Normalize(), None, path.name)
 
@@ -436,6 +482,8 @@ def _unknown_source_message(source: str) -> str:
         pass
     if "/" in source and not Path(source).exists():
         hint += f" For a HuggingFace model: --model hf:{source}."
+    if (Path(source).expanduser() / "config.json").is_file():
+        hint += f" {source!r} is a HuggingFace folder: --model hf:{source}."
     return f"unknown model {source!r}: use {SOURCES_TEXT}.{hint}"
 
 
@@ -447,8 +495,8 @@ def _is_weights_file(weights: str) -> bool:
     path = Path(weights).expanduser()
     if path.is_file():
         return True
-    if any(separator in weights for separator in ("/", "\\")) or path.suffix in (".pt", ".pth", ".bin",
-                                                                                 ".safetensors", ".ckpt"):
+    if any(separator in weights for separator in ("/", "\\")) or path.suffix in (".pt", ".pth", ".bin", ".tar",
+                                                                                 ".safetensors", ".ckpt", ".pkl"):
         raise FileNotFoundError(f"no weights file at {weights!r}.")
     return False
 
@@ -461,15 +509,26 @@ def is_torchscript(path: Path) -> bool:
         return any(name.split("/", 1)[-1].startswith(("code/", "constants.pkl")) for name in archive.namelist())
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _is_safetensors(path: Path) -> bool:
+    """Whether a file is a safetensors file, whatever its suffix: an 8-byte header length, then a JSON object."""
+    try:
+        with path.open("rb") as file:
+            start = file.read(9)
+    except OSError:
+        return False
+    return len(start) == 9 and start[8:9] == b"{" and 0 < int.from_bytes(start[:8], "little") < path.stat().st_size
+
+
+def read_state_dict(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """A state dict from a file (torch.save or safetensors), unwrapped from {"state_dict": ...} and
-    similar, with ``module.`` / ``model.`` / ``_orig_mod.`` prefixes removed. Never unpickles code."""
+    similar, with ``module.`` / ``model.`` / ``_orig_mod.`` prefixes removed. Never unpickles code unless
+    ``allow_pickle`` (a training checkpoint that holds numpy values or its options beside the weights)."""
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {str(path)!r}.")
     if is_torchscript(path):
         raise TypeError(f"{str(path)!r} is a TorchScript archive, not a state dict: forward hooks do not run inside "
                         "TorchScript. Save the original model's state dict: torch.save(model.state_dict(), path).")
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" or _is_safetensors(path):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -483,12 +542,13 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             ) from error
     else:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
         except pickle.UnpicklingError as error:
             raise WeightsUnavailableError(
-                f"{str(path)!r} holds pickled Python objects, not only tensors (a whole model saved with "
-                "torch.save(model, path)?). Pass it as --model FILE --allow-pickle (allow_pickle=True) if you trust "
-                "it, or save a state dict: torch.save(model.state_dict(), path)."
+                f"{str(path)!r} holds pickled Python objects beside tensors (a training checkpoint with numpy values "
+                "or its options). If you trust it, add --allow-pickle (allow_pickle=True) to read its weights; a "
+                "whole model saved with torch.save(model, path) is given as the model itself, not as weights. Or "
+                "save a state dict: torch.save(model.state_dict(), path)."
             ) from error
         except Exception as error:  # zip, format and encoding errors of any kind
             raise WeightsUnavailableError(
@@ -504,36 +564,63 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not any(isinstance(value, torch.Tensor) for value in state.values()):
         raise WeightsUnavailableError(f"{str(path)!r} does not hold a state dict (got {type(state).__name__}).")
     tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
-    for prefix in PREFIXES:
-        if all(key.startswith(prefix) for key in tensors):
-            tensors = {key.removeprefix(prefix): value for key, value in tensors.items()}
+    stripped = True
+    while stripped:  # torch.compile around DDP: "_orig_mod.module.", in either order
+        stripped = False
+        for prefix in PREFIXES:
+            if tensors and all(key.startswith(prefix) for key in tensors):
+                tensors = {key.removeprefix(prefix): value for key, value in tensors.items()}
+                stripped = True
     return tensors
+
+
+def _without_prefixes(key: str) -> str:
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in PREFIXES:
+            if key.startswith(prefix):
+                key, stripped = key.removeprefix(prefix), True
+    return key
 
 
 def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor], weights: str, name: str) -> None:
     """Load weights into a model, or say in a few lines which keys or shapes do not fit (and the
-    number of classes the file's head has, for ``--num-classes``)."""
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as error:
-        details = [line.strip() for line in str(error).splitlines() if line.strip()][1:4]
-        hint = ""
-        head = _head_classes(model, state)
-        if head is not None:
-            hint = f" The file's classifier has {head} classes: add --num-classes {head} (num_classes={head})."
-        raise WeightsUnavailableError(
-            f"the weights in {weights!r} do not fit the {name} model (were they saved from another "
-            f"architecture, or with another number of classes?): {' '.join(details)[:400]}{hint}"
-        ) from error
+    number of classes the file's head has, for ``--num-classes``). The whole file is tried, then only the keys that
+    carry a wrapper's prefix (an AveragedModel's ``n_averaged`` or a Lightning module's loss buffers sit beside
+    ``module.*`` / ``model.*``): the first that fits the model exactly is loaded."""
+    prefixed = {_without_prefixes(key): value for key, value in state.items() if _without_prefixes(key) != key}
+    candidates = [state, prefixed] if prefixed and len(prefixed) < len(state) else [state]
+    errors: list[RuntimeError] = []
+    for candidate in candidates:
+        try:
+            model.load_state_dict(candidate)
+            return
+        except RuntimeError as error:
+            errors.append(error)
+    details = [line.strip() for line in str(errors[0]).splitlines() if line.strip()][1:4]
+    hint = ""
+    head = _head_classes(model, state)
+    if head is not None:
+        hint = f" The file's classifier has {head} classes: add --num-classes {head} (num_classes={head})."
+    raise WeightsUnavailableError(
+        f"the weights in {weights!r} do not fit the {name} model (were they saved from another "
+        f"architecture, or with another number of classes?): {' '.join(details)[:400]}{hint}"
+    ) from errors[0]
 
 
 def _head_classes(model: nn.Module, state: dict[str, torch.Tensor]) -> Optional[int]:
-    """The file's number of classes where the model's last linear layer has another."""
+    """The file's number of classes where the model's last linear layer has another and every other key fits."""
     last = None
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             last = name
     if last is None or f"{last}.weight" not in state:
+        return None
+    expected = model.state_dict()
+    misfits = {key for key in expected if key not in state or state[key].shape != expected[key].shape}
+    misfits |= {key for key in state if key not in expected}
+    if any(not key.startswith(f"{last}.") for key in misfits):  # another architecture, not only another head
         return None
     rows = int(state[f"{last}.weight"].shape[0])
     return rows if rows != count_outputs(model) else None

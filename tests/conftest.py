@@ -16,6 +16,15 @@ torch.set_num_threads(2)
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: tiny models on a shared CPU run faster than with threads competing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def python_sigint_handler():
     """Python's own SIGINT handler for the test, which a process started in the background lacks (its shell
     sets SIGINT to ignored): without it an interrupt can neither be simulated at a signal point (the ignored

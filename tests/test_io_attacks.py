@@ -50,6 +50,17 @@ class ThreeColumns(nn.Module):
         return torch.stack([score, -score], 1)
 
 
+def phone_photo(path):
+    """A 32 × 64 JPEG stored landscape, left half red, with EXIF orientation 6: shown portrait, red on top."""
+    stored = np.zeros((32, 64, 3), np.uint8)
+    stored[:, :32, 0] = 255
+    picture = Image.fromarray(stored)
+    exif = picture.getexif()
+    exif[0x0112] = 6
+    picture.save(path, exif=exif.tobytes(), quality=95)
+    return path
+
+
 def _colorbar_cmaps(fig) -> set[str]:
     from matplotlib.collections import QuadMesh
 
@@ -66,13 +77,7 @@ def _colorbar_cmaps(fig) -> set[str]:
 def test_load_image_applies_exif_orientation(tmp_path):
     """A phone JPEG stored landscape with EXIF orientation 6 is portrait in every viewer: the model and the
     overlay must see it as displayed, not rotated by 90°."""
-    stored = np.zeros((32, 64, 3), np.uint8)
-    stored[:, :32, 0] = 255  # left half red as stored → top half red once rotated for display
-    picture = Image.fromarray(stored)
-    exif = picture.getexif()
-    exif[0x0112] = 6
-    path = tmp_path / "phone.jpg"
-    picture.save(path, exif=exif.tobytes(), quality=95)
+    path = phone_photo(tmp_path / "phone.jpg")
 
     with Image.open(path) as opened:
         shown = np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
@@ -349,13 +354,7 @@ def test_the_report_draws_a_phone_photo_upright_under_its_maps(tmp_path):
     orientation says, as the maps were made (load_image), not drawn sideways under them."""
     from explain.html_report import _panels_from_maps
 
-    stored = np.zeros((32, 64, 3), np.uint8)
-    stored[:, :32, 0] = 255  # left half red as stored → top half red once turned for display
-    picture = Image.fromarray(stored)
-    exif = picture.getexif()
-    exif[0x0112] = 6
-    source = tmp_path / "phone.jpg"
-    picture.save(source, exif=exif.tobytes(), quality=95)
+    source = phone_photo(tmp_path / "phone.jpg")
     map_file = tmp_path / "maps.npy"
     np.save(map_file, np.zeros((1, 64, 32), np.float32))  # the maps of the upright (portrait) image
     (panel,) = _panels_from_maps(map_file, source, 1, 64)

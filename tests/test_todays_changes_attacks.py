@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_io_attacks import ThreeColumns
 from torch import nn
 
 import explain
@@ -69,14 +70,8 @@ def test_nan_in_a_signed_map_is_drawn_neutral_not_as_strongest_negative():
     assert torch.allclose(colours[0], colours[2]), (colours[0], colours[2])
 
 
-class RedSum(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 1, 1)
-        with torch.no_grad():
-            self.conv.weight.zero_()
-            self.conv.bias.zero_()
-            self.conv.weight[0, 0] = 1.0
+class RedSum(ThreeColumns):
+    """Score 0 = the mean red of the whole image (ThreeColumns' red-reading 1 × 1 convolution)."""
 
     def forward(self, x):
         score = self.conv(x).mean((1, 2, 3))

@@ -29,16 +29,10 @@ from vlm_tiny import tiny_llava, tiny_paligemma  # noqa: E402
 
 import explain  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 def picture(height: int = 40, width: int = 52, seed: int = 0) -> Image.Image:

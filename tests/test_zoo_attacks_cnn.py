@@ -17,14 +17,7 @@ from torch import nn
 
 import explain
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread: tiny models on a shared CPU run much faster than with two threads competing."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hand_gradcam(model: nn.Module, layer: str, x: torch.Tensor, targets: list[int]) -> torch.Tensor:

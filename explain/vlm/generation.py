@@ -89,13 +89,13 @@ def as_pil_image(image: ImageSource) -> Image.Image:
                          "image per call here. Explain each image in turn.")
     if isinstance(image, Tensor) and image.dim() == 4:
         if image.shape[0] != 1:
-            raise ValueError(f"got a batch of {image.shape[0]} images, shape {tuple(image.shape)}: a vision-language "
-                             "model takes one image per call here. Explain each image in turn.")
+            raise ValueError(f"got a batch of {image.shape[0]} images, shape {tuple(image.shape)}: give one (3, H, W) "
+                             "RGB image; a vision-language model takes one image per call here.")
         image = image[0]
     if isinstance(image, np.ndarray) and image.ndim == 4:
         if image.shape[0] != 1:
-            raise ValueError(f"got a batch of {image.shape[0]} images, shape {image.shape}: a vision-language model "
-                             "takes one image per call here. Explain each image in turn.")
+            raise ValueError(f"got a batch of {image.shape[0]} images, shape {image.shape}: give one (H, W, 3) RGB "
+                             "image; a vision-language model takes one image per call here.")
         image = image[0]
     if isinstance(image, Tensor) and image.is_floating_point():
         if image.dim() != 3 or image.shape[0] != 3:

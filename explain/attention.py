@@ -284,7 +284,12 @@ class StepwiseAttention(Rule):
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is F.scaled_dot_product_attention:
             return _attend_with_heads(*args, **kwargs)[0]
-        return multi_head_attention(recording_core(lambda probabilities: None), *args, **kwargs)
+        return stepwise_multi_head_attention(*args, **kwargs)
+
+
+def stepwise_multi_head_attention(*args: Any, **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
+    """``F.multi_head_attention_forward`` (same arguments, same results) computed step by step, nothing recorded."""
+    return multi_head_attention(recording_core(lambda probabilities: None), *args, **kwargs)
 
 
 # ------------------------------------------------------------------ recording attention

@@ -1005,8 +1005,7 @@ def _write_result(out: Path, result: _ImageResult, item: str, name: str, label: 
     if overlays:
         captions = panel_captions(result.roles, result.targets, result.scores, result.probabilities, result.method,
                                   class_names)
-        drawn, cmap = render.as_drawn(maps, "jet")  # signed maps diverging, as Explanation.save draws them
-        picture = render.captioned_panels(render.overlay(result.image(), drawn, cmap=cmap), captions)
+        picture = render.captioned_panels(render.overlay_drawn(result.image(), maps), captions)  # as e.save draws
         write_atomically(out / "overlays" / f"{item}.png",
                          lambda temporary: Image.fromarray(picture).save(temporary, format="PNG"))
     buffer = io.StringIO()

@@ -204,7 +204,6 @@ class Explanation:
         if suffix not in VECTOR_FORMATS and suffix not in Image.registered_extensions():
             raise ValueError(f"cannot tell which format to write from {path.name!r}: end the name with .png, .jpg, "
                              ".webp or .tif (the overlays as an image) or .pdf, .svg or .eps (the titled figure).")
-        self._check_not_empty()
         if suffix in VECTOR_FORMATS:
             render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
         else:

@@ -69,6 +69,16 @@ def _conversion_hint(array: np.ndarray) -> str:
     return "Scale it yourself, e.g. 16-bit images as (array / 65535).astype('float32')."
 
 
+UNIT_ROUNDING = 1e-3
+"""How far outside [0, 1] float image values may stray (rounding of de-normalised model input) before they are
+refused as being on another scale (0-255)."""
+
+
+def outside_unit_range(values: Tensor) -> bool:
+    """Whether float image values leave [0, 1] by more than UNIT_ROUNDING (0-255 values, normalised input)."""
+    return bool(values.numel()) and (float(values.min()) < -UNIT_ROUNDING or float(values.max()) > 1 + UNIT_ROUNDING)
+
+
 def _checked_unit_tensor(image: Tensor) -> Tensor:
     """A float (C, H, W) or (N, C, H, W) image tensor for Normalize: 1 or 3 channels first, values in [0, 1]."""
     shape = tuple(image.shape)
@@ -76,7 +86,7 @@ def _checked_unit_tensor(image: Tensor) -> Tensor:
         hint = " It looks channels-last: move the channels first (permute)." if shape[-1:] == (3,) else ""
         raise ValueError(f"Normalize takes a (3, H, W) or (N, 3, H, W) float tensor in [0, 1]; got shape "
                          f"{shape}.{hint}")
-    if image.numel() and (float(image.min()) < -1e-3 or float(image.max()) > 1 + 1e-3):
+    if outside_unit_range(image):
         raise ValueError(f"Normalize takes a float tensor in [0, 1]; this one spans [{float(image.min()):.4g}, "
                          f"{float(image.max()):.4g}]. Divide 0-255 values by 255 (or give a uint8 tensor).")
     return image

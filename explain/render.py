@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from PIL import ImageFont
 from torch import Tensor
 
+from .inputs import outside_unit_range
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -58,20 +60,17 @@ def _is_float_or_uint8(values: ArrayLike) -> bool:
     return array.dtype == np.uint8 or np.issubdtype(array.dtype, np.floating)
 
 
-ROUNDING = 1e-3
-"""How far outside [0, 1] a float image may stray (rounding of de-normalised model input) before it is refused."""
-
-
 def image_as_float(images: ArrayLike) -> Tensor:
     """RGB images, uint8 (0-255) or float (0-1), → float tensor in [0, 1] of the same shape. Other integer
     types and floats outside [0, 1] are refused: their scale is not known."""
     if not _is_float_or_uint8(images):
-        raise ValueError(f"images must be uint8 (0-255) or float in [0, 1]; got {images.dtype} values. Convert "
+        dtype = images.dtype if isinstance(images, Tensor) else np.asarray(images).dtype
+        raise ValueError(f"images must be uint8 (0-255) or float in [0, 1]; got {dtype} values. Convert "
                          "them, e.g. images.astype(np.uint8) for 0-255 values.")
     tensor = _as_float_tensor(images)
     if _is_uint8(images):
         tensor = tensor / 255.0
-    elif tensor.numel() and (float(tensor.min()) < -ROUNDING or float(tensor.max()) > 1 + ROUNDING):
+    elif outside_unit_range(tensor):
         raise ValueError(f"float images must lie in [0, 1]; these span [{float(tensor.min()):.4g}, "
                          f"{float(tensor.max()):.4g}]. Divide 0-255 values by 255.")
     if tensor.shape[-1] != 3:
@@ -142,13 +141,14 @@ def overlay_explained(images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cm
     """``overlay`` of an explanation's maps, (N, H, W) or (N, K, H, W), on its (N, H, W, 3) images, each image's
     maps drawn as ``as_drawn`` decides for that image alone (an image's drawing never depends on the others of
     its batch). Returns uint8 (N, H, W, 3) or (N, K, H, W, 3)."""
-    pictures = [_overlay_drawn(image, image_maps, alpha, cmap) for image, image_maps in zip(images, maps)]
+    pictures = [overlay_drawn(image, image_maps, alpha, cmap) for image, image_maps in zip(images, maps)]
     if not pictures:
         raise ValueError("there is no image to draw.")
     return np.stack(pictures)
 
 
-def _overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float, cmap: str) -> np.ndarray:
+def overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+    """``overlay`` of one image's maps (any leading dimensions, e.g. its K targets), drawn as ``as_drawn`` says."""
     values, colours = as_drawn(maps, cmap)
     return overlay(image, values, alpha=alpha, cmap=colours)
 
@@ -301,8 +301,7 @@ def savefig_with_svg_text(figure: "Figure", *arguments: Any, **options: Any) -> 
 def save_figure(figure: "Figure", path: str, dpi: Optional[int] = 150) -> None:
     """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...). Text stays text in
     SVG (searchable, editable), as it does in PDF."""
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        figure.savefig(path, dpi=dpi)
+    savefig_with_svg_text(figure, path, dpi=dpi)
 
 
 def label_text(class_index: Optional[int], class_names: Optional[Sequence[str]]) -> str:

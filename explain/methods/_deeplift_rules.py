@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import attend, calling_module, multi_head_attention, recording_core
+from ..attention import attend, calling_module, stepwise_multi_head_attention
 from ..capture import ModelInputError
 from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
@@ -785,10 +785,6 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
     return attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[0]
 
 
-def _multi_head_attention(*args: Any, **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
-    return multi_head_attention(recording_core(lambda probabilities: None), *args, **kwargs)
-
-
 def _glu(input: Tensor, dim: int = -1) -> Tensor:
     first, second = input.chunk(2, dim)
     return first * torch.sigmoid(second)
@@ -832,7 +828,7 @@ COMPOSITES: dict[Callable[..., Any], Callable[..., Any]] = {
     F.rms_norm: _rms_norm,
     F.instance_norm: _instance_norm,
     F.scaled_dot_product_attention: _attention,
-    F.multi_head_attention_forward: _multi_head_attention,
+    F.multi_head_attention_forward: stepwise_multi_head_attention,
     F.glu: _glu,
     F.normalize: _normalize,
     torch.norm: _norm,

@@ -114,7 +114,8 @@ def explained_reference(explainer: Explainer, inputs: Inputs, target: Target, ex
 def _check_scores_of_this_model(explainer: Explainer, batch: Tensor, explained: Explanation,
                                 options: Mapping[str, Any]) -> None:
     """Refuse an explanation whose scores are not this model's outputs for these images (another model's, or of
-    other images). Skipped where one plain forward cannot tell: a model with other inputs, Finer-CAM's scores."""
+    other images), from one forward with the model's other inputs of ``options``. Skipped for methods whose scores
+    are not the model's outputs (Finer-CAM's contrastive scores)."""
     if not explainer.scores_are_outputs:
         return
     assert explained.class_indices is not None, "checked by the caller"

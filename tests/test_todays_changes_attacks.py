@@ -249,3 +249,41 @@ def test_deeplift_does_not_warn_about_float32_rounding_of_large_scores():
     error = e.diagnostics["summation_error"].abs()
     assert bool((error < 1e3 * torch.finfo(torch.float32).eps * e.scores.abs()).all()), "rounding, not growth"
     assert not [w for w in caught if "do not sum" in str(w.message)]
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
+def test_ctrl_c_anywhere_in_shapleycam_leaves_checkpointing_on_and_no_rule_or_hook_behind():
+    """A Ctrl-C at 40 random signal points of ShapleyCAM on a timm ViT with gradient checkpointing (its call switches
+    checkpointing off and computes attention through a call-scoped rule): the flag is back on, no hook, function mode
+    or switched-off record is left, and the weights are as they were."""
+    import random
+
+    import timm
+    from test_interrupts import SignalPointInterrupter, thread_state
+
+    from explain.scope import _checkpointing_off
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=32, patch_size=8,
+                              depth=1, embed_dim=16, num_heads=1).eval()
+    model.set_grad_checkpointing(True)
+    x = torch.randn(1, 3, 32, 32)
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    state = thread_state()
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            explain.ShapleyCAM(model).explain(x, target=lambda output: output[:, 1] + output.log_softmax(1)[:, 1])
+
+    interrupter = SignalPointInterrupter()
+    total = interrupter.run(call)
+    for point in sorted(random.Random(0).sample(range(1, total + 1), 40)):
+        with pytest.raises(KeyboardInterrupt):
+            interrupter.run(call, point)
+        assert model.grad_checkpointing is True and not _checkpointing_off, point
+        assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()), point
+        assert thread_state() == state and not model.training, point
+    assert all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())

@@ -16,16 +16,16 @@ The two shipped demo transformers (``demo-vit``: conv stem and 4 blocks; ``demo-
 ViT, 8 px patch embedding and 6 blocks, another seed and other augmentations) are evaluated likewise
 with the methods that suit a transformer: attention rollout, gradient-weighted rollout, Grad-CAM and
 Score-CAM at the last block's first norm, saliency, Integrated Gradients, and issue 27's methods
-(AttnLRP, Transformer Attribution, LeGrad) once they are registered. On top of the metrics above,
-the protocol of Chefer et al. 2021 ("Transformer Interpretability Beyond Attention Visualization",
-section 4): segmentation (each map thresholded at its mean: pixel accuracy, mean IoU over
-background and foreground, mean average precision) and positive and negative perturbation (the
+(AttnLRP, Transformer Attribution, its AttnLRP-relevance variant AttnLRPRollout, LeGrad) once they are
+registered. On top of the metrics above, the protocol of Chefer et al. 2021 ("Transformer Interpretability
+Beyond Attention Visualization", section 4): segmentation (each map thresholded at its mean: pixel accuracy,
+mean IoU over background and foreground, mean average precision) and positive and negative perturbation (the
 accuracy as 0–90 % of the pixels are blacked out, most or least relevant first; area under the
 curve). Writes the "Quality: demo transformer" section and docs/transformer.png (images × methods,
 one block per model).
 
     python benchmarks/quality.py --transformer-only --threads 1   # both transformers only: 6 minutes on 2
-                                                                   # shared CPU cores
+                                                                   # shared CPU cores (44 with 5 other jobs)
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ SANITY_METHODS = ("gradcam", "gradcam++", "scorecam", "saliency", "integratedgra
                   "gradientshap", "deeplift", "guidedig", "blurig", "xrai", "lrp", "layerintegratedgradients",
                   "layerconductance")
 TRANSFORMER_METHODS = ("attentionrollout", "gradientrollout", "gradcam", "scorecam", "saliency", "integratedgradients")
-TRANSFORMER_METHODS_WHEN_REGISTERED = ("attnlrp", "transformerattribution", "legrad")
+TRANSFORMER_METHODS_WHEN_REGISTERED = ("attnlrp", "transformerattribution", "attnlrprollout", "legrad")
 """Issue 27's methods: evaluated as soon as ``explain.REGISTRY`` holds them, so a re-run picks them up."""
 PERTURBATION_FRACTIONS = tuple(step / 10 for step in range(10))
 """Chefer et al. 2021's perturbation test: 0 %, 10 %, …, 90 % of the pixels removed."""
@@ -392,6 +392,29 @@ def segmentation_scores(maps: Tensor, masks: Tensor) -> dict[str, float]:
     "mIoU", the mean over background and foreground of the pooled intersection over union; "mAP",
     the mean over images of the average precision of the two-class scores (1 − map for the
     background, map for the foreground) against the one-hot mask."""
+    parts = segmentation_parts(maps, masks)
+    return {
+        "pixel acc.": (parts.correct.sum() / (parts.pixels * len(parts.correct))).item(),
+        "mIoU": (parts.intersections.sum(dim=0).float() / parts.unions.sum(dim=0).float()).mean().item(),
+        "mAP": parts.average_precision.mean().item(),
+    }
+
+
+@dataclass
+class SegmentationParts:
+    """Per image, what ``segmentation_scores`` pools: ``intersections`` and ``unions`` (N, 2) int64 pixel counts of
+    background and foreground, ``correct`` (N,) int64 pixels labelled right out of ``pixels`` per image,
+    ``average_precision`` (N,) in [0, 1]. benchmarks/claims.py resamples images from them."""
+
+    intersections: Tensor
+    unions: Tensor
+    correct: Tensor
+    pixels: int
+    average_precision: Tensor
+
+
+def segmentation_parts(maps: Tensor, masks: Tensor) -> SegmentationParts:
+    """The per-image counts of Chefer et al.'s segmentation test (see ``segmentation_scores``)."""
     maps = maps.detach().float().cpu()
     masks = masks.bool().cpu()
     if maps.shape[-2:] != masks.shape[-2:]:
@@ -400,15 +423,13 @@ def segmentation_scores(maps: Tensor, masks: Tensor) -> dict[str, float]:
     spread = maps.amax(dim=(1, 2), keepdim=True) - low
     scaled = torch.where(spread > 0, (maps - low) / spread.clamp_min(1e-12), 0.0)  # a constant map: all background
     foreground = scaled > scaled.mean(dim=(1, 2), keepdim=True)
-    intersections = torch.stack([(~foreground & ~masks).sum(), (foreground & masks).sum()]).float()
-    unions = torch.stack([(~foreground | ~masks).sum(), (foreground | masks).sum()]).float()
+    intersections = torch.stack([(~foreground & ~masks).sum(dim=(1, 2)), (foreground & masks).sum(dim=(1, 2))], 1)
+    unions = torch.stack([(~foreground | ~masks).sum(dim=(1, 2)), (foreground | masks).sum(dim=(1, 2))], 1)
     scores = torch.cat([1 - scaled, scaled], dim=1).flatten(1)  # (N, 2·H·W): background rows, then foreground
     labels = torch.cat([~masks, masks], dim=1).flatten(1)
-    return {
-        "pixel acc.": (foreground == masks).float().mean().item(),
-        "mIoU": (intersections / unions).mean().item(),
-        "mAP": average_precision(scores, labels).mean().item(),
-    }
+    return SegmentationParts(intersections=intersections, unions=unions,
+                             correct=(foreground == masks).sum(dim=(1, 2)), pixels=masks.shape[-1] * masks.shape[-2],
+                             average_precision=average_precision(scores, labels))
 
 
 def average_precision(scores: Tensor, labels: Tensor) -> Tensor:
@@ -436,6 +457,13 @@ def perturbation_accuracy(model: nn.Module, batch: Tensor, maps: Tensor, labels:
     (N, C, H, W, model input) is blacked out (black before normalisation), the most relevant pixels
     of ``maps`` (N, H, W, at the input's size) first for order "positive", the least relevant first
     for "negative"; ties in a seeded random order. Returns (S,) accuracies in [0, 1]."""
+    return perturbation_correct(model, batch, maps, labels, order, rows_per_pass).float().mean(dim=1)
+
+
+def perturbation_correct(model: nn.Module, batch: Tensor, maps: Tensor, labels: Tensor, order: str,
+                         rows_per_pass: int = 250) -> Tensor:
+    """Per image, what ``perturbation_accuracy`` averages: (S, N) bool, the prediction at each fraction of
+    PERTURBATION_FRACTIONS removed equals the label."""
     count, _, height, width = batch.shape
     black = to_model_input(np.zeros((1, 1, 1, 3), np.uint8))  # (1, C, 1, 1)
     ranks = ranking(maps if order == "positive" else -maps)  # (N, H, W), 0 = removed first
@@ -444,7 +472,7 @@ def perturbation_accuracy(model: nn.Module, batch: Tensor, maps: Tensor, labels:
     perturbed = torch.where(removed[:, :, None], black, batch[None]).flatten(0, 1)  # (S·N, C, H, W)
     with torch.no_grad():
         predictions = torch.cat([model(rows).argmax(dim=1) for rows in perturbed.split(rows_per_pass)])
-    return (predictions.view(len(fractions), count) == labels).float().mean(dim=1)
+    return predictions.view(len(fractions), count) == labels
 
 
 def perturbation_scores(model: nn.Module, batch: Tensor, maps: Tensor, labels: Tensor) -> dict[str, float]:

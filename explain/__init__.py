@@ -5,6 +5,7 @@
     e.show(); e.save("cam.png")
 """
 
+from . import _progress_bars  # noqa: F401  # first: tqdm.auto imported without its notebook warning
 from .attention import AttentionRecord, CapturedAttention, capture_attention
 from .batch import run
 from .capture import (
@@ -36,6 +37,7 @@ from .methods import (
     AblationCAM,
     AttentionRollout,
     AttnLRP,
+    AttnLRPRollout,
     BlurIG,
     ClassActivationMapping,
     Deconvnet,
@@ -105,6 +107,7 @@ __all__ = [
     "GradientAttentionRollout",
     "LeGrad",
     "TransformerAttribution",
+    "AttnLRPRollout",
     "capture_attention",
     "DetectionTarget",
     "EmbeddingSimilarity",

@@ -48,7 +48,7 @@ import numpy as np
 from PIL import Image
 
 from . import render
-from .batch import RunRecord, display_name, read_index_contents, read_run_record, write_atomically
+from .batch import MapReader, RunRecord, display_name, read_index_contents, read_run_record, write_atomically
 from .inputs import upright
 
 REPORT_PAGE = "report.html"
@@ -77,7 +77,7 @@ class ExplainedTarget:
 @dataclass
 class ImageRecord:
     """One image of the run: its K explained targets (k = 0 … K−1) and, when the index has the label
-    columns, its true class, the model's top-1 class and its softmax probability in [0, 1];
+    columns, its true class, the model's top-1 class and its probability in [0, 1] (softmax; sigmoid for one logit);
     correct is None when the image has no label."""
 
     id: str
@@ -204,6 +204,9 @@ def read_run_index(out: Union[str, Path]) -> RunIndex:
     if contents.incomplete:
         notes.append(f"{len(contents.incomplete)} image(s) with incomplete rows in the index were left out (a run in "
                      f"progress?): {_some(contents.incomplete)}")
+    if contents.duplicated:
+        notes.append(f"{len(contents.duplicated)} image(s) have their rows in the index more than once (two runs at "
+                     f"once into the folder), each shown once: {_some(contents.duplicated)}")
     skipped = _skipped_files(out / "skipped.csv")
     if skipped:
         notes.append(f"{len(skipped)} file(s) could not be explained and are not shown (each with the reason in "
@@ -346,12 +349,24 @@ def _safe_name(text: str) -> str:
 
 @dataclass
 class _ThumbnailJob:
-    """Where an image's K thumbnails go and what they are made from."""
+    """Where an image's K thumbnails go and what they are made from: its overlay, its maps (the file
+    that holds them, read with ``reader``), its source image."""
 
     paths: list[Path]
     overlay: Optional[Path]
     map_file: Optional[Path]
     source: Optional[Path]
+    image_id: str = ""
+    reader: Optional[MapReader] = None
+
+    def maps(self) -> Optional[np.ndarray]:
+        """The image's (K, H, W) maps at the input's resolution, None when they cannot be read."""
+        if self.map_file is None or self.reader is None:
+            return None
+        try:
+            return self.reader.read({"id": self.image_id, "map": str(self.map_file)}).numpy()
+        except (OSError, ValueError, KeyError):
+            return None
 
 
 def _modified(path: Optional[Path]) -> float:
@@ -386,12 +401,13 @@ def _make_thumbnails(job: _ThumbnailJob, size: int) -> bool:
                 overlay = opened.convert("RGB")
             if overlay.width % count == 0:
                 width = overlay.width // count
-                top = _caption_band(overlay.size, count, _map_shape(job.map_file))
+                maps = job.maps()
+                top = _caption_band(overlay.size, count, None if maps is None else maps.shape)
                 panels = [overlay.crop((k * width, top, (k + 1) * width, overlay.height)) for k in range(count)]
         except (OSError, ValueError, Image.DecompressionBombError):
             panels = None
     if panels is None and job.map_file is not None:
-        panels = _panels_from_maps(job.map_file, job.source, count, size)
+        panels = _panels_from_maps(job.maps(), job.source, count, size)
     if panels is None:
         return False
     for path, panel in zip(job.paths, panels):
@@ -399,16 +415,6 @@ def _make_thumbnails(job: _ThumbnailJob, size: int) -> bool:
         path.parent.mkdir(parents=True, exist_ok=True)
         _save_jpeg(panel, path)
     return True
-
-
-def _map_shape(map_file: Optional[Path]) -> Optional[tuple[int, ...]]:
-    """The shape of a maps file, (K, H, W), read from its header only."""
-    if map_file is None:
-        return None
-    try:
-        return tuple(np.load(map_file, mmap_mode="r", allow_pickle=False).shape)
-    except (OSError, ValueError):
-        return None
 
 
 def _caption_band(overlay_size: tuple[int, int], count: int, map_shape: Optional[tuple[int, ...]]) -> int:
@@ -434,14 +440,11 @@ def _colour_table(cmap: str = "jet") -> np.ndarray:
     return (render.colormap_table(cmap).numpy() * 255.0).round().astype(np.uint8)
 
 
-def _panels_from_maps(map_file: Path, source: Optional[Path], count: int, size: int) -> Optional[list[Image.Image]]:
-    """The K maps of a maps file, (K, H, W) in [0, 1], drawn at about ``size`` pixels: on the source
-    image when it can be read, else alone through the colour map. None when the file is not K maps."""
-    try:
-        maps = np.load(map_file, allow_pickle=False)
-    except (OSError, ValueError):
-        return None
-    if maps.ndim != 3 or maps.shape[0] != count or min(maps.shape[1:]) < 1:
+def _panels_from_maps(maps: Optional[np.ndarray], source: Optional[Path], count: int, size: int
+                      ) -> Optional[list[Image.Image]]:
+    """An image's K maps, (K, H, W) in [0, 1], drawn at about ``size`` pixels: on the source image when
+    it can be read, else alone through the colour map. None when they are not K maps (or None)."""
+    if maps is None or maps.ndim != 3 or maps.shape[0] != count or min(maps.shape[1:]) < 1:
         return None
     height, width = maps.shape[1:]
     scale = min(1.0, size / max(height, width))
@@ -610,6 +613,7 @@ def _write_thumbnails(out: Path, images: Sequence[ImageRecord], folder: Path, si
     files: dict[str, _ImageFiles] = {}
     jobs: dict[str, _ThumbnailJob] = {}
     reused = 0
+    reader = MapReader(out, files_kept=16)  # shared by the threads: a maps file holds the maps of several images
     for record in images:
         paths = _thumbnail_paths(folder, record)
         overlay = _inside(out, f"overlays/{record.id}.png")
@@ -622,7 +626,7 @@ def _write_thumbnails(out: Path, images: Sequence[ImageRecord], folder: Path, si
         if all(_modified(path) >= newest_input > 0 for path in paths):
             reused += len(paths)
         else:
-            jobs[record.id] = _ThumbnailJob(paths, overlay, map_file, source)
+            jobs[record.id] = _ThumbnailJob(paths, overlay, map_file, source, record.id, reader)
     made = 0
     unreadable: list[str] = []
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:

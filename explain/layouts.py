@@ -9,6 +9,15 @@
   token count and the input's aspect ratio (``token_grid``). CAMs and attention methods read
   tokens through the same ``token_layout``.
 
+Where the patch embedding is one convolution with stride = kernel = p (timm, torchvision,
+HuggingFace, CLIP), the h × w grid spans the input's top-left h·p × w·p pixels: fewer than the
+input's where the convolution drops the pixels past the last whole patch (HuggingFace DINOv2, ViT
+with ``interpolate_pos_encoding``, an ``img_size`` that is not a multiple of p), more where the
+embedding pads the input at the bottom and right (timm's ``dynamic_img_pad``). ``Layout.to_input``
+then places a map on those pixels and 0 on the border the model never reads. Where the grid is
+inferred or the stem is something else (a conv stem, a hybrid's backbone), the patch size is not
+known and maps span the whole input, as they do where the grid divides it.
+
 ``reshape=`` overrides the guess: "channels_first", "channels_last", an (h, w) grid for tokens
 (the last h·w tokens are the patches; checked against the token count), or a callable
 tensor → (N, C, h, w).
@@ -21,6 +30,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 Reshape = Union[None, str, Sequence[int], Callable[[Tensor], Tensor]]
@@ -36,7 +47,8 @@ class Layout:
     "tokens" or "callable"; for tokens: prefix, the tokens before the patches (class,
     distillation, register); grid, the patches' (h, w); class_token, whether token 0 is a class
     token; readout, what the model's head reads: "class" (the class token) or "mean" (the
-    average of the patch tokens)."""
+    average of the patch tokens); covered, the (rows, columns) of input pixels from the top-left
+    that the patch grid spans where that is not the whole input (see ``to_input``), else None."""
 
     kind: str
     prefix: int = 0
@@ -44,6 +56,7 @@ class Layout:
     function: Optional[Callable[[Tensor], Tensor]] = None
     class_token: bool = False
     readout: str = "mean"
+    covered: Optional[tuple[int, int]] = None
 
     @property
     def channel_dim(self) -> int:
@@ -63,6 +76,23 @@ class Layout:
         height, width = self.grid
         return tensor[:, self.prefix :, :].reshape(tensor.shape[0], height, width, -1).permute(0, 3, 1, 2)
 
+    def to_input(self, maps: Tensor, input_size: Sequence[int]) -> Tensor:
+        """(N, K, h, w) maps on this layout's grid → maps of the (H, W) input.
+
+        Where the grid spans the whole input (``covered`` None): the maps as they are, for the caller's
+        upsampling over the whole input. Otherwise (N, K, H, W) float32: the maps upsampled (bilinear,
+        align_corners=False, as every map is upsampled to the input) onto the covered top-left
+        rows × columns, cropped to the input where the patch embedding padded it, and 0 on the pixels
+        past them, which the model never reads."""
+        if self.covered is None:
+            return maps
+        rows, columns = self.covered
+        height, width = min(rows, int(input_size[0])), min(columns, int(input_size[1]))
+        spread = F.interpolate(maps.float(), size=(rows, columns), mode="bilinear", align_corners=False)
+        placed = torch.zeros(*maps.shape[:-2], int(input_size[0]), int(input_size[1]), device=maps.device)
+        placed[..., :height, :width] = spread[..., :height, :width]
+        return placed
+
 
 # ------------------------------------------------------------------ what a transformer says about its tokens
 
@@ -75,17 +105,40 @@ MEAN_READOUTS = ("avg", "avgmax", "max", "map", "avg_all", "gap")
 
 
 @dataclass(frozen=True)
+class PatchEmbedding:
+    """A patch embedding that is one convolution with stride = kernel = ``patch`` (rows, columns) pixels and no
+    padding: an (H, W) input gives H // p × W // p patches (the pixels past the last whole patch are never read),
+    or, when it ``pads`` the input at the bottom and right first (timm's ``dynamic_img_pad``), ⌈H / p⌉ × ⌈W / p⌉."""
+
+    patch: tuple[int, int]
+    pads: bool = False
+
+    def grid(self, input_size: Sequence[int]) -> tuple[int, int]:
+        """The (h, w) patch grid of an (H, W) input."""
+        if self.pads:
+            return (-(-int(input_size[0]) // self.patch[0]), -(-int(input_size[1]) // self.patch[1]))
+        return int(input_size[0]) // self.patch[0], int(input_size[1]) // self.patch[1]
+
+    def covered(self, grid: Sequence[int], input_size: Sequence[int]) -> Optional[tuple[int, int]]:
+        """The (rows, columns) of input pixels from the top-left that an (h, w) grid of patches spans, h·p × w·p;
+        None when that is the whole (H, W) input."""
+        spanned = (int(grid[0]) * self.patch[0], int(grid[1]) * self.patch[1])
+        return None if spanned == (int(input_size[0]), int(input_size[1])) else spanned
+
+
+@dataclass(frozen=True)
 class ModelTokens:
     """What a transformer's own attributes say about its tokens: ``prefix`` tokens in front of
     the patches (class, distillation and register tokens), whether the first is a class token,
-    what the head reads ("class" or "mean", see ``Layout``), the (h, w) patch grid of an
-    (H, W) input where the patch embedding tells it, and the module read (``source``)."""
+    what the head reads ("class" or "mean", see ``Layout``), its patch embedding where it is one
+    convolution with stride = kernel (which tells the patch grid of an (H, W) input and the pixels
+    it spans), and the module read (``source``)."""
 
     prefix: int
     class_token: bool
     readout: str
     source: str
-    patch_grid: Optional[Callable[[Sequence[int]], tuple[int, int]]] = field(default=None, repr=False, compare=False)
+    patch_embedding: Optional[PatchEmbedding] = field(default=None, compare=False)
 
     def describe(self) -> str:
         kind = "class, distillation or register" if self.class_token else "register"
@@ -101,21 +154,25 @@ def _token_count(value: object, registers: bool) -> int:
     return int(value.shape[-2]) if registers and value.dim() >= 2 else 1
 
 
-def _patch_grid(module: nn.Module) -> Optional[Callable[[Sequence[int]], tuple[int, int]]]:
-    """(H, W) → (h, w) from a patch embedding that is one convolution with stride = kernel = patch
-    size (timm's ``patch_embed.dynamic_feat_size``, padding included); None for other stems (a conv
-    stem, a hybrid's backbone), whose grid the token count tells."""
+def _patch_embedding(module: nn.Module) -> Optional[PatchEmbedding]:
+    """The module's patch embedding where it is one convolution with stride = kernel = patch size and no padding
+    (timm's ``patch_embed``, whose ``dynamic_img_pad`` pads the input first; else the module's only Conv2d, as in
+    torchvision, HuggingFace and CLIP); None for other stems (a conv stem, a hybrid's backbone), whose grid the
+    token count tells and whose reach is not known."""
+    stem = module
     timm_embed = getattr(module, "patch_embed", None)
-    if hasattr(timm_embed, "dynamic_feat_size") and not hasattr(timm_embed, "backbone"):
-        return lambda size: tuple(timm_embed.dynamic_feat_size((int(size[0]), int(size[1]))))  # type: ignore
-    convolutions = [leaf for leaf in module.modules() if isinstance(leaf, nn.Conv2d)]
+    if isinstance(timm_embed, nn.Module) and hasattr(timm_embed, "dynamic_feat_size") \
+            and not hasattr(timm_embed, "backbone"):
+        stem = timm_embed
+    convolutions = [leaf for leaf in stem.modules() if isinstance(leaf, nn.Conv2d)]
     if len(convolutions) != 1:
         return None
     patchify = convolutions[0]
     kernel, stride, padding = patchify.kernel_size, patchify.stride, patchify.padding
     if kernel != stride or padding not in ((0, 0), "valid") or min(kernel) < 2:
         return None
-    return lambda size: (int(size[0]) // kernel[0], int(size[1]) // kernel[1])
+    pads = stem is timm_embed and getattr(stem, "dynamic_img_pad", False) is True
+    return PatchEmbedding((int(kernel[0]), int(kernel[1])), pads)
 
 
 def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
@@ -140,7 +197,7 @@ def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
         mean_pooling = getattr(getattr(model, "config", None), "use_mean_pooling", False) is True  # HF BEiT
         reads_patches = not classes or mean_pooling or (isinstance(pooling, str) and pooling in MEAN_READOUTS)
         return ModelTokens(prefix=prefix, class_token=classes > 0, readout="mean" if reads_patches else "class",
-                           source=name, patch_grid=_patch_grid(module))
+                           source=name, patch_embedding=_patch_embedding(module))
     return None
 
 
@@ -202,11 +259,19 @@ def _fitting_grids(tokens: int, prefixes: Sequence[int], input_size: Sequence[in
     return ", ".join(f"{grid} after {prefix} prefix token(s)" for _, prefix, grid in sorted(found)[:most])
 
 
-def _token_layout_of(prefix: int, grid: tuple[int, int], known: Optional[ModelTokens]) -> Layout:
+def _token_layout_of(prefix: int, grid: tuple[int, int], known: Optional[ModelTokens],
+                     input_size: Sequence[int]) -> Layout:
+    """The token Layout of ``prefix`` tokens before an (h, w) grid of patches; where the grid is the model's patch
+    embedding's for this input, with the pixels it spans (``Layout.covered``)."""
+    embedding = None if known is None else known.patch_embedding
+    covered = None
+    if embedding is not None and embedding.grid(input_size) == tuple(grid):
+        covered = embedding.covered(grid, input_size)
     if prefix == 0:
-        return Layout("tokens", prefix=0, grid=grid, class_token=False, readout="mean")
+        return Layout("tokens", prefix=0, grid=grid, class_token=False, readout="mean", covered=covered)
     if known is not None:
-        return Layout("tokens", prefix=prefix, grid=grid, class_token=known.class_token, readout=known.readout)
+        return Layout("tokens", prefix=prefix, grid=grid, class_token=known.class_token, readout=known.readout,
+                      covered=covered)
     return Layout("tokens", prefix=prefix, grid=grid, class_token=True, readout="class")
 
 
@@ -232,7 +297,7 @@ def checked_grid(reshape: Sequence[int], tokens: int, input_size: Sequence[int],
             f"so h·w must be {' or '.join(str(tokens - p) for p in prefixes) or 'positive'}, not {height * width}. "
             f"Grids that fit: {_fitting_grids(tokens, prefixes, input_size)}."
         )
-    return _token_layout_of(prefix, (height, width), known)
+    return _token_layout_of(prefix, (height, width), known, input_size)
 
 
 ModelOrTokens = Union[nn.Module, ModelTokens, None]
@@ -256,17 +321,17 @@ def token_layout(tokens: int, input_size: Sequence[int], reshape: Optional[Seque
     if reshape is not None:
         return checked_grid(reshape, tokens, input_size, known, what, whole_sequence)
     if known is None:
-        return _token_layout_of(*token_grid(tokens, input_size), None)
+        return _token_layout_of(*token_grid(tokens, input_size), None, input_size)
     prefixes = _prefixes(tokens, known, whole_sequence)
-    if known.patch_grid is not None:
-        height, width = known.patch_grid(input_size)
+    if known.patch_embedding is not None:
+        height, width = known.patch_embedding.grid(input_size)
         for prefix in prefixes:
             if prefix + height * width == tokens and min(height, width) >= 1:
-                return _token_layout_of(prefix, (height, width), known)
+                return _token_layout_of(prefix, (height, width), known, input_size)
     for prefix in prefixes:
         grid = _grid_of(tokens - prefix, input_size)
         if grid is not None:
-            return _token_layout_of(prefix, grid, known)
+            return _token_layout_of(prefix, grid, known, input_size)
     raise ValueError(
         f"cannot lay the {tokens} tokens of {what} out on a patch grid for a {input_size[0]}×{input_size[1]} input: "
         f"the model has {known.describe()}. Grids that fit: {_fitting_grids(tokens, prefixes, input_size)}; "

@@ -67,7 +67,7 @@ from scipy.sparse.linalg import eigsh
 from tqdm.auto import tqdm
 
 from . import render
-from .batch import RunRecord, display_name, read_index_contents, read_run_record, write_atomically
+from .batch import MapReader, RunRecord, display_name, read_index_contents, read_run_record, write_atomically
 from .batch import error_line as first_line
 
 MIN_IMAGES = 20
@@ -263,11 +263,12 @@ def strategies(
     """SpRAy: group each class's maps into strategies and flag those that look where the object is not
     (steps and rules in this module's docstring).
 
-    source: an output folder of ``explain batch`` / ``explain.run`` (OUT/index.csv and OUT/maps/<id>.npy; the
-        rows whose ``role`` is in ``roles``, by default those explaining the predicted or the true class, grouped
-        by their ``target``; an index written before the label columns: every row; class names from the index,
-        else from OUT/run.json), or maps (N, H, W) with ``classes`` (N,) ints, the class each map explains (and
-        optional ``ids``, default "0" … "N−1", and ``class_names``).
+    source: an output folder of ``explain batch`` / ``explain.run`` (OUT/index.csv and OUT/maps/, read back at the
+        input's resolution with ``explain.batch.MapReader``; the rows whose ``role`` is in ``roles``, by default
+        those explaining the predicted or the true class, grouped by their ``target``; an index written before the
+        label columns: every row; class names from the index, else from OUT/run.json), or maps (N, H, W) with
+        ``classes`` (N,) ints, the class each map explains (and optional ``ids``, default "0" … "N−1", and
+        ``class_names``).
     method: the explanation method's name, for the record (default: for a folder, the registry name its run.json
         names; else "unspecified").
     size: (h, w) the maps are downsampled to.
@@ -395,6 +396,7 @@ def _load_arrays(maps: Union[np.ndarray, torch.Tensor], classes: Any, ids: Optio
         raise ValueError(f"maps must be numbers; got an array of {array.dtype}.")
     if len(array) == 0:
         raise ValueError("there are no maps to analyse (an empty array).")
+    _refuse_non_finite(array)
     if classes is None:
         raise ValueError("give classes=, the class each map explains ((N,) ints), to group the maps by class.")
     class_array = np.asarray(classes.cpu() if isinstance(classes, torch.Tensor) else classes).reshape(-1)
@@ -409,6 +411,27 @@ def _load_arrays(maps: Union[np.ndarray, torch.Tensor], classes: Any, ids: Optio
              for c in set(class_array.tolist())}
     return _LoadedMaps(normalise(downsample(array, size)), class_array.astype(np.int64), id_list, names, id_list,
                        (int(array.shape[1]), int(array.shape[2])))
+
+
+def _refuse_non_finite(maps: np.ndarray) -> None:
+    """ValueError naming the maps (by index) that hold NaN or ±inf, with how many of each."""
+    if maps.dtype.kind != "f":
+        return
+    bad = np.flatnonzero(~np.isfinite(maps).reshape(len(maps), -1).all(axis=1))
+    if not len(bad):
+        return
+    described = []
+    for index in bad[:5].tolist():
+        counts = [(int(np.isnan(maps[index]).sum()), "NaN"), (int(np.isposinf(maps[index]).sum()), "+inf"),
+                  (int(np.isneginf(maps[index]).sum()), "−inf")]
+        described.append(f"map {index}: " + ", ".join(f"{count} {what}" for count, what in counts if count))
+    more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise ValueError(
+        f"{len(bad)} of the {len(maps)} maps hold values that are not finite ({'; '.join(described)}{more}). SpRAy "
+        "compares where each map puts its relevance, and a NaN or infinite value has no share of it: read as 0 it "
+        "would silently change the map, and its cluster. Find where the explanation gave them (a score that "
+        "overflowed in half precision, a division by a zero gradient), or leave those maps out, with their classes "
+        "and ids.")
 
 
 def _run_record_or_note(folder: Path, notes: list[str]) -> Optional[RunRecord]:
@@ -437,6 +460,11 @@ def _load_folder(folder: Path, roles: Sequence[str], size: tuple[int, int], prog
     if contents.incomplete:
         notes.append(f"{len(contents.incomplete)} image(s) whose index rows are incomplete (a run in progress, a line "
                      f"torn by a kill) were left out, e.g. {contents.incomplete[0]}.")
+    if contents.duplicated:
+        notes.append(f"{len(contents.duplicated)} image(s) have their rows in the index more than once (two runs at "
+                     "once into the folder, by a version of explain that did not lock it), e.g. "
+                     f"{contents.duplicated[0]}: their first rows were used. explain batch with the run's settings "
+                     "removes the copies.")
     rows = contents.rows
     if not rows and contents.incomplete:
         raise ValueError(f"{display_name(index)} has no complete image: the rows of all its {len(contents.incomplete)} "
@@ -465,22 +493,20 @@ def _load_folder(folder: Path, roles: Sequence[str], size: tuple[int, int], prog
     maps: list[np.ndarray] = []
     kept: list[dict[str, str]] = []
     unreadable: list[str] = []
+    not_finite: list[str] = []
     first_size: Optional[tuple[tuple[int, int], str]] = None
-    files: dict[str, np.ndarray] = {}
+    reader = MapReader(folder)  # at the input's resolution, from maps files of several images or one .npy each
+    image: tuple[str, np.ndarray] = ("", np.zeros((0, 1, 1), np.float32))  # an image's maps are in consecutive rows
     for row in tqdm(list(selected.values()), disable=not progress, desc="strategies: reading maps", unit="map"):
         try:
-            stack = files.get(row["map"])
-            if stack is None:
-                path = folder / row["map"]
-                if not path.resolve().is_relative_to(folder.resolve()):
-                    raise ValueError("the map path leaves the folder")
-                stack = np.load(path, mmap_mode="r", allow_pickle=False)
-                files = {row["map"]: stack}  # maps of one image are in consecutive rows: keep one file open
-            one = np.asarray(stack[int(row["k"])] if stack.ndim == 3 else stack, dtype=np.float32)
-            if one.ndim != 2:
-                raise ValueError(f"a map of shape {one.shape}")
-        except Exception as error:  # missing, truncated, not an array, k out of range ...
+            if image[0] != row["id"]:
+                image = (row["id"], reader.read(row).numpy())
+            one = image[1][int(row["k"])]
+        except Exception as error:  # missing, truncated, not an array, k out of range, outside the folder ...
             unreadable.append(f"{row['map']} ({first_line(error)})")
+            continue
+        if not np.isfinite(one).all():
+            not_finite.append(f"{row['map']} (image {row['id']}, k = {row['k']})")
             continue
         shape = (int(one.shape[0]), int(one.shape[1]))
         if first_size is None:
@@ -496,9 +522,14 @@ def _load_folder(folder: Path, roles: Sequence[str], size: tuple[int, int], prog
         files_count = len({entry.split(" (")[0] for entry in unreadable})
         notes.append(f"{files_count} map file(s) could not be read, so {len(unreadable)} map(s) were left out, "
                      f"e.g. {unreadable[0]}.")
+    if not_finite:
+        notes.append(f"{len(not_finite)} map(s) hold NaN or infinite values and were left out (SpRAy cannot place "
+                     f"their relevance), e.g. {not_finite[0]}.")
     if not kept:
-        raise ValueError(f"none of the {len(selected)} map files listed in {display_name(index)} could be read, "
-                         f"e.g. {unreadable[0]}.")
+        reasons = [f"{len(unreadable)} could not be read, e.g. {unreadable[0]}" if unreadable else "",
+                   f"{len(not_finite)} hold NaN or infinite values, e.g. {not_finite[0]}" if not_finite else ""]
+        raise ValueError(f"none of the {len(selected)} maps listed in {display_name(index)} can be used: "
+                         f"{'; '.join(reason for reason in reasons if reason)}.")
     targets = np.array([int(row["target"]) for row in kept], np.int64)
     names: dict[int, str] = {}
     for row, target in zip(kept, targets.tolist()):

@@ -798,7 +798,7 @@ def float_vit() -> nn.Module:
     return timm_vit().eval()
 
 
-@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution"])
+@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution", "attnlrprollout"])
 def test_inside_no_grad_and_inference_mode_the_maps_are_those_outside(method):
     cls = explain.get_method(method)
     model = float_vit()
@@ -861,7 +861,7 @@ class Exploding(nn.Module):
         return F.gelu(x)
 
 
-@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution"])
+@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution", "attnlrprollout"])
 def test_the_model_is_left_exactly_as_found_after_success_and_after_an_exception_mid_forward(method):
     cls = explain.get_method(method)
     model = tiny_vit().float()
@@ -1009,7 +1009,7 @@ def test_a_function_without_a_rule_is_named_in_a_warning_and_the_diagnostics():
     assert explanation.diagnostics["unruled"] == ["1: sin"]
 
 
-@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution"])
+@pytest.mark.parametrize("method", ["attnlrp", "transformerattribution", "attnlrprollout"])
 def test_a_target_that_explains_inside_the_call_gets_the_maps_it_gets_alone(method):
     """The score is selected with the rules on (a cosine similarity's norms are held constant): a target callable
     that runs other explainers, this one included, on the same model still gets their plain results."""

@@ -1,8 +1,10 @@
 """The CAMs of issue 31, each against a by-hand computation and against its peer.
 
 Peers: pytorch-grad-cam 1.5.7 (Finer-CAM, Seg-Eigen-CAM, SESS; installed with --no-deps, see
-tests/test_peer_gradcam.py) and torchcam 0.5 (CAM, IS-CAM, SS-CAM, Smooth Grad-CAM++; ``pip install --no-deps
-torchcam==0.5.0``, its other needs are the toolkit's). A peer's tests are skipped when it is missing.
+tests/test_peer_gradcam.py) and torchcam 0.5 (CAM, Smooth Grad-CAM++; ``pip install --no-deps torchcam==0.5.0``,
+its other needs are the toolkit's). A peer's tests are skipped when it is missing. IS-CAM and SS-CAM differ
+from torchcam's (it normalises each mask before upsampling it; its IS-CAM masks go one step further):
+tests/test_issue39_cams.py pins both differences and says where they matter.
 Where a method draws noise, the peer's draws are replayed: torch's global generator is seeded, the same
 draws are taken in the peer's order and handed to our ``noise_draws``, then the peer runs from the same seed.
 
@@ -207,7 +209,7 @@ def test_is_cam_averages_the_scores_of_masks_of_growing_strength():
     model, x = tiny()
     classes = [0, 3, 5]
     steps = 4
-    strengths = [sum(range(1, i + 1)) / steps for i in range(1, steps + 1)]  # 1/4, 3/4, 6/4, 10/4
+    strengths = [sum(range(i)) / steps for i in range(1, steps + 1)]  # the paper's 0, 1/4, 3/4, 6/4
     by_hand = score_cam_family_by_hand(model, x, classes, lambda n, k, mask: [s * mask for s in strengths])
     result = explain.ISCAM(model, "conv", steps=steps, relu=False, normalize=None).explain(x, target=classes)
     torch.testing.assert_close(result.low_res_maps[0][:, 0].double(), by_hand, rtol=1e-4, atol=1e-6)
@@ -295,7 +297,7 @@ def test_bad_options_and_targets_are_refused_with_what_to_do():
         explain.SESS(model, "conv", pool="median")
     with pytest.raises(ValueError, match=r"pre_filter must be a share in \[0, 1\)"):
         explain.SESS(model, "conv", pre_filter=1.0)
-    with pytest.raises(ValueError, match="steps must be an int of at least 1"):
+    with pytest.raises(ValueError, match="steps must be an int of at least 2"):
         explain.ISCAM(model, "conv", steps=0)
     with pytest.raises(ValueError, match="targets are classes"):
         explain.ClassActivationMapping(model, "conv").explain(x, target=lambda output: output[:, 0])
@@ -305,7 +307,7 @@ def test_bad_options_and_targets_are_refused_with_what_to_do():
     inside = nn.Sequential(nn.Identity(), head).eval()  # layer "0" has the input's 3 channels
     with pytest.raises(ValueError, match="takes 7 features, but layer '0' has 3 channels"):
         explain.ClassActivationMapping(inside, "0", classifier="1.3").explain(x)
-    with pytest.raises(ValueError, match="no nn.Linear of the model takes 3 features"):
+    with pytest.raises(ValueError, match="classifier '1.3' takes 7 features, but layer '0' has 3 channels"):
         explain.ClassActivationMapping(inside, "0").explain(x)
 
 
@@ -345,37 +347,6 @@ def test_cam_equals_torchcam(name, layer, classifier):
     theirs = torchcam_maps(methods.CAM, model, layer, x, classes, fc_layer=classifier)
     agreement = per_map_correlation(ours.low_res_maps[0][:, 0], theirs)
     print(f"{name} CAM against torchcam: {agreement.tolist()}")  # torchcam's CAM is signed (the paper's)
-    assert agreement.min() >= 0.999
-
-
-SCORE_CASES = [("resnet18", "layer2"), ("squeezenet1_1", "features.4")]  # 128 channels: few forward passes
-
-
-@pytest.mark.parametrize("name, layer", SCORE_CASES)
-def test_is_cam_equals_torchcam(name, layer):
-    methods = peer("torchcam.methods")
-    model = network(name)
-    x, classes = batch_and_classes(model, 64)
-    ours = quiet(explain.ISCAM(model, layer, steps=3, normalize=None, progress=False, batch_size=128).explain, x,
-                 target=classes)
-    theirs = torchcam_maps(methods.ISCAM, model, layer, x, classes, num_samples=3, batch_size=128)
-    agreement = per_map_correlation(ours.low_res_maps[0][:, 0], theirs)
-    print(f"{name} IS-CAM against torchcam: {agreement.tolist()}")
-    assert agreement.min() >= 0.999
-
-
-@pytest.mark.parametrize("name, layer", SCORE_CASES)
-def test_ss_cam_equals_torchcam_with_its_noise_replayed(name, layer):
-    methods = peer("torchcam.methods")
-    model = network(name)
-    x, classes = batch_and_classes(model, 64)
-    draws, reseed = replay_normal(7, 2.0, [(3, 128, 64, 64)] * 2)
-    ours = quiet(explain.SSCAM(model, layer, samples=2, noise_draws=draws, normalize=None, progress=False,
-                               batch_size=128).explain, x, target=classes)
-    reseed()
-    theirs = torchcam_maps(methods.SSCAM, model, layer, x, classes, num_samples=2, std=2.0, batch_size=128)
-    agreement = per_map_correlation(ours.low_res_maps[0][:, 0], theirs)
-    print(f"{name} SS-CAM against torchcam: {agreement.tolist()}")
     assert agreement.min() >= 0.999
 
 

@@ -172,7 +172,7 @@ def rollout_with_whole_matrices(model: nn.Module, name: str, size: int, x: Tenso
     with torch.enable_grad():
         recorded = explainer._record(x, targets, None, detach=False)
         gradients, _, _ = explainer._gradients(recorded.selected, recorded.probabilities)
-        relevances = explainer._relevances(x, targets, None, recorded.attention, recorded.first)
+        relevances = explainer._relevances(x, targets, None, recorded)
     layouts = positions_by_perturbation(name, size)
     count, first_grid = x.shape[0], layouts[0][0]
     maps = torch.zeros(count, 1, *first_grid, dtype=torch.float64)

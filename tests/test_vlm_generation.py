@@ -157,10 +157,11 @@ def test_generation_under_explain_gives_the_plain_greedy_tokens(family: str) -> 
     with torch.no_grad():
         plain = model.generate(**prepared.inputs, max_new_tokens=6, do_sample=False)[0, prepared.prompt_length:]
     assert torch.equal(explanation.diagnostics["token_ids"][0], plain)
-    assert explanation.diagnostics["answer"] == [processor.tokenizer.decode(plain.tolist(), skip_special_tokens=True)]
-    special = set(processor.tokenizer.all_special_ids)
-    assert explanation.class_names == [explainer.token_texts(plain)[k] for k in range(plain.numel())
-                                       if int(plain[k]) not in special]
+    answer = processor.tokenizer.decode(plain.tolist(), skip_special_tokens=True)
+    assert explanation.diagnostics["answer"] == [answer]
+    assert "".join(explanation.class_names) == answer  # a target per token the decoded answer shows (issue 39)
+    shown = [k for k in range(plain.numel()) if processor.tokenizer.decode([int(plain[k])], skip_special_tokens=True)]
+    assert explanation.class_names == [explainer.token_texts(plain)[k] for k in shown]
 
 
 def test_a_span_is_the_sum_of_its_tokens() -> None:

@@ -133,7 +133,8 @@ def test_shapleycam_on_a_fused_attention_vit_equals_shapleycam_on_the_eager_atte
 VITS = {"timm": timm_vit, "huggingface": hf_vit, "torchvision": torchvision_vit}
 
 
-@pytest.mark.parametrize("method", [explain.GradientAttentionRollout, explain.TransformerAttribution])
+@pytest.mark.parametrize("method", [explain.GradientAttentionRollout, explain.TransformerAttribution,
+                                    explain.AttnLRPRollout])
 @pytest.mark.parametrize("library", VITS)
 def test_gradient_attention_methods_on_a_frozen_vit_give_the_maps_of_the_trainable_one(library, method):
     """A frozen model (``model.requires_grad_(False)``, a linear probe, a deployed model) computes the same
@@ -217,8 +218,8 @@ def test_fullgrad_on_swin_equals_fullgrad_by_hand(build):
 
 
 @pytest.mark.parametrize("method", [explain.AttnLRP, explain.GradientAttentionRollout,
-                                    explain.TransformerAttribution, explain.LeGrad, explain.LRP,
-                                    explain.DeepLift])
+                                    explain.TransformerAttribution, explain.AttnLRPRollout, explain.LeGrad,
+                                    explain.LRP, explain.DeepLift])
 def test_a_timm_vit_with_gradient_checkpointing_gets_its_map_or_a_clear_error(method):
     """``model.set_grad_checkpointing()`` (timm; left on after fine-tuning) recomputes each block in the
     backward pass, outside the call's rules: the attention methods fail with torch's CheckpointError

@@ -50,8 +50,9 @@ def write_watermark_folder(folder: Union[str, Path], count: int = 400, seed: int
                            clean: bool = False) -> Path:
     """Write ``watermark_held_out(count, seed)`` as PNG files in ImageFolder layout,
     ``folder/<class name>/<index:05d>.png`` (the watermarked images, or with ``clean=True`` the clean copy),
-    and return ``folder``. Files of an earlier call with the same arguments are overwritten with the same
-    pixels; the folder must not hold other images (they would be explained with these)."""
+    and return ``folder``. Files of an earlier call with the same arguments are left as they are (same pixels,
+    same modification time, so that a resumed ``explain.run`` finds its images unchanged); the folder must not
+    hold other images (they would be explained with these)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file; give a folder for the images (it is created if missing).")
@@ -62,5 +63,16 @@ def write_watermark_folder(folder: Union[str, Path], count: int = 400, seed: int
     for name in CLASS_NAMES:
         (folder / name).mkdir(parents=True, exist_ok=True)
     for index, (image, label) in enumerate(zip(images, data.labels)):
-        Image.fromarray(np.ascontiguousarray(image)).save(folder / CLASS_NAMES[int(label)] / f"{index:05d}.png")
+        path = folder / CLASS_NAMES[int(label)] / f"{index:05d}.png"
+        if not _holds(path, image):
+            Image.fromarray(np.ascontiguousarray(image)).save(path)
     return folder
+
+
+def _holds(path: Path, image: np.ndarray) -> bool:
+    """Whether ``path`` is a readable image of exactly these (H, W, 3) uint8 pixels."""
+    try:
+        with Image.open(path) as existing:
+            return existing.mode == "RGB" and np.array_equal(np.asarray(existing), image)
+    except (OSError, ValueError):
+        return False

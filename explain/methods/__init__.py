@@ -34,7 +34,7 @@ from .path_methods import BlurIG, GuidedIG
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .smooth_cam import SmoothGradCAMPlusPlus
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
-from .transformer_attribution import TransformerAttribution
+from .transformer_attribution import AttnLRPRollout, TransformerAttribution
 from .xrai import XRAI, Felzenszwalb
 
 __all__ = [
@@ -84,6 +84,7 @@ __all__ = [
     "ShapleyCAM",
     "SmoothGrad",
     "TransformerAttribution",
+    "AttnLRPRollout",
     "SmoothGradSquared",
     "VarGrad",
     "XGradCAM",

@@ -6,9 +6,17 @@ In this "gradient × input" form a rule is a change of a call's backward only (i
 model computes it):
 
 - elementwise activations (GELU, SiLU, tanh, ...), as functions or as parameter-free activation modules (CLIP's
-  QuickGELU, HuggingFace's activation classes): the identity rule, ∂ → y / x (paper, eq. 9);
+  QuickGELU, HuggingFace's activation classes): the identity rule, ∂ → y / x (paper, eq. 9). Where y(0) ≠ 0
+  (sigmoid, hard sigmoid, softplus, exp) y / x is unbounded near x = 0, and the LRP-0 layer below would pass that
+  on (a sigmoid whose input is 1e-9 multiplies its relevance by 5e8): such a function gets the identity rule of
+  y − y(0), ∂ → (y − y(0)) / x, bounded by the function's slope; the constant y(0) keeps its share, as a bias does;
 - a product of two tensors on the path (attention's QKᵀ and A·V, a gated MLP's product): the uniform rule, each
-  factor's gradient divided by the number of factors on the path (eq. 7); through a fused
+  factor's gradient divided by the number of factors on the path (eq. 7). A gate, the output of an activation with
+  y(0) ≠ 0 (a squeeze-and-excitation block's x · σ(W s), CBAM's, ECA's), is held constant in a product with a
+  tensor that is not one: all the relevance goes to the gated tensor (the gate is a weight: Arras et al.'s
+  "signal-take-all" for LSTM gates, CP-LRP's constant attention, lxt's CP gated MLP). The uniform rule would send
+  half into the gate, whose identity rule divides by a pre-activation near 0; gated MLPs whose gate is SiLU or
+  GELU (y(0) = 0) keep the uniform rule, as lxt does; through a fused
   ``scaled_dot_product_attention`` this is the gradient of the query and key divided by 4 and of the value by 2
   (by 2 and 1 where one operand is a constant), and no (N, heads, T, T) matrix is materialised;
 - softmax: its plain gradient, which in this form is the softmax rule R_i = x_i (R_i − s_i Σ_j R_j) (eq. 13); CP-LRP
@@ -25,6 +33,7 @@ Any other function on the path keeps its plain gradient and is named in a warnin
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from functools import partial
@@ -43,6 +52,8 @@ from ._lrp_trace import ACTIVATIONS, ADDITIONS, ROUTING, SCALINGS, SUMS
 
 IDENTITY_EPSILON = 1e-10
 """The identity rule's y / (x + ε), as lxt computes it."""
+GATES_FOLLOW = ROUTING
+"""Functions whose result is a gate when their input is one (a gate reshaped, expanded or cast)."""
 
 EXACT_ACTIVATIONS = torch_functions("relu", "relu_", "leaky_relu", "leaky_relu_", "threshold", "threshold_", "prelu",
                                     "rrelu", "rrelu_")
@@ -88,36 +99,58 @@ def is_activation_module(module: nn.Module) -> bool:
 
 
 class IdentityRule(torch.autograd.Function):
-    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · y / (x + ε) (AttnLRP's identity rule), with y
-    recomputed from the saved input (as the plain backward of GELU keeps its input, so no more memory)."""
+    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · (y − y(0)) / (x + ε) (AttnLRP's identity rule,
+    of y − y(0) where y(0) ≠ 0), with y recomputed from the saved input (as the plain backward of GELU keeps its
+    input, so no more memory)."""
 
     @staticmethod
-    def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor) -> Tensor:
-        ctx.function = function
+    def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor, at_zero: float = 0.0) -> Tensor:
+        ctx.function, ctx.at_zero = function, at_zero
         ctx.save_for_backward(inputs)
         return function(inputs)
 
     @staticmethod
-    def backward(ctx: Any, gradient: Tensor) -> tuple[None, Tensor]:
+    def backward(ctx: Any, gradient: Tensor) -> tuple[None, Tensor, None]:
         (inputs,) = ctx.saved_tensors
         with torch.no_grad():
-            ratio = ctx.function(inputs).div_(inputs + IDENTITY_EPSILON)
-        return None, ratio.mul_(gradient)
+            values = ctx.function(inputs)
+            if ctx.at_zero:
+                values = values.sub_(ctx.at_zero)
+            ratio = values.div_(inputs + IDENTITY_EPSILON)
+        return None, ratio.mul_(gradient), None
 
 
 class IdentityOfValues(torch.autograd.Function):
     """Forward: ``output`` (an activation module's result, computed beside the graph); backward from it to
-    ``inputs``: ∂ · output / (inputs + ε)."""
+    ``inputs``: ∂ · (output − y(0)) / (inputs + ε)."""
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, output: Tensor) -> Tensor:
-        ctx.save_for_backward(output / (inputs + IDENTITY_EPSILON))
+    def forward(ctx: Any, inputs: Tensor, output: Tensor, at_zero: float = 0.0) -> Tensor:
+        ctx.save_for_backward((output - at_zero if at_zero else output) / (inputs + IDENTITY_EPSILON))
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None, None]:
         (ratio,) = ctx.saved_tensors
-        return gradient * ratio, None
+        return gradient * ratio, None, None
+
+
+def value_at_zero(function: Callable[[Tensor], Tensor], like: Tensor) -> float:
+    """f(0) of an elementwise function of tensors like ``like``: computed on a one-element zero on the CPU, so no
+    device sync (on ``like``'s device where the call has another tensor argument that must be there). 0, the plain
+    identity rule, where f(0) is not finite (log, 1/x) or a one-element zero is not an input the function takes."""
+    for zero in (torch.zeros(1, dtype=like.dtype), like.new_zeros(1)):
+        try:
+            value = function(zero)
+            break
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            continue
+    else:
+        return 0.0
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        return 0.0
+    number = float(value.reshape(()))
+    return number if math.isfinite(number) else 0.0
 
 
 class ScaledGradient(torch.autograd.Function):
@@ -292,6 +325,8 @@ class AttnLrpRules(Rule):
         self.inside_activation = 0
         self.inputs_before: list[Optional[Tensor]] = []
         """Per activation module running, a copy of its input in the graph when it writes in place, else None."""
+        self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """The path tensors that are gates: outputs of an activation with y(0) ≠ 0, and views of them."""
         self.applied: Counter[str] = Counter()
         self.unruled: dict[str, None] = {}
 
@@ -317,10 +352,14 @@ class AttnLrpRules(Rule):
             name = self.names.get(id(module), "") or "model"
             self.unruled.setdefault(f"{name}: {type(module).__name__} (not elementwise)")
             return None
-        self.applied["identity"] += 1
+        inputs = args[0] if before is None else before
+        at_zero = value_at_zero(module.forward, inputs)  # the module's own forward: no hook runs
+        self.applied["shifted identity" if at_zero else "identity"] += 1
         # an in-place module (nn.SiLU(inplace=True)) has overwritten its input: the rule needs the input before
-        result = IdentityOfValues.apply(args[0] if before is None else before, output.detach())
+        result = IdentityOfValues.apply(inputs, output.detach(), at_zero)
         self.follow(result)
+        if at_zero:
+            self.gates[result] = True
         return result
 
     def where(self, function: Callable[..., Any]) -> str:
@@ -342,6 +381,10 @@ class AttnLrpRules(Rule):
         path = list({id(tensor): tensor for tensor in occurrences}.values())
         result = self._ruled(func, args, kwargs, path, len(occurrences))
         self.follow(result)
+        if func in GATES_FOLLOW and _routes_a_gate(func, args, path, self.gates):
+            for tensor in tensors_in(result):
+                if tensor in self.path:
+                    self.gates[tensor] = True
         return result
 
     def _ruled(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -352,14 +395,7 @@ class AttnLrpRules(Rule):
         if func in MULTIPLICATIONS or func in PRODUCTS:
             if factors == 1:  # a product by a constant or a weight: linear
                 return func(*args, **kwargs)
-            self.applied["uniform"] += 1
-            if writes_in_place(func, args, kwargs):  # h *= g: computed out of place on a copy, written back
-                target = args[0]
-                copy = target.clone()
-                args = tuple(copy if arg is target else arg for arg in args)
-                path = [copy if tensor is target else tensor for tensor in path]
-                return target.copy_(torch.mul(*_scaled(args, path, 1 / factors), **kwargs))
-            return func(*_scaled(args, path, 1 / factors), **_scaled(kwargs, path, 1 / factors))
+            return self._product(func, args, kwargs, path)
         if func in SOFTMAXES:
             self.applied["softmax"] += 1
             result = func(*args, **kwargs)
@@ -390,14 +426,39 @@ class AttnLrpRules(Rule):
             self.unruled.setdefault(self.where(func))
         return result
 
+    def _product(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 path: list[Tensor]) -> Any:
+        """A product of path tensors: the uniform rule; a gate times a tensor that is not one: the gate held
+        constant (then the uniform rule among the other factors, if several)."""
+        in_place = writes_in_place(func, args, kwargs)
+        target = args[0]
+        if in_place:  # h *= g: computed out of place on a copy, written back (a rescaled factor cannot be written)
+            copy = target.clone()
+            if target in self.gates:
+                self.gates[copy] = True
+            args = tuple(copy if arg is target else arg for arg in args)
+            path = [copy if tensor is target else tensor for tensor in path]
+        gates = [tensor for tensor in path if tensor in self.gates]
+        if gates and len(gates) < len(path):
+            self.applied["gate"] += 1
+            args, kwargs = _held(args, gates), _held(kwargs, gates)
+            path = [tensor for tensor in path if not any(tensor is gate for gate in gates)]
+        factors = sum(1 for tensor in tensors_in((args, kwargs)) if any(tensor is on for on in path))
+        if factors > 1:
+            self.applied["uniform"] += 1
+            args, kwargs = _scaled(args, path, 1 / factors), _scaled(kwargs, path, 1 / factors)
+        if in_place:
+            return target.copy_(torch.mul(*args, **kwargs))
+        return func(*args, **kwargs)
+
     def _activation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                     inputs: Tensor) -> Any:
         if func in EXACT_ACTIVATIONS:
             return func(*args, **kwargs)
-        self.applied["identity"] += 1
         in_place = writes_in_place(func, args, kwargs)
         target = args[0] if args else kwargs.get("input")
         if in_place and target is not inputs:
+            self.applied["identity"] += 1
             return func(*args, **kwargs)
         rest_args, rest_kwargs = args[1:], dict(kwargs)
         if not args:
@@ -405,9 +466,22 @@ class AttnLrpRules(Rule):
         if in_place:  # computed out of place on a copy, then written back where the model expects it
             out_of_place = _out_of_place(func)
             rest_kwargs.pop("inplace", None)
-            result = IdentityRule.apply(lambda x: out_of_place(x.clone(), *rest_args, **rest_kwargs), inputs.clone())
-            return inputs.copy_(result)
-        return IdentityRule.apply(lambda x: func(x, *rest_args, **rest_kwargs), inputs)
+
+            def function(x: Tensor) -> Tensor:
+                return out_of_place(x.clone(), *rest_args, **rest_kwargs)
+        else:
+
+            def function(x: Tensor) -> Tensor:
+                return func(x, *rest_args, **rest_kwargs)
+
+        at_zero = value_at_zero(function, inputs)
+        self.applied["shifted identity" if at_zero else "identity"] += 1
+        result = IdentityRule.apply(function, inputs.clone() if in_place else inputs, at_zero)
+        if in_place:
+            result = inputs.copy_(result)
+        if at_zero:
+            self.gates[result] = True
+        return result
 
     def _norm(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               path: list[Tensor]) -> Any:
@@ -537,6 +611,26 @@ def _scaled(value: Any, path: list[Tensor], factor: float) -> Any:
     if type(value) is dict:
         return {key: _scaled(item, path, factor) for key, item in value.items()}
     return value
+
+
+def _held(value: Any, gates: list[Tensor]) -> Any:
+    """The arguments with each of ``gates`` detached: held constant, no relevance through it."""
+    if isinstance(value, Tensor):
+        return value.detach() if any(value is gate for gate in gates) else value
+    if type(value) in (list, tuple):
+        return type(value)(_held(item, gates) for item in value)
+    if type(value) is dict:
+        return {key: _held(item, gates) for key, item in value.items()}
+    return value
+
+
+def _routes_a_gate(func: Callable[..., Any], args: tuple[Any, ...], path: list[Tensor],
+                   gates: WeakIdKeyDictionary) -> bool:
+    """Whether a routing call moves a gate's values: its path tensors are all gates, or it is ``g.expand_as(x)``
+    (``view_as``, ``reshape_as``, ``type_as``) of a gate ``g``, whose other tensor only gives the shape."""
+    if function_name(func).endswith("_as") and args and isinstance(args[0], Tensor):
+        return args[0] in gates
+    return all(tensor in gates for tensor in path)
 
 
 def _detached(value: Any) -> Any:

@@ -21,16 +21,18 @@ weights), since compiled code runs no call-scoped rule; a module compiled in pla
 
 from __future__ import annotations
 
+import numbers
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
 from ..attention import BlockSpec, CapturedAttention, capture_attention
 from ..layouts import Layout, token_layout
+from ..models import ModelSource
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from ..windows import WindowPartition, WindowWatch, watch_windows
@@ -71,6 +73,16 @@ class AttentionOptions(ExplainerOptions, total=False):
     reshape: Optional[Sequence[int]]
 
 
+def checked_start_block(start_block: object) -> int:
+    """``start_block`` as an int (numpy ints too), else a ValueError naming the option and what it takes: not a
+    bool (True would silently be block 1), not a float such as 1.5. Its range is checked against the model's
+    blocks during a call."""
+    if isinstance(start_block, bool) or not isinstance(start_block, numbers.Integral):
+        raise ValueError(f"start_block must be an int: the first block used, an index among the recorded blocks (0 "
+                         f"the first, negative from the end); got {start_block!r} ({type(start_block).__name__}).")
+    return int(start_block)
+
+
 class AttentionMethod(Explainer):
     """Shared by the attention methods: which blocks' attention is recorded, the checks of what was recorded, and
     the row of the relevance that the head reads.
@@ -96,7 +108,7 @@ class AttentionMethod(Explainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         blocks: BlockSpec = None,
         start_block: int = 0,
@@ -108,7 +120,7 @@ class AttentionMethod(Explainer):
         if row not in ROWS:
             raise ValueError(f"row must be one of {ROWS}; got {row!r}.")
         self.blocks = blocks
-        self.start_block = start_block
+        self.start_block = checked_start_block(start_block)
         self.row = row
         self.reshape = reshape
 
@@ -217,8 +229,9 @@ class AttentionExplainer(AttentionMethod):
         selected = recorded.selected
         selected.scores = selected.scores.detach()
         layout = recorded.token_layout
-        maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
-        return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
+        grid_maps = layout.apply(self._token_row(relevance.detach(), layout).transpose(1, 2))  # (N, K, h, w)
+        maps = layout.to_input(grid_maps, batch.shape[-2:])  # 0 on pixels the patch embedding never reads
+        return Attribution(maps=maps, selected=selected, low_res_maps=[grid_maps], zero_gradient=zero_gradient,
                            disconnected=disconnected,
                            diagnostics={"attention_blocks": recorded.attention.modules[recorded.first:]})
 
@@ -243,7 +256,7 @@ class AttentionRollout(AttentionExplainer):
     name = "attentionrollout"
     summary = "Attention rollout: attention fused over heads, multiplied across blocks (class-agnostic)"
 
-    def __init__(self, model: nn.Module, *, head_fusion: str = "mean", discard_ratio: float = 0.0,
+    def __init__(self, model: ModelSource, *, head_fusion: str = "mean", discard_ratio: float = 0.0,
                  **options: Unpack[AttentionOptions]):
         super().__init__(model, **options)
         if head_fusion not in HEAD_FUSIONS:

@@ -14,9 +14,10 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
+from ..models import ModelSource
 from ..targets import Target, select_targets
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from .base import Attribution, ExplainerOptions, register
@@ -44,15 +45,21 @@ class AttnLRP(GradientExplainer):
     The relevance starts at the score (for a class, its logit). ``Explanation.attributions`` (N, K, C, H, W) is the
     relevance at the input. ``Explanation.diagnostics``: "relevance_sum" (N, K) Σ input relevance; "output_relevance"
     (N, K) the score; "conservation_error" (N, K) their difference (what the biases took: LRP-0 gives each bias its
-    share); "rules" how many calls each rule was applied to, as "name: count" ("uniform", "softmax", "attention",
-    "norm", "identity", "linear", "convolution", "gamma"); "unruled" the calls on the input's path without a rule (a
-    warning names them).
+    share; and the constant y(0) of an activation with y(0) ≠ 0 used otherwise than as a gate), all three float64
+    whatever the model's precision; "rules" how many calls each rule was applied to, as "name: count" ("uniform",
+    "gate" (a product whose sigmoid-like gate was held constant), "softmax", "attention", "norm", "identity",
+    "shifted identity" (the identity rule of y − y(0), for sigmoid, hard sigmoid, softplus, exp), "linear",
+    "convolution", "gamma"); "unruled" the calls on the input's path without a rule (a warning names them).
+
+    CNNs with squeeze-and-excitation gates (EfficientNet, MobileNetV3, RegNetY; x · σ(W s)): the gate is held
+    constant, so the gated features keep all the relevance and none flows through the gate's branch (see
+    ``explain.methods._attnlrp_rules``).
     """
 
     name = "attnlrp"
     summary = "AttnLRP: LRP for transformers (attention, norms, GELU) in one backward pass, through fused attention"
 
-    def __init__(self, model: nn.Module, *, conservative: bool = False, linear_gamma: Optional[float] = None,
+    def __init__(self, model: ModelSource, *, conservative: bool = False, linear_gamma: Optional[float] = None,
                  conv_gamma: Optional[float] = None, reduce: str = "sumabs", **options: Unpack[ExplainerOptions]):
         super().__init__(model, reduce=reduce, **options)
         self.conservative = bool_option("conservative", conservative)
@@ -90,8 +97,8 @@ class AttnLRP(GradientExplainer):
         relevance_sum = attributions.detach().double().flatten(2).sum(dim=2).cpu()
         output_relevance = selected.scores.double().cpu()
         return self.attribution_from(
-            attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum.float(),
-            output_relevance=output_relevance.float(), conservation_error=(relevance_sum - output_relevance).float(),
+            attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum,
+            output_relevance=output_relevance, conservation_error=relevance_sum - output_relevance,
             rules=[f"{rule}: {count}" for rule, count in sorted(rules.applied.items())], unruled=list(rules.unruled),
         )
 

@@ -248,7 +248,7 @@ class DeepFeatureFactorization:
             low_res = presence.reshape(-1, count, height, width).transpose(0, 1).float()  # (N, k, h, w)
             classifier = self._classifier_for(channels)
             scores = None if classifier is None else classifier(profiles.T.to(model_dtype(self.model))).float()
-        maps = upsample_maps(low_res, prepared.batch.shape[-2:]).clamp(0, 1)
+        maps = upsample_maps(layout.to_input(low_res, prepared.batch.shape[-2:]), prepared.batch.shape[-2:]).clamp(0, 1)
         return Factorization(concepts=profiles.T.float(), low_res_maps=low_res, maps=maps, relative_error=error,
                              images=prepared.images, layer=self.layer_name, concept_scores=scores,
                              class_names=self.class_names)

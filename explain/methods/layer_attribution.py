@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..capture import ActivationCapture, LayerNotRunError, LayerOutputError, LayerSpec, find_layers
 from ..layers import default_layer
 from ..layouts import Layout, Reshape, infer_layout
+from ..models import ModelSource
 from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import UnitTarget
@@ -163,7 +164,7 @@ class LayerPathExplainer(Explainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         layer: Optional[LayerSpec] = None,
         *,
         baseline: Union[str, Tensor] = "zeros",
@@ -264,7 +265,7 @@ class LayerPathExplainer(Explainer):
             negative = (maps <= 0).flatten(2).all(2) & (maps != 0).flatten(2).any(2)
             maps = torch.relu(maps)
         return Attribution(
-            maps=maps,
+            maps=layout.to_input(maps, batch.shape[-2:]),  # 0 on pixels a patch embedding never reads
             selected=selected,
             low_res_maps=[maps],
             layer=name,
@@ -304,7 +305,7 @@ class LayerIntegratedGradients(LayerPathExplainer):
     name = "layerintegratedgradients"
     summary = "Layer Integrated Gradients: gradients at a layer integrated from the baseline's activations"
 
-    def __init__(self, model: nn.Module, layer: Optional[LayerSpec] = None, *, multiply_by_inputs: bool = True,
+    def __init__(self, model: ModelSource, layer: Optional[LayerSpec] = None, *, multiply_by_inputs: bool = True,
                  **options):
         super().__init__(model, layer, **options)
         self.multiply_by_inputs = multiply_by_inputs
@@ -359,7 +360,7 @@ class LayerConductance(LayerPathExplainer):
     name = "layerconductance"
     summary = "Layer Conductance: gradient at a layer times the layer's change along the input path"
 
-    def __init__(self, model: nn.Module, layer: Optional[LayerSpec] = None, *, rule: str = "trapezoid", **options):
+    def __init__(self, model: ModelSource, layer: Optional[LayerSpec] = None, *, rule: str = "trapezoid", **options):
         super().__init__(model, layer, rule=rule, **options)
 
     def path_points(self) -> Tensor:

@@ -43,6 +43,7 @@ from typing_extensions import Unpack
 from ..attention import AttentionRecord, BlockSpec, CapturedAttention, SkippedSoftmax, capture_attention
 from ..inputs import PreprocessSpec
 from ..layouts import Layout, token_layout
+from ..models import ModelSource
 from ..scope import CallScope
 from ..targets import OutputSelector, SelectedTargets, Target, select_targets
 from ..windows import WindowPartition, is_window_block, watch_windows
@@ -418,7 +419,7 @@ class LeGrad(AttentionMethod):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         pool: str = "model",
         row: str = "all",
@@ -508,10 +509,11 @@ class LeGrad(AttentionMethod):
         selected.scores = selected.scores.detach()
         layout = layouts[0]
         if isinstance(layout, WindowPartition):
-            maps = relevance.unflatten(-1, layout.grid)  # (N, K, H, W)
+            grid_maps = maps = relevance.unflatten(-1, layout.grid)  # (N, K, H, W)
         else:
-            maps = layout.apply(relevance.transpose(1, 2))  # (N, T, K) → (N, K, h, w)
-        return Attribution(maps=maps, selected=selected, low_res_maps=[maps], zero_gradient=zero_gradient,
+            grid_maps = layout.apply(relevance.transpose(1, 2))  # (N, T, K) → (N, K, h, w)
+            maps = layout.to_input(grid_maps, batch.shape[-2:])  # 0 on pixels the patch embedding never reads
+        return Attribution(maps=maps, selected=selected, low_res_maps=[grid_maps], zero_gradient=zero_gradient,
                            disconnected=disconnected,
                            diagnostics={"attention_blocks": [layer.record.module for layer in stack.chosen]})
 

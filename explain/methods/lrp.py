@@ -35,8 +35,9 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from ..models import ModelSource
 from ..targets import Target, select_targets
 from ._lrp_rules import COMPOSITES, Composite, make_composite
 from ._lrp_trace import _RelevanceRules, _Trace
@@ -74,9 +75,10 @@ class LRP(GradientExplainer):
     class (zennit's attributor given one-hot × output). ``Explanation.attributions`` (N, K, C, H, W) is the relevance
     at the input. ``Explanation.diagnostics``: "relevance_sum" (N, K) Σ input relevance; "output_relevance" (N, K)
     the relevance the propagation started from (the score, for class targets); "conservation_error" (N, K) their
-    difference: what the biases, ε and the stabilisers absorbed; "layers" the calls with a redistributing rule in
-    forward order, with "layer_output_relevance" and "layer_input_relevance" (N, K, L), the relevance each received
-    and passed on (float64); "unruled" the calls on the input's path that have no LRP rule (a warning names them).
+    difference: what the biases, ε and the stabilisers absorbed (these three float64 whatever the model's precision);
+    "layers" the calls with a redistributing rule in forward order, with "layer_output_relevance" and
+    "layer_input_relevance" (N, K, L), the relevance each received and passed on (float64); "unruled" the calls on
+    the input's path that have no LRP rule (a warning names them).
 
     One difference from zennit: its folded BatchNorm still computes x / √(1 + eps), not x, so zennit explains a
     slightly rescaled model (~1e-4 apart after resnet18's 20 BatchNorms); here the model is computed as it is.
@@ -87,7 +89,7 @@ class LRP(GradientExplainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         composite: str = "epsilon_gamma_box",
         *,
         epsilon: float = 1e-6,
@@ -156,7 +158,7 @@ class LRP(GradientExplainer):
         relevance_sum = attributions.detach().double().flatten(2).sum(dim=2).cpu()
         output_relevance = trace.output_relevance(count, targets)
         return self.attribution_from(
-            attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum.float(),
-            output_relevance=output_relevance.float(), conservation_error=(relevance_sum - output_relevance).float(),
+            attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum,
+            output_relevance=output_relevance, conservation_error=relevance_sum - output_relevance,
             **trace.layer_diagnostics(count, targets),
         )

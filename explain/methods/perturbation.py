@@ -16,6 +16,7 @@ from typing_extensions import Unpack
 
 from ..capture import ModelInputError
 from ..edit import edit
+from ..models import ModelSource
 from ..targets import SelectedTargets
 from .base import register
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
@@ -38,7 +39,7 @@ class PerturbationCAM(CAM):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         layer: TargetLayers = None,
         *,
         batch_size: int = 32,
@@ -89,8 +90,9 @@ class ScoreCAM(PerturbationCAM):
         low_res = activation.float().flatten(2)
         low = low_res.amin(dim=2, keepdim=True)
         span = low_res.amax(dim=2, keepdim=True) - low
-        # min-max normalisation commutes with the (linear) upsampling, so equal normalised
-        # low-resolution maps give equal masks: score each distinct one once
+        # upsampling is linear and keeps constants, so channels whose low-resolution maps are equal once
+        # min-max normalised (one an increasing affine function of the other) give equal masks: score
+        # each distinct one once (the masks themselves are normalised after upsampling, see input_masks)
         normalized = torch.where(span > 0, (low_res - low) / torch.where(span > 0, span, 1.0), 0.0)
         image_index: list[int] = []
         mask_index: list[int] = []
@@ -110,14 +112,19 @@ class ScoreCAM(PerturbationCAM):
             images, masks = image_index_tensor[rows], mask_index_tensor[rows]
             mask = input_masks(activation, images, masks, batch.shape[-2:])
             scores.append(torch.stack([self.masked_scores(batch, images, scale * mask, selected)
-                                       for scale in scales]).mean(dim=0))
+                                       for scale in scales]).sum(dim=0) / self.mask_score_divisor())
         distinct_scores = torch.cat(scores)  # (distinct masks, K)
         per_channel = distinct_scores[torch.stack(inverse)]  # (N, C, K)
         return per_channel.softmax(dim=1).transpose(1, 2).to(activation.dtype)
 
     def mask_scales(self) -> list[float]:
-        """The factors each mask is scored at, the scores averaged: Score-CAM scores the mask itself."""
+        """The factors each mask is scored at; a channel's score is their scores' sum divided by
+        ``mask_score_divisor()``. Score-CAM scores the mask itself."""
         return [1.0]
+
+    def mask_score_divisor(self) -> int:
+        """What the sum of a mask's scores over ``mask_scales()`` is divided by (their number by default)."""
+        return len(self.mask_scales())
 
     def masked_scores(self, batch: Tensor, images: Tensor, masks: Tensor, selected: SelectedTargets) -> Tensor:
         """(R, K) scores of the targets on the images ``images`` (R,) multiplied by ``masks`` (R, 1, H, W)."""
@@ -137,33 +144,43 @@ def input_masks(activation: Tensor, images: Tensor, channels: Tensor, size: Sequ
 
 @register
 class ISCAM(ScoreCAM):
-    """IS-CAM, Integrated Score-CAM (Naidu et al. 2020): Score-CAM whose channel scores are averaged over
-    ``steps`` masks of growing strength, the i-th the mask scaled by c_i = Σ_{j=1..i} j / steps: each step
-    adds (i / steps) · mask to the previous step's mask, as torchcam 0.5 integrates (so c_steps =
-    (steps + 1) / 2 and the later masks amplify the image). Weights: softmax over channels of the mean
-    score; map ReLU(Σ_k w_k A_k). Deterministic; costs ``steps`` forwards per distinct mask.
+    """IS-CAM, Integrated Score-CAM (Naidu et al. 2020): Score-CAM whose channel scores are integrated over
+    masks of growing strength. With N = ``steps`` and M_k channel k's Score-CAM mask (upsampled to the input,
+    then min-max normalised to [0, 1]), the paper's α_k = (1/N) Σ_i y_c(c_i M_k ⊙ X) with c_i = Σ_{j=0..i-1} j / N
+    = i (i − 1) / (2N), i = 1..N; weights softmax over channels of α, map ReLU(Σ_k w_k A_k). The first mask
+    (c_1 = 0) blanks the image for every channel alike: its score adds the same constant to every α_k, which
+    the softmax ignores, so it is not run. Deterministic; costs steps − 1 forwards per distinct mask.
 
-    steps: the number of masks per channel (default 10, as torchcam).
+    steps: N (default 10, as torchcam; at least 2: with one step every channel would weigh the same).
+
+    torchcam 0.5 differs twice: its masks go one step further, c_i = i (i + 1) / (2N) (its strongest mask
+    amplifies the image (N + 1) / 2 times, the paper's (N − 1) / 2), and it min-max normalises each channel at
+    the layer's resolution before upsampling, which differs from normalising the upsampled map where the
+    upsampling factor is even (docs/methods.md says where that matters; tests/test_issue39_cams.py measures it).
     """
 
     name = "iscam"
     summary = "IS-CAM: Score-CAM with scores averaged over masks of growing strength (gradient-free)"
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, steps: int = 10,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, steps: int = 10,
                  **options: Unpack[PerturbationOptions]):
         super().__init__(model, layer, **options)
-        self.steps = int_option("steps", steps, 1)
+        self.steps = int_option("steps", steps, 2)
 
     def mask_scales(self) -> list[float]:
-        return [sum(range(1, step + 1)) / self.steps for step in range(1, self.steps + 1)]
+        return [step * (step - 1) / (2 * self.steps) for step in range(2, self.steps + 1)]
+
+    def mask_score_divisor(self) -> int:
+        return self.steps  # the paper's 1/N, the blank first mask included
 
 
 @register
 class SSCAM(ScoreCAM):
     """SS-CAM, Smoothed Score-CAM (Wang et al. 2020): Score-CAM whose channel scores are averaged over
     ``samples`` noisy copies of each mask, M_k + ε with ε ~ N(0, noise_std²) drawn per pixel (noise on
-    the masks, as torchcam 0.5's SSCAM). Weights: softmax over channels of the mean score;
-    map ReLU(Σ_k w_k A_k). Costs samples × channels forwards per image.
+    the masks, the paper's and torchcam 0.5's), M_k upsampled to the input, then min-max normalised (the
+    paper's; torchcam normalises before upsampling, see ``ISCAM``). Weights: softmax over channels of the
+    mean score; map ReLU(Σ_k w_k A_k). Costs samples × channels forwards per image.
 
     samples: noisy copies of each mask (default 35, as torchcam and the paper); noise_std: the noise's
         standard deviation, in units of the [0, 1] mask (default 2.0, as torchcam); seed: the noise's
@@ -175,7 +192,7 @@ class SSCAM(ScoreCAM):
     name = "sscam"
     summary = "SS-CAM: Score-CAM with scores averaged over noisy copies of each mask (gradient-free)"
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, samples: int = 35, noise_std: float = 2.0,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, samples: int = 35, noise_std: float = 2.0,
                  seed: Optional[int] = 0, noise_draws: Optional[NoiseDraws] = None,
                  **options: Unpack[PerturbationOptions]):
         super().__init__(model, layer, **options)
@@ -229,7 +246,7 @@ class AblationCAM(PerturbationCAM):
     REPLAY_BUDGET = 2**26
     """Elements of ablated copies of the layer's output per forward pass (256 MB in float32)."""
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, replay_batch_size: Optional[int] = None,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, replay_batch_size: Optional[int] = None,
                  **options: Unpack[PerturbationOptions]):
         """replay_batch_size: ablated copies of the layer's output per forward pass; default: as
         many as fit in REPLAY_BUDGET elements. ``batch_size`` applies to the fallback's input copies."""

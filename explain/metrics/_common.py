@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ..capture import model_device, model_dtype, preserved_model_state
 from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
-from ..targets import OutputSelector, Target, select_output, select_targets
+from ..targets import OutputSelector, Target, class_probabilities, select_output, select_targets
 
 MapsLike = Union[Explanation, Tensor]
 """Maps to evaluate: an Explanation (one target per image) or a (N, H, W) / (H, W) tensor."""
@@ -170,11 +170,12 @@ def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -
 def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target, output: OutputSelector = None
                   ) -> Tensor:
     """(N,) classes to score: the explanation's, else ``target``, else each image's top class; ``output``
-    picks the scores in the model's output (``select_output``)."""
+    picks the scores in the model's output (``model_scores``)."""
     if isinstance(maps, Explanation) and target is None and maps.class_indices is not None:
         return maps.class_indices[:, 0].to(batch.device)
     with torch.no_grad(), preserved_model_state(model):
-        selected = select_targets(select_output(model(batch), output), target, None, batch_size=batch.shape[0])
+        selected = select_targets(model_scores(model(batch), output, batch.shape[0]), target, None,
+                                  batch_size=batch.shape[0])
     if selected.class_indices is None:
         raise ValueError("faithfulness metrics score classes: give class targets, not a callable.")
     if selected.class_indices.shape[1] != 1:
@@ -182,18 +183,38 @@ def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Targe
     return selected.class_indices[:, 0]
 
 
+def model_scores(output: Any, selector: OutputSelector, rows: int) -> Any:
+    """The scores ``selector`` picks in a model's output for ``rows`` images (``select_output``); one score per
+    image, (N,) (or () for one image: a model that squeezes its (N, 1) output), read as one column, (N, 1): a
+    binary classifier's logit."""
+    scores = select_output(output, selector)
+    if not isinstance(scores, Tensor):
+        return scores
+    one_per_image = scores.dim() == 1 and scores.shape[0] == rows or scores.dim() == 0 and rows == 1
+    return scores.reshape(rows, 1) if one_per_image else scores
+
+
+def decisions(scores: Tensor) -> Tensor:
+    """(N, C) class scores → (N,) what the model decides for each image, for telling whether two images (or an
+    image and its perturbed copy) get the same prediction: the top class; for one column (a binary classifier's
+    logit, where the top class is always 0) whether the logit is positive (1) or not (0)."""
+    return (scores[:, 0] > 0).long() if scores.shape[1] == 1 else scores.argmax(dim=1)
+
+
 def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, batch_size: int,
                  output_selector: OutputSelector = None) -> Tensor:
-    """(R,) score of ``classes[r]`` on row r of ``batch``: softmax "probability" or "logit" of the scores
-    ``output_selector`` picks in the model's output (``select_output``)."""
+    """(R,) score of ``classes[r]`` on row r of ``batch``: "probability" (``explain.targets.class_probabilities``:
+    the softmax over the classes, the sigmoid of a one-column output) or "logit" of the scores ``output_selector``
+    picks in the model's output (``model_scores``)."""
     if score not in ("probability", "logit"):
         raise ValueError(f"score must be 'probability' or 'logit'; got {score!r}.")
     results: list[Tensor] = []
     with torch.no_grad(), preserved_model_state(model):
         for start in range(0, batch.shape[0], batch_size):
-            output = select_output(model(batch[start : start + batch_size]), output_selector).float()
+            rows = batch[start : start + batch_size]
+            output = model_scores(model(rows), output_selector, rows.shape[0]).float()
             if score == "probability":
-                output = output.softmax(dim=1)
+                output = class_probabilities(output)
             results.append(output.gather(1, classes[start : start + batch_size, None].to(output.device))[:, 0])
     return torch.cat(results)
 

@@ -30,7 +30,7 @@ from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec, prepare_inputs
 from ..methods.base import Explainer, autocast_dtype
 from ..methods.options import int_option, number_option
-from ..targets import OutputSelector, Target, select_output, select_targets
+from ..targets import OutputSelector, Target, class_probabilities, select_targets
 from ._common import (
     MapsLike,
     as_maps,
@@ -39,6 +39,7 @@ from ._common import (
     check_finite,
     class_scores,
     model_inputs,
+    model_scores,
     run_model,
     short_repr,
 )
@@ -94,19 +95,19 @@ def _check_score(score: object) -> str:
 def _classes_and_scores(model: nn.Module, batch: Tensor, source: MapsLike, target: Target, score: str,
                         batch_size: int, output: OutputSelector) -> tuple[Tensor, Tensor]:
     """(N,) classes to score (the explanation's, else ``target``, else each image's top class) and (N,)
-    their scores on ``batch`` ("logit" or softmax "probability"), from one pass through the model."""
+    their scores on ``batch`` ("logit" or "probability", ``class_scores``), from one pass through the model."""
     if isinstance(source, Explanation) and target is None and source.class_indices is not None:
         classes = source.class_indices[:, 0].to(batch.device)
         return classes, class_scores(model, batch, classes, score, batch_size, output)
     with torch.no_grad(), preserved_model_state(model):
-        logits = torch.cat([select_output(model(batch[start: start + batch_size]), output).float()
-                            for start in range(0, batch.shape[0], batch_size)])
+        logits = torch.cat([model_scores(model(rows), output, rows.shape[0]).float()
+                            for rows in batch.split(batch_size)])
     selected = select_targets(logits, target, None, batch_size=batch.shape[0])
     if selected.class_indices is None or selected.class_indices.shape[1] != 1:
         raise ValueError("this metric scores one class per image: give one class index (or none, for the top class) "
                          "per image, not a callable or several targets.")
     classes = selected.class_indices[:, 0].to(batch.device)
-    values = logits.softmax(dim=1) if score == "probability" else logits
+    values = class_probabilities(logits) if score == "probability" else logits
     return classes, values.gather(1, classes[:, None])[:, 0]
 
 

@@ -33,8 +33,19 @@ from ..capture import preserved_model_state
 from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec
 from ..methods.options import bool_option, int_option, number_option
-from ..targets import OutputSelector, Target, select_output
-from ._common import MapsLike, as_maps, as_tensor, check_count, check_finite, model_inputs, ranking, short_repr
+from ..targets import OutputSelector, Target
+from ._common import (
+    MapsLike,
+    as_maps,
+    as_tensor,
+    check_count,
+    check_finite,
+    decisions,
+    model_inputs,
+    model_scores,
+    ranking,
+    short_repr,
+)
 from .axiomatic import FEATURES, _classes_and_scores
 from .complexity import _wide
 from .faithfulness import (
@@ -408,6 +419,10 @@ def monotonicity_correlation(
         element); default uniform in each image's value range, drawn from ``generator``. Quantus 0.6 draws
         one value per image, step and sample, uniform in [0, 1]: pass those as (N, steps, samples, 1).
     Costs N · steps · samples forward passes.
+
+    The correlation ranks the groups' changes, which can be as small as the score's rounding: on a small CNN two
+    groups' changes of 1e-9 lay 2e-4 apart, so float32 and float64 (or two devices, two kernels) ordered them
+    differently and gave 0.638 and 0.650. Compare values across machines in float64, or with more ``samples``.
     """
     features = _check_features(features)
     steps = int_option("steps", steps, 2)
@@ -558,7 +573,8 @@ def sufficiency(
     output: OutputSelector = None,
 ) -> Tensor:
     """Sufficiency (Dasgupta et al. 2022): of the other images whose map lies within ``threshold`` of this
-    image's, the share the model predicts the same class for (its top class, whatever was explained).
+    image's, the share the model predicts the same class for (its top class, whatever was explained; for a
+    one-column output, a binary classifier's logit, the same side of 0: ``decisions``).
     (N,) in [0, 1], higher is better; 0 where no other map is that close. Needs at least two images; the
     images are compared with each other, so pass the set evaluated together.
 
@@ -587,8 +603,8 @@ def sufficiency(
     close = distances <= threshold
     close.fill_diagonal_(False)
     with torch.no_grad(), preserved_model_state(model):
-        predicted = torch.cat([select_output(model(batch[start: start + batch_size]), output).argmax(dim=1)
-                               for start in range(0, count, batch_size)])
+        predicted = torch.cat([decisions(model_scores(model(rows), output, rows.shape[0]))
+                               for rows in batch.split(batch_size)])
     same = predicted[:, None] == predicted[None, :]
     neighbours = close.sum(dim=1)
     agreeing = (close & same).sum(dim=1)

@@ -23,8 +23,8 @@ from ..explanation import Explanation
 from ..inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import int_option, number_option
-from ..targets import Target, select_output
-from ._common import as_tensor, check_count, run_model, short_repr
+from ..targets import Target
+from ._common import as_tensor, check_count, model_scores, run_model, short_repr
 from .complexity import _wide
 from .robustness import NoiseSamples, Perturb, Reference, add_noise, check_noise, explained_reference
 from .sanity import ORDERS, RandomizationStage, Randomize, _magnitude, default_stages, randomized_copies, spearman
@@ -130,7 +130,8 @@ def random_logit(
     reference = explained_reference(explainer, inputs, target, explanation, options, "the random logit test")
     batch, classes = reference.batch, reference.classes
     with torch.no_grad(), preserved_model_state(model):
-        class_count = select_output(run_model(model, batch, options, batch.shape[0]), explainer.output).shape[1]
+        class_count = model_scores(run_model(model, batch, options, batch.shape[0]), explainer.output,
+                                   batch.shape[0]).shape[1]
     if class_count < 2:
         raise ValueError("the model has a single output class: there is no other class to compare with.")
     if other_classes is None:

@@ -17,9 +17,10 @@ per image, (N,) float on the model's device.
 Noise is drawn from ``generator`` (a CPU ``torch.Generator``; default one seeded with 0, so the same
 draws each call), one sample of all N images at a time, or given as ``noise``: the (S, N, C, H, W)
 offsets added to the model batch (in model-input space), S samples of each image. With
-``keep_prediction``, copies whose top class differs from the image's are left out; an image with no
-copy left scores NaN. Refused with an error that says what was wrong: callable or several targets, an
-explanation of other images, noise of another shape or with NaN, options outside what they take.
+``keep_prediction``, copies whose top class differs from the image's (``decisions``: for a one-column output,
+whose logit changes sign) are left out; an image with no copy left scores NaN. Refused with an error that says
+what was wrong: callable or several targets, an explanation of other images, noise of another shape or with NaN,
+options outside what they take.
 ``batch_size``: copies per explainer call; ``explain_options``: keyword arguments of every explainer call.
 """
 
@@ -37,8 +38,19 @@ from ..explanation import Explanation
 from ..inputs import Inputs, PreprocessSpec, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import bool_option, int_option, number_option
-from ..targets import OutputSelector, Target, select_output
-from ._common import MapsLike, as_maps, as_tensor, check_count, check_finite, model_inputs, run_model, short_repr
+from ..targets import OutputSelector, Target
+from ._common import (
+    MapsLike,
+    as_maps,
+    as_tensor,
+    check_count,
+    check_finite,
+    decisions,
+    model_inputs,
+    model_scores,
+    run_model,
+    short_repr,
+)
 from .axiomatic import Baseline, baseline_for
 from .complexity import _wide
 
@@ -131,7 +143,7 @@ def _check_scores_of_this_model(explainer: Explainer, batch: Tensor, explained: 
 def forward_outputs(model: nn.Module, inputs: Tensor, output: OutputSelector,
                     layers: Sequence[tuple[str, nn.Module]] = (), options: Optional[Mapping[str, Any]] = None,
                     count: Optional[int] = None, images: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-    """(R, K) scores the model outputs for ``inputs`` (``select_output``) and, when ``layers`` are given,
+    """(R, K) scores the model outputs for ``inputs`` (``model_scores``) and, when ``layers`` are given,
     (R, D) their outputs flattened and concatenated, in the order they ran; no graph is built. options, count,
     images: the model's other inputs as ``explain`` takes them, for ``count`` images, row r a copy of image
     ``images[r]`` (``run_model``)."""
@@ -147,8 +159,8 @@ def forward_outputs(model: nn.Module, inputs: Tensor, output: OutputSelector,
                for name, module in layers]
     try:
         with torch.no_grad(), preserved_model_state(model):
-            scores = select_output(run_model(model, inputs, options or {}, inputs.shape[0] if count is None else count,
-                                             images), output)
+            scores = model_scores(run_model(model, inputs, options or {}, inputs.shape[0] if count is None else count,
+                                            images), output, inputs.shape[0])
     finally:
         for handle in handles:
             handle.remove()
@@ -242,7 +254,7 @@ def over_copies(
         measured = measure(copies).to(values.dtype)
         if keep_prediction:
             assert copies.logits is not None and reference.logits is not None
-            changed = copies.logits.argmax(dim=1) != reference.logits.argmax(dim=1)[images]
+            changed = decisions(copies.logits) != decisions(reference.logits)[images]
             measured = torch.where(changed, torch.nan, measured)
         values[rows] = measured
     return values.view(count, images_count)
@@ -624,8 +636,9 @@ def consistency(
     output: OutputSelector = None,
 ) -> Tensor:
     """Consistency (Dasgupta et al. 2022): for each image, the share of the other images with the same
-    discrete explanation that the model also gives the same top class. (N,) in [0, 1], higher is better;
-    NaN where no other image has the same explanation (Quantus 0.6 gives 0 there).
+    discrete explanation that the model also gives the same top class (``decisions``: for a one-column output, the
+    same side of 0). (N,) in [0, 1], higher is better; NaN where no other image has the same explanation
+    (Quantus 0.6 gives 0 there).
 
     top: an explanation is the set of its map's ``top`` most relevant pixels (largest |map|). discretise: a
         callable (N, H, W) maps → (N,) or (N, D) discrete explanations, instead (equal rows: the same one).
@@ -646,7 +659,7 @@ def consistency(
             raise ValueError(f"discretise must return (N,) or (N, D) labels, one row per map; it returned "
                              f"{short_repr(labels)}.")
     labels = labels.reshape(labels.shape[0], -1).to(batch.device)
-    predictions = torch.cat([forward_outputs(model, batch[start: start + batch_size], output)[0].argmax(dim=1)
+    predictions = torch.cat([decisions(forward_outputs(model, batch[start: start + batch_size], output)[0])
                              for start in range(0, batch.shape[0], batch_size)])
     others = ~torch.eye(batch.shape[0], dtype=torch.bool, device=batch.device)
     same_explanation = (labels[:, None, :] == labels[None, :, :]).all(dim=2) & others

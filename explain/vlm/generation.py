@@ -11,9 +11,15 @@ Methods:
   (signed);
 - ``"attention"``: gradient-weighted attention through the language model, mean over layers and heads of
   ReLU(A ⊙ ∂ log p(y_t) / ∂A) in the row of the position that predicts y_t, at the image tokens' columns
-  (non-negative; the weighting of Chefer et al. 2021, "Generic attention-model explainability");
+  (non-negative; the weighting of Chefer et al. 2021, "Generic attention-model explainability"). A span S is one
+  target, s = Σ_{t∈S} log p(y_t): Σ over the rows that predict its tokens of the mean over layers and heads of
+  ReLU(A ⊙ ∂s/∂A). It is not the sum of its tokens' maps: the row predicting an earlier token of S is weighted by
+  the gradient of the later tokens' log-probabilities too (attention there changes what later positions read),
+  and the ReLU of that sum is not the sum of ReLUs;
 - ``"attnlrp"``: AttnLRP (Achtibat et al. 2024) through the language model: e_i · (modified gradient) of the token's
   logit, summed over the embedding (signed).
+
+Input × gradient and AttnLRP are linear in the target's gradient, so a span's map is the sum of its tokens' maps.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from ..attention import capture_attention
+from ..caller import warn_at_callers_line
 from ..explanation import Explanation
 from ..inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
 from ..methods.base import check_finite_maps, check_parameters_usable, normalize_maps, reduced_precision
@@ -179,6 +186,12 @@ class GenerationExplainer:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str; got {type(prompt).__name__}.")
         picture = as_pil_image(image)
+        unknown = self.unknown_words(prompt)
+        if unknown:
+            warn_at_callers_line(f"the prompt {prompt!r} has {len(unknown)} word(s) the model's tokenizer does not "
+                                 f"know, {', '.join(repr(word) for word in unknown)}: the model reads "
+                                 f"{self.tokenizer.unk_token!r} in their place. Write the prompt in words the model "
+                                 f"knows{self._vocabulary_hint()}.", UserWarning)
         try:
             processed = self.processor(images=[picture], text=[self.prompt_text(prompt)], return_tensors="pt")
         except (ValueError, TypeError) as error:
@@ -213,20 +226,71 @@ class GenerationExplainer:
         return output[0, prepared.prompt_length:]
 
     def answer_ids(self, answer: str) -> Tensor:
+        """(T,) the token ids of a given answer; a ValueError for an empty answer, or one with words the tokenizer
+        does not know (their map would be the unknown token's, not theirs)."""
         ids = self.tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         if ids.numel() == 0:
             raise ValueError("the given answer has no tokens: pass a non-empty answer text.")
+        unknown = self.unknown_words(answer)
+        if unknown:
+            raise ValueError(f"the answer {answer!r} has {len(unknown)} word(s) the model's tokenizer does not know, "
+                             f"{', '.join(repr(word) for word in unknown)}: it would turn them into "
+                             f"{self.tokenizer.unk_token!r} and explain the model's score of that token instead. Give "
+                             f"the answer in words the model knows{self._vocabulary_hint()}.")
         return ids
 
-    def token_texts(self, ids: Tensor) -> list[str]:
-        """Each token's own piece of the decoded text (a SentencePiece space stays with its token)."""
+    def unknown_words(self, text: str) -> list[str]:
+        """The pieces of ``text`` that the tokenizer has no token for and turns into its unknown token (``<unk>``),
+        in order; [] for a tokenizer without one (byte-level tokenizers never need it) and for the unknown token
+        written out."""
+        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        if unknown is None:
+            return []
+        written = getattr(self.tokenizer, "unk_token", None)
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            pieces = [text[start:end] for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])
+                      if token == unknown]
+        except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer: no offsets
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            pieces = [str(written)] * (ids.count(unknown) - text.count(str(written)))
+        return [piece for piece in pieces if piece != written]
+
+    def _vocabulary_hint(self) -> str:
+        """": its words are ..." for a small vocabulary (a demo's), else ""."""
+        vocabulary: dict[str, int] = getattr(self.tokenizer, "get_vocab", dict)()
+        if not 0 < len(vocabulary) <= 100:
+            return ""
+        special = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        words = [word for word, _ in sorted(vocabulary.items(), key=lambda item: item[1]) if word not in special]
+        return f" (its words: {' '.join(words)})"
+
+    def token_texts(self, ids: Tensor, *, skip_special_tokens: bool = False) -> list[str]:
+        """Each token's own piece of the decoded text (a SentencePiece space stays with its token); with
+        ``skip_special_tokens`` of the text decoded as the answer shows it, where hidden tokens (``hidden_tokens``)
+        have the empty text."""
         texts, before = [], ""
         for end in range(1, ids.numel() + 1):
-            decoded = self.tokenizer.decode(ids[:end].tolist())
+            decoded = self.tokenizer.decode(ids[:end].tolist(), skip_special_tokens=skip_special_tokens)
             texts.append(decoded[len(before):] if decoded.startswith(before) else
-                         self.tokenizer.decode(ids[end - 1:end].tolist()))
+                         self.tokenizer.decode(ids[end - 1:end].tolist(), skip_special_tokens=skip_special_tokens))
             before = decoded
         return texts
+
+    def hidden_tokens(self, ids: Tensor) -> list[bool]:
+        """Per token of ``ids``: whether the decoded answer (``decode(..., skip_special_tokens=True)``) hides it:
+        the tokenizer's special tokens (``all_special_ids``: end of sequence, padding, ...), tokens added as special
+        (Idefics3's ``<row_i_col_j>``, which ``all_special_ids`` does not list), and any other token that decodes to
+        text alone but to nothing with special tokens skipped."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        hidden: dict[int, bool] = {}
+        for token in set(ids.tolist()):
+            entry = added.get(token)
+            hidden[token] = (token in special or bool(getattr(entry, "special", False))
+                             or (self.tokenizer.decode([token], skip_special_tokens=True) == ""
+                                 and self.tokenizer.decode([token]) != ""))
+        return [hidden[token] for token in ids.tolist()]
 
     # ------------------------------------------------------------------ explain
 
@@ -238,14 +302,21 @@ class GenerationExplainer:
         prompt: the question; put in the processor's chat template when it has one.
         answer: a given answer text to explain instead of generating one (greedy, ``max_new_tokens``).
         spans: targets made of several tokens (``(start, end)`` or a piece of the answer's text; see ``Span``);
-            default: each token. ``spans=[answer_text]`` explains the whole answer as one target.
-        skip_special_tokens: leave generated special tokens (end of sequence) out of the targets.
+            default: each token. ``spans=[answer_text]`` explains the whole answer as one target: the summed
+            log-probability (logit for "attnlrp") of its tokens, in one backward pass. For "input_x_gradient" and
+            "attnlrp" its map is the sum of its tokens' maps; for "attention" it is not (the ReLU comes after
+            weighting by the span's gradient, which at an earlier token's row also holds the later tokens' part).
+        skip_special_tokens: leave the generated tokens that the decoded answer hides (``hidden_tokens``: end of
+            sequence, tokens added as special such as Idefics3's ``<row_i_col_j>``) out of the targets, the spans
+            and the texts, as ``tokenizer.decode(..., skip_special_tokens=True)`` leaves them out of the answer; a
+            given ``answer`` is explained token by token as given.
         Returns an Explanation of 1 image and K targets: maps (1, K, H, W) over the image (the longer side at most
         768 px), ``class_names`` the targets' texts, ``scores`` their log-probabilities (the summed log-probability
-        of a span; the logit for "attnlrp"), ``diagnostics``: "token_ids" (1, T) the answer, "generated" whether
-        it was generated, "prompt" / "answer" texts, "unplaced_relevance" (1, K) relevance on image tokens with no
-        place on the image, "image_relevance" (1, K) the relevance summed over all image tokens,
-        "image_token_relevance" (1, K, I) each of the I image tokens' relevance, in sequence order.
+        of a span; the logit for "attnlrp"), ``diagnostics``: "token_ids" (1, T) the answer (hidden tokens
+        included), "generated" whether it was generated, "prompt" / "answer" texts (the answer decoded as the
+        targets see it: without the hidden tokens where they were left out), "unplaced_relevance" (1, K) relevance
+        on image tokens with no place on the image, "image_relevance" (1, K) the relevance summed over all image
+        tokens, "image_token_relevance" (1, K, I) each of the I image tokens' relevance, in sequence order.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int; got {type(max_new_tokens).__name__}.")
@@ -267,11 +338,12 @@ class GenerationExplainer:
             generated = answer is None
             ids = (self.generate(prepared, max_new_tokens) if generated else self.answer_ids(str(answer)))
             ids = ids.to(prepared.inputs["input_ids"].device)
-            explained = self._explained_positions(ids, skip_special_tokens and generated)
+            skip_hidden = skip_special_tokens and generated
+            explained = self._explained_positions(ids, skip_hidden)
             if not explained:
-                raise ValueError("the answer has no token to explain (the model generated only special tokens): "
-                                 "give an answer text, or raise max_new_tokens.")
-            texts = self.token_texts(ids)
+                raise ValueError("the answer has no token to explain (the model generated only special tokens, "
+                                 "which the decoded answer hides): give an answer text, or raise max_new_tokens.")
+            texts = self.token_texts(ids, skip_special_tokens=skip_hidden)
             targets = self._targets(explained, texts, spans)
             layout = self.layout_function(self.model, self.processor, prepared.inputs,
                                           (prepared.image.height, prepared.image.width))
@@ -293,7 +365,7 @@ class GenerationExplainer:
                               "tokens' gradients, and the maps made of them, carry that rounding (on the tiny test "
                               "models bfloat16 autocast moved maps by up to 5 % of their maximum). For exact maps, "
                               "run the model in float32.", RuntimeWarning, stacklevel=2)
-        return self._explanation(prepared, layout, relevance, scores, ids, texts, targets, generated, prompt)
+        return self._explanation(prepared, layout, relevance, scores, ids, targets, generated, skip_hidden, prompt)
 
     # ------------------------------------------------------------------ pieces of explain
 
@@ -307,16 +379,20 @@ class GenerationExplainer:
                   if getattr(config, name, None) not in (value, None)]
         return ", ".join(active)
 
-    def _explained_positions(self, ids: Tensor, skip_special: bool) -> list[int]:
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        return [k for k, token in enumerate(ids.tolist()) if not (skip_special and token in special)]
+    def _explained_positions(self, ids: Tensor, skip_hidden: bool) -> list[int]:
+        """The answer positions that get a target: all, or with ``skip_hidden`` those the decoded answer shows."""
+        if not skip_hidden:
+            return list(range(ids.numel()))
+        return [k for k, hidden in enumerate(self.hidden_tokens(ids)) if not hidden]
 
     def _targets(self, explained: list[int], texts: list[str], spans: Optional[Sequence[Span]]
                  ) -> list[tuple[str, list[int]]]:
-        """(name, answer positions) per target."""
+        """(name, answer positions) per target: each explained token, or each span's explained tokens (tokens the
+        decoded answer hides, which ``explained`` leaves out, are in no span)."""
         if spans is None:
             return [(texts[k], [k]) for k in explained]
         targets = []
+        kept = set(explained)
         answer = "".join(texts)
         starts = np.cumsum([0] + [len(text) for text in texts])
         for span in spans:
@@ -324,15 +400,20 @@ class GenerationExplainer:
                 where = answer.find(span)
                 if not span or where < 0:
                     raise ValueError(f"the span {span!r} is not in the answer {answer!r}.")
-                positions = [k for k in range(len(texts))
-                             if starts[k] < where + len(span) and starts[k + 1] > where]
-                targets.append((span, positions))
+                positions = [k for k in explained if starts[k] < where + len(span) and starts[k + 1] > where]
+                name = span
             else:
                 start, end = (int(value) for value in span)
                 if not 0 <= start < end <= len(texts):
                     raise ValueError(f"the span {span} is not a range of the answer's {len(texts)} tokens "
                                      "(start, end) with 0 <= start < end.")
-                targets.append(("".join(texts[start:end]), list(range(start, end))))
+                positions = [k for k in range(start, end) if k in kept]
+                name = "".join(texts[start:end])
+            if not positions:
+                raise ValueError(f"the span {span!r} holds only special tokens, which the decoded answer hides and "
+                                 "which are not explained: choose a span with answer text in it, or pass "
+                                 "skip_special_tokens=False to explain special tokens too.")
+            targets.append((name, positions))
         return targets
 
     def _media_tokens(self) -> list[int]:
@@ -446,7 +527,7 @@ class GenerationExplainer:
         return relevance.to(torch.promote_types(relevance.dtype, torch.float32)), torch.stack(scores), replayed
 
     def _explanation(self, prepared: PreparedPrompt, layout: ImageLayout, relevance: Tensor, scores: Tensor,
-                     ids: Tensor, texts: list[str], targets: list[tuple[str, list[int]]], generated: bool,
+                     ids: Tensor, targets: list[tuple[str, list[int]]], generated: bool, skip_hidden: bool,
                      prompt: str) -> Explanation:
         height, width = prepared.image.height, prepared.image.width
         scale = min(1.0, DISPLAY_LONGEST_SIDE / max(height, width))
@@ -479,7 +560,7 @@ class GenerationExplainer:
                 "token_ids": ids[None].detach(),
                 "generated": torch.tensor([generated]),
                 "prompt": [prompt],
-                "answer": [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)],
+                "answer": [self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_hidden)],
                 "unplaced_relevance": relevance[:, ~placed].sum(dim=1)[None],
                 "image_relevance": relevance.sum(dim=1)[None],
                 "image_token_relevance": relevance[None],

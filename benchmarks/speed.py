@@ -8,6 +8,8 @@ Each (model, batch, method) is measured in a fresh process: its peak memory grow
 before the call, and its median time over repeated calls next to a no-grad forward
 timed in the same process. Peers (pytorch-grad-cam, Captum, torchcam) are measured
 alike when installed (``pip install -e ".[bench]"``). Random weights, 224 px inputs.
+``BENCH_INTERLEAVED=1`` (with ``--one``) times the method and a forward in turns and adds the median of the
+per-pair ratios ("ratio"): steadier on a shared machine, where the load moves between two runs of repeats.
 Writes the "Speed and memory" section of benchmarks/RESULTS.md; with ``--transformers``, the
 "Speed and memory: transformers" section (torchvision vit_b_16 with its zero head re-initialised,
 timm vit_small_patch16_224, torchvision swin_t; CAMs at the automatic layer, the last block's first norm). Methods
@@ -144,6 +146,14 @@ def measure_one(model_name: str, batch_size: int, method: str, device_name: str,
             times.append(seconds_of(function, device))
         return statistics.median(times)
 
+    if os.environ.get("BENCH_INTERLEAVED") == "1" and method not in SLOW:
+        # on a shared machine the load moves between two runs of repeats: time the method and a forward in
+        # turns, and take the median of the per-pair ratios as well
+        call(), forward()
+        pairs = [(seconds_of(call, device), seconds_of(forward, device)) for _ in range(repeats)]
+        return {"method_s": statistics.median(pair[0] for pair in pairs),
+                "forward_s": statistics.median(pair[1] for pair in pairs),
+                "ratio": statistics.median(pair[0] / pair[1] for pair in pairs), "growth": max(growth, 0)}
     # slow methods (hundreds of forwards): the first call is the measurement
     method_seconds = first_call_seconds if method in SLOW else timed(call)
     forward_seconds = timed(forward)

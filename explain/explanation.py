@@ -47,7 +47,8 @@ class Explanation:
     keep_target_dim: whether ``maps`` keeps the K dimension.
     low_res_maps: per layer, (N, K, h, w) maps at the layer's resolution before
         upsampling and normalisation (CAM methods), else None.
-    probabilities: (N, K) softmax probability of each explained class, None for callable targets.
+    probabilities: (N, K) probability of each explained class (the softmax over the classes; the sigmoid of a
+        one-logit model's output), None for callable targets.
     attributions: (N, K, C, H, W) signed per-channel attributions at the input, before the
         channels are reduced to one map (gradient and guided methods), else None.
     diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients

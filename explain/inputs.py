@@ -21,6 +21,8 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
+from .checks import check_finite
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -356,7 +358,8 @@ class DisplayImages:
         if (images is None) == (model_input is None):
             raise ValueError("give the display images or the model input to make them from, not both.")
         self._images = images
-        self._model_input = None if model_input is None else model_input.detach().clone()  # safe from later edits
+        self._model_input = None if model_input is None else (  # a copy: safe from the caller's later edits
+            model_input.detach() if model_input.requires_grad else model_input).clone()
         self._preprocess = preprocess
 
     def get(self) -> Tensor:
@@ -478,6 +481,9 @@ def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> Prepa
     if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
         batch = batch.clone()
     batch = batch.to(dtype)
-    if not torch.isfinite(batch).all():
-        raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
+    check_finite(batch, _non_finite_input)  # decided at the end of an explainer call (explain.checks)
     return PreparedInputs(batch=batch, display=display)
+
+
+def _non_finite_input(batch: Tensor) -> None:
+    raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")

@@ -272,21 +272,24 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
             parameter.requires_grad_(False)
 
     @_protected
-    def without_gradient_checkpointing(self, model: nn.Module) -> None:
+    def without_gradient_checkpointing(self, model: nn.Module, modules: Optional[list[nn.Module]] = None) -> None:
         """timm's ``grad_checkpointing`` and HuggingFace's ``gradient_checkpointing`` off for the scope: a
         checkpointed block runs its forward again during the backward pass, when the call's hooks and rules may be
         gone, so that the recomputed values differ from the first ones (and timm checkpoints in eval mode too).
         The values are the same either way; checkpointing only saves memory. Only plain attributes set to True are
         switched (not properties); each comes back on when the last call that switched it off ends, so that calls
-        on one model in several threads keep it off for each other."""
+        on one model in several threads keep it off for each other. modules: ``list(model.modules())``, when the
+        caller has it."""
         with _checkpointing_lock:
             taken: list[tuple[int, str]] = []
-            for module in model.modules():
+            others_switched = bool(_checkpointing_off)
+            for module in model.modules() if modules is None else modules:
+                attributes = module.__dict__
                 for name in CHECKPOINTING_FLAGS:
                     key = (id(module), name)
-                    if key in _checkpointing_off:
+                    if others_switched and key in _checkpointing_off:
                         _checkpointing_off[key][0] += 1
-                    elif vars(module).get(name) is True:
+                    elif attributes.get(name) is True:
                         _checkpointing_off[key] = [1, module]
                         setattr(module, name, False)
                     else:
@@ -296,12 +299,13 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
                 self._undo.append(lambda: _checkpointing_back_on(taken))
 
     @_protected
-    def eval_mode(self, model: nn.Module) -> None:
+    def eval_mode(self, model: nn.Module, modules: Optional[list[nn.Module]] = None) -> None:
         """Put every module in eval mode; each module's own flag comes back when the scope ends.
 
         Modules that override ``train()`` (fx feature extractors swap their graph there) are
-        restored through it, so they compute as before, not only report the same flag."""
-        flags = [(module, module.training) for module in model.modules()]
+        restored through it, so they compute as before, not only report the same flag.
+        modules: ``list(model.modules())``, when the caller has it."""
+        flags = [(module, module.training) for module in (model.modules() if modules is None else modules)]
         if not any(training for _, training in flags):
             return
         self._undo.append(lambda: _restore_training(flags))

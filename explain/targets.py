@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
@@ -12,6 +13,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_c
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from .checks import check
 
 ClassRef = Union[int, str]
 """A class, by index or by name."""
@@ -88,7 +91,8 @@ class SelectedTargets:
     scores: (N, K) tensor, still connected to the autograd graph when the output is.
     class_indices: (N, K) long tensor of class indices, or None for callable targets.
     keep_target_dim: whether maps keep a K dimension, (N, K, H, W), or drop it, (N, H, W).
-    probabilities: (N, K) softmax probabilities of the explained classes, None for callable targets.
+    probabilities: (N, K) probabilities of the explained classes (``class_probabilities``: softmax, or sigmoid
+        for a one-column output), None for callable targets.
     empty_region: (N, K) bool, where a ``RegionTarget``'s region (pixels, a box) is empty on the
         explained images, so that its score is 0 whatever the input; None for other targets.
     empty_region_advice: the region target's own words on what empty means and what to do.
@@ -373,6 +377,12 @@ def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:
                         "knows the model's class names (Explainer(..., class_names=...)) turns names into indices.")
     if _is_integer(target):
         return torch.full((batch_size, 1), int(target), dtype=torch.long), False
+    if isinstance(target, (list, tuple)) and len(target) == batch_size and all(_is_integer(item) for item in target):
+        indices = torch.tensor([[int(item)] for item in target], dtype=torch.long)  # one class per image, as (N, 1)
+        if indices.is_inference():  # as below
+            with torch.inference_mode(False):
+                indices = indices.clone()
+        return indices, False
     try:
         indices = torch.as_tensor(target).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as error:
@@ -454,25 +464,51 @@ def select_targets(
         keep = False
     else:
         indices, keep = _class_index_tensor(target, count)
-        bad = (indices < 0) | (indices >= num_classes)
-        if bad.any():
-            raise ValueError(
-                f"class index {int(indices[bad][0])} is out of range: the model has {num_classes} "
-                f"classes (0 to {num_classes - 1})."
-            )
+        _check_class_range(target, indices, num_classes)
         indices = indices.to(output.device)
     scores = output.gather(1, indices)
     check_finite_scores(scores)
-    probabilities = output.detach().float().softmax(dim=1).gather(1, indices)
+    with torch.no_grad():  # outside the graph (no detached copy of the output needed)
+        probabilities = class_probabilities(output.float()).gather(1, indices)
     return SelectedTargets(scores, indices, keep, probabilities)
+
+
+def class_probabilities(output: Tensor) -> Tensor:
+    """(N, C) class scores (logits) → (N, C) probabilities in [0, 1]: the softmax over the C classes; for one
+    column (C = 1, a binary classifier's logit, trained with a sigmoid) the sigmoid, the probability of its
+    positive class (a softmax over one column is 1 whatever the input)."""
+    return output.sigmoid() if output.shape[1] == 1 else output.softmax(dim=1)
+
+
+def _check_class_range(target: Any, indices: Tensor, num_classes: int) -> None:
+    """Raise when a class index is outside [0, num_classes); read from ``target`` itself when it is Python ints
+    (no tensor operation), else from the (CPU) index tensor."""
+    if _is_integer(target):
+        values: Sequence[int] = [int(target)]
+    elif isinstance(target, (list, tuple)) and all(_is_integer(item) for item in target):
+        values = [int(item) for item in target]
+    else:
+        values = [value for row in indices.tolist() for value in row]  # (N, K) on the CPU: read, no operation
+    outside = [value for value in values if not 0 <= value < num_classes]
+    if outside:
+        raise ValueError(f"class index {outside[0]} is out of range: the model has {num_classes} classes (0 to "
+                         f"{num_classes - 1}).")
 
 
 def check_finite_scores(scores: Tensor) -> None:
     """Raise when a score to explain is NaN or inf, naming the images and targets: a map of it
-    would be meaningless (all zeros, or a normal-looking map of an overflow)."""
-    bad = ~torch.isfinite(scores.detach())
-    if bad.any():
-        listed = ", ".join(f"image {n}, target {k}: {float(scores[n, k])}" for n, k in bad.nonzero().tolist()[:6])
+    would be meaningless (all zeros, or a normal-looking map of an overflow). Decided at the end of an explainer
+    call (``explain.checks``)."""
+    with torch.no_grad():
+        values = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    check(values, lambda host: _raise_if_not_finite(host, scores.shape))
+
+
+def _raise_if_not_finite(host: list[float], shape: Sequence[int]) -> None:
+    targets = shape[1] if len(shape) > 1 else 1
+    bad = [(i // targets, i % targets, value) for i, value in enumerate(host) if not math.isfinite(value)]
+    if bad:
+        listed = ", ".join(f"image {n}, target {k}: {value}" for n, k, value in bad[:6])
         raise ValueError(
             f"the score to explain is not finite ({listed}). The model's output overflowed (check the input's "
             "range and preprocessing; float16 overflows above 65504: run the model in float32) or the target "

@@ -15,9 +15,10 @@ import torch
 from PIL import Image
 
 import explain
-from explain.batch import item_id, run
+from explain.batch import MapReader, item_id, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
+from explain.stored_maps import load_maps
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,8 @@ def test_run_writes_every_result_resumes_and_keeps_memory_flat(image_folder, tmp
     assert len(rows) == 200 and len({row["id"] for row in rows}) == 200
     assert max(memory[2:]) - memory[2] < 500_000, "memory grew across the run"
     row = rows[0]
-    saved = np.load(out / row["map"])
-    assert saved.dtype == np.float16 and saved.shape == (1, 64, 64) and 0 <= saved.min() and saved.max() <= 1
+    saved = MapReader(out).read(row).numpy()
+    assert saved.shape == (1, 64, 64) and 0 <= saved.min() and saved.max() <= 1
     reference = original(str(image_folder / row["image"].split(str(image_folder) + os.sep)[-1]))
     np.testing.assert_allclose(saved[0], reference.maps[0].numpy(), atol=1e-3)
     assert row["class_name"] == CLASS_NAMES[int(row["target"])] and float(row["probability"]) > 0.5
@@ -88,7 +89,7 @@ def test_run_over_a_dataloader_with_topk(tmp_path):
     index = run(explain.GradCAM(model, "layer4"), loader, tmp_path, topk=2, progress=False).index
     rows = read_index(index)
     assert len(rows) == 20 and [row["id"] for row in rows[:2]] == ["00000000", "00000000"]
-    assert np.load(tmp_path / rows[0]["map"]).shape == (2, 64, 64)
+    assert MapReader(tmp_path).read(rows[0]).shape == (2, 64, 64)
     expected = explain.GradCAM(model, "layer4").explain(normalized, topk=2)
     assert [int(row["target"]) for row in rows[:2]] == expected.targets[0].tolist()
     # the batches' labels fill the label columns; the top class is the prediction (role topk)
@@ -117,6 +118,7 @@ def test_explain_batch_command_and_torchrun_shards_each_image_once(image_folder,
     rows = read_index(out / "index.csv")
     assert sorted(row["id"] for row in rows) == sorted(item_id(path, small) for path in small.rglob("*.png"))
     assert not list(out.glob("index.rank*.csv"))
-    assert len(list((out / "maps").glob("*.npy"))) == 12
+    assert sorted(item for path in (out / "maps").iterdir() for item in load_maps(path).ids) == sorted(
+        row["id"] for row in rows)  # each image's maps once, in one file
     assert main(["batch", str(small), "--model", "demo", "--out", str(out), "--no-progress"]) == 0
     assert len(read_index(out / "index.csv")) == 12  # resumed: nothing added

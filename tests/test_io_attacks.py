@@ -357,7 +357,7 @@ def test_the_report_draws_a_phone_photo_upright_under_its_maps(tmp_path):
     source = phone_photo(tmp_path / "phone.jpg")
     map_file = tmp_path / "maps.npy"
     np.save(map_file, np.zeros((1, 64, 32), np.float32))  # the maps of the upright (portrait) image
-    (panel,) = _panels_from_maps(map_file, source, 1, 64)
+    (panel,) = _panels_from_maps(np.load(map_file), source, 1, 64)
     pixels = np.asarray(panel).astype(int)
     assert pixels.shape[:2] == (64, 32)
     assert pixels[8, 16, 0] - pixels[56, 16, 0] > 80  # red on top, as shown

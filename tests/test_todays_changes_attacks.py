@@ -57,7 +57,7 @@ def test_report_thumbnails_draw_negative_evidence_unlike_none(tmp_path: Path):
     maps[0, :, :4] = -1.0
     path = tmp_path / "m.npy"
     np.save(path, maps)
-    (panel,) = _panels_from_maps(path, None, 1, 8)
+    (panel,) = _panels_from_maps(np.load(path), None, 1, 8)
     pixels = np.array(panel).astype(int)
     assert np.abs(pixels[:, 0] - pixels[:, -1]).sum() > 0
 

@@ -5,6 +5,7 @@ that carry the multipliers."""
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -12,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_variadic
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..attention import attend, calling_module, stepwise_multi_head_attention
 from ..capture import ModelInputError
 from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
+from .gradients import detached_output
 
 # ------------------------------------------------------------------ which torch function gets which rule
 
@@ -93,6 +94,11 @@ LINEAR = torch_functions(
 CONSTANT = torch_functions("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
                            "randint_like", "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")
 """Functions whose result does not depend on the values of their tensor arguments."""
+NO_VALUES = torch_functions("register_hook", "retain_grad", "register_post_accumulate_grad_hook", "dim", "size",
+                            "numel", "is_floating_point", "is_complex", "element_size", "data_ptr", "stride",
+                            "is_contiguous", "get_device") | _property_getters("shape", "device", "dtype", "ndim",
+                                                                             "requires_grad", "is_cuda", "grad_fn")
+"""Functions that compute no values from their tensors (hooks, sizes, flags): computed as they are, unpaired."""
 CUTS = torch_functions("detach", "detach_") | _property_getters("data")
 """Functions through which no gradient flows."""
 VALUE_READS = torch_functions("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
@@ -107,28 +113,43 @@ class RescaledNonlinearity(torch.autograd.Function):
     """y = f(z); backward: grad · m with the rescale rule's multiplier m = (f(z) − f(z'))/(z − z')
     (f'(z) where |Δz| < eps), summed back to z's shape where f broadcasts z against a constant. The
     multipliers are computed in the forward and kept alone (not the inputs and outputs, which later
-    in-place operations could change)."""
+    in-place operations could change).
+
+    function: f, never writing into its argument; in_place: None, or f as the model called it, in place (``relu_``):
+    then z is overwritten with f(z), as that call does, and the reference z' (the rule's own copy) with f(z'),
+    without copies."""
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, function: Callable[[Tensor], Tensor], reference: Tensor,
-                eps: float) -> Tensor:
-        outputs = function(inputs)
+    def forward(ctx: Any, inputs: Tensor, function: Callable[[Tensor], Tensor],
+                in_place: Optional[Callable[[Tensor], Tensor]], reference: Tensor, eps: float) -> Tensor:
         delta = inputs - reference
-        small = ~(delta.abs() >= eps)  # also NaN differences, of infinite inputs such as masked scores
-        rescaled = (outputs - function(reference)) / torch.where(small, torch.ones_like(delta), delta)
-        if small.any():
-            rescaled = torch.where(small, _derivative(function, inputs, outputs.shape), rescaled)
+        large = delta.abs() >= eps  # False for NaN differences too, of infinite inputs such as masked scores
+        everywhere = bool(large.all())
+        derivative: Optional[Tensor] = None
+        if in_place is None:
+            outputs, reference_outputs = function(inputs), function(reference)
+            if not everywhere:
+                derivative = _derivative(function, inputs, outputs.shape)
+        else:
+            if not everywhere:  # f'(z) before z is overwritten
+                derivative = _derivative(function, inputs, inputs.shape)
+            ctx.mark_dirty(inputs)
+            outputs, reference_outputs = in_place(inputs), in_place(reference)
+            assert outputs is inputs, "an in-place call returns the tensor it wrote into"
+        rescaled = (outputs - reference_outputs) / delta
+        if derivative is not None:
+            rescaled = torch.where(large, rescaled, derivative)
         ctx.input_shape = inputs.shape
         ctx.save_for_backward(rescaled)
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
         (grad_output,) = grad_outputs  # one output, one gradient
         (multipliers,) = ctx.saved_tensors
         # contiguous: the product takes the incoming gradient's strides, which for a feature map read as tokens
         # (``x.flatten(2).transpose(1, 2)``, as LeViT does) are ones torch 2.14's CPU BatchNorm backward gets wrong
-        return (grad_output * multipliers).sum_to_size(ctx.input_shape).contiguous(), None, None, None
+        return (grad_output * multipliers).sum_to_size(ctx.input_shape).contiguous(), None, None, None, None
 
 
 def _derivative(function: Callable[[Tensor], Tensor], inputs: Tensor, shape: torch.Size) -> Tensor:
@@ -314,6 +335,35 @@ def _mean(value: Any, reference: Any) -> Any:
     return value if reference is None else (value.detach() + reference) / 2
 
 
+class _TensorSet:
+    """Tensors by identity, held weakly: ``tensor in tensors`` for one that is alive and was added. (An id-keyed
+    dict of weak references: a lookup makes no weak reference, as ``WeakIdKeyDictionary``'s does, and DeepLIFT looks
+    up every tensor of every call of both forwards.)"""
+
+    def __init__(self) -> None:
+        self._references: dict[int, weakref.ref[Tensor]] = {}
+
+    def add(self, tensor: Tensor) -> None:
+        self._references[id(tensor)] = weakref.ref(tensor)
+
+    def __contains__(self, tensor: object) -> bool:
+        reference = self._references.get(id(tensor))
+        return reference is not None and reference() is tensor
+
+
+def _tensors_of(value: Any, found: list[Tensor]) -> list[Tensor]:
+    """``found`` with the tensors of a call's arguments or results appended, in ``tensors_in``'s order."""
+    if isinstance(value, Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors_of(item, found)
+    elif type(value) is dict:
+        for item in value.values():
+            _tensors_of(item, found)
+    return found
+
+
 class DeepLiftRules(Rule):
     """DeepLIFT's rules for one pair of forward passes: the baselines' (``explaining`` False), recorded
     call by call, then the images' (``explaining`` True), whose calls get their rules from the record.
@@ -325,7 +375,7 @@ class DeepLiftRules(Rule):
     def __init__(self, eps: float, module_names: dict[int, str]):
         self.eps = eps
         self.module_names = module_names
-        self.dependent: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.dependent = _TensorSet()
         self.record: list[_Call] = []
         self.explaining = False
         self.position = 0
@@ -338,7 +388,7 @@ class DeepLiftRules(Rule):
 
     def follow(self, tensor: Tensor) -> None:
         """Mark a tensor as the input: what is computed from it depends on the input."""
-        self.dependent[tensor] = True
+        self.dependent.add(tensor)
 
     def explain_next(self, reference_output: Any) -> Any:
         """The next forward pass is the images': pair its calls with the baselines' forward just recorded.
@@ -390,9 +440,9 @@ class DeepLiftRules(Rule):
     # -- every call
 
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.paused or func in CONSTANT:
+        if self.paused or func in CONSTANT or func in NO_VALUES:
             return func(*args, **kwargs)
-        dependent = list({id(tensor): tensor for tensor in tensors_in((args, kwargs))
+        dependent = list({id(tensor): tensor for tensor in _tensors_of((args, kwargs), [])
                           if tensor in self.dependent}.values())
         if not dependent:  # parameters, constants: computed plainly, exact there
             return func(*args, **kwargs)
@@ -410,12 +460,12 @@ class DeepLiftRules(Rule):
             result = func(*args, **kwargs)
         if selectors and self.explaining:
             self._compare(call, selectors, func, any(tensor.is_floating_point() for tensor in tensors_in(result)))
-        for tensor in tensors_in(result):
-            self.dependent[tensor] = True
+        for tensor in _tensors_of(result, []):
+            self.dependent.add(tensor)
         if in_place and args and isinstance(args[0], Tensor):
-            self.dependent[args[0]] = True
+            self.dependent.add(args[0])
             if args[0]._base is not None:
-                self.dependent[args[0]._base] = True
+                self.dependent.add(args[0]._base)
         return result
 
     def _compare(self, call: _Call, tensors: list[Tensor], func: Callable[..., Any], matters: bool,
@@ -425,7 +475,8 @@ class DeepLiftRules(Rule):
         images', where they differ and it ``matters`` (the call computes floating-point values from them), the
         call gets no rule."""
         if not self.explaining:
-            call.selectors = [tensor.detach().clone() for tensor in tensors]
+            with torch.no_grad():
+                call.selectors = [tensor.clone() for tensor in tensors]
         elif matters and any(not torch.equal(tensor, reference) for tensor, reference in zip(tensors, call.selectors)):
             self._no_rule(func, why)
 
@@ -433,7 +484,8 @@ class DeepLiftRules(Rule):
         """On the baselines' forward, record copies of these tensors (None: a constant); on the images',
         the copies recorded at the paired call."""
         if not self.explaining:
-            call.references = [None if tensor is None else tensor.detach().clone() for tensor in tensors]
+            with torch.no_grad():  # copies outside the graph
+                call.references = [None if tensor is None else tensor.clone() for tensor in tensors]
         return call.references
 
     def _rule(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
@@ -492,9 +544,12 @@ class DeepLiftRules(Rule):
         (reference,) = self._references(call, [inputs])
         if not self.explaining:
             return PLAIN
-        function = _Replay(func, args, kwargs, _occurrences((args, kwargs), inputs), in_place)
-        single = _Single(function, len(function.occurrences))
-        result = RescaledNonlinearity.apply(inputs, single, reference, self.eps)
+        occurrences = _occurrences((args, kwargs), inputs)
+        single = _Single(_Replay(func, args, kwargs, occurrences, in_place), len(occurrences))
+        if in_place and inputs._base is None:  # the call's own in-place write (a view's is copied back below)
+            writes = _Single(_Replay(func, args, kwargs, occurrences, False), len(occurrences))
+            return RescaledNonlinearity.apply(inputs, single, writes, reference, self.eps)
+        result = RescaledNonlinearity.apply(inputs, single, None, reference, self.eps)
         return inputs.copy_(result) if in_place else result
 
     def _product(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
@@ -850,18 +905,3 @@ class deeplift_rules(CallScope[DeepLiftRules]):  # noqa: N801 - used like a func
         self.rules.mode = CallRules([self.rules])
         self.enter(self.rules.mode)
         return self.rules
-
-
-def detached_output(value: Any) -> Any:
-    """A model output with its tensors detached (lists, tuples and dicts kept)."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if type(value) in (list, tuple):
-        return type(value)(detached_output(item) for item in value)
-    if isinstance(value, dict):  # HuggingFace's ModelOutput too, which is built from keywords
-        items = {key: detached_output(item) for key, item in value.items()}
-        try:
-            return type(value)(**items)
-        except TypeError:
-            return items
-    return value

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import hashlib
 import inspect
+import math
 import numbers
 import re
 import textwrap
@@ -45,9 +46,11 @@ from ..capture import (
     model_dtype,
     run_model,
 )
+from ..checks import check, deferred_checks
 from ..explanation import Diagnostic, Explanation
 from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
+from ..models import ModelSource, loaded_model_parts
 from ..scope import CallScope
 from ..targets import (
     OutputSelector,
@@ -58,6 +61,7 @@ from ..targets import (
     select_output,
 )
 from ..units import bind_units
+from ._eval_batch_norm import contiguous_batch_norm_gradients
 
 NORMALIZATIONS = ("max", "minmax", None)
 
@@ -192,6 +196,15 @@ class ForwardCall:
         return ForwardCall(args, kwargs, self.position, len(rows), (positions, names))
 
 
+Flags = Union[Tensor, Callable[[], Tensor]]
+"""A (N, K) or (N,) bool tensor, or a function that computes it when it is needed."""
+
+
+def flags_of(flags: Optional[Flags]) -> Optional[Tensor]:
+    """The flags, computed now if given as a function."""
+    return flags() if callable(flags) else flags
+
+
 @dataclass
 class Attribution:
     """What a method computes for a batch.
@@ -210,6 +223,10 @@ class Attribution:
     baseline_is_input: (N,) bool, where a path method's baseline equals the image (a path of length 0).
     empty_reason: why a map of this call that is zero everywhere is so, when the method knows it better than
         the generic "the layer's activations are zero" (FEM: a threshold no value can reach).
+    The flags (zero_gradient, disconnected, negative_everywhere, baseline_is_input) may also be given as functions
+    that compute them: they are needed only to say why a map is empty, so they are computed only then.
+    nonnegative_maps: the method's maps are ≥ 0 (or NaN) by construction (e.g. |gradient| reduced over channels), so
+        their largest |value| is their largest value (``map_extremes``).
     """
 
     maps: Tensor
@@ -218,35 +235,51 @@ class Attribution:
     layer: Optional[str | list[str]] = None
     attributions: Optional[Tensor] = None
     diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
-    zero_gradient: Optional[Tensor] = None
-    disconnected: Optional[Tensor] = None
-    negative_everywhere: Optional[Tensor] = None
-    baseline_is_input: Optional[Tensor] = None
+    zero_gradient: Optional[Flags] = None
+    disconnected: Optional[Flags] = None
+    negative_everywhere: Optional[Flags] = None
+    baseline_is_input: Optional[Flags] = None
     empty_reason: Optional[str] = None
+    nonnegative_maps: bool = False
 
 
-def normalize_maps(maps: Tensor, how: Optional[str]) -> Tensor:
+def without_graph(tensor: Tensor) -> Tensor:
+    """``tensor`` out of the autograd graph (detached only if it is in one: a detach is an operation per call)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def normalize_maps(maps: Tensor, how: Optional[str], extremes: Optional[Tensor] = None) -> Tensor:
     """Normalise each (H, W) map of (..., H, W) on its own.
 
     "max": divide by the largest |value| (non-negative maps → [0, 1], signed → [-1, 1],
     zero stays zero); "minmax": (m - min) / (max - min) → [0, 1]; None: unchanged.
     An all-zero (or constant, for "minmax") map becomes all zeros, never NaN.
+    extremes: ``map_extremes(maps, how)`` when the caller has it already.
     """
     if how is None:
         return maps
-    flat = maps.reshape(*maps.shape[:-2], -1)
-    if how == "max":
-        scale = flat.abs().amax(dim=-1, keepdim=True)
-        tiny = torch.finfo(flat.dtype).tiny
-        normalized = torch.where(scale > 0, flat / scale.clamp_min(tiny), torch.zeros_like(flat))
-    elif how == "minmax":
-        low = flat.amin(dim=-1, keepdim=True)
-        span = flat.amax(dim=-1, keepdim=True) - low
-        tiny = torch.finfo(flat.dtype).tiny
-        normalized = torch.where(span > 0, (flat - low) / span.clamp_min(tiny), torch.zeros_like(flat))
-    else:
+    if how not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {how!r}.")
+    extremes = map_extremes(maps, how) if extremes is None else extremes
+    tiny = torch.finfo(maps.dtype).tiny
+    if how == "max":  # a map whose largest |value| is 0 is 0 everywhere: 0 / tiny = 0
+        return maps / extremes.clamp_min(tiny).view(*extremes.shape, 1, 1)
+    # likewise a map whose span is 0 equals its minimum everywhere
+    flat = maps.reshape(*maps.shape[:-2], -1)
+    low, high = extremes.unbind(-1)
+    normalized = (flat - low.unsqueeze(-1)) / (high - low).clamp_min(tiny).unsqueeze(-1)
     return normalized.reshape(maps.shape)
+
+
+def map_extremes(maps: Tensor, how: Optional[str], nonnegative: bool = False) -> Tensor:
+    """Per (H, W) map of (..., H, W), what its normalisation divides by: the largest |value| (..., ) for "max" and
+    None, (minimum, maximum) (..., 2) for "minmax". NaN or inf in a map makes its extremes NaN or inf, and an
+    all-zero map's extremes are 0. nonnegative: the maps are known to be ≥ 0 (or NaN) everywhere, so their
+    largest value is their largest |value| (one operation fewer)."""
+    if how == "minmax":
+        low, high = torch.aminmax(maps.reshape(*maps.shape[:-2], -1), dim=-1)
+        return torch.stack([low, high], dim=-1)
+    return (maps if nonnegative else maps.abs()).amax(dim=(-2, -1))
 
 
 def upsample_maps(maps: Tensor, size: Sequence[int]) -> Tensor:
@@ -309,27 +342,44 @@ def out_of_memory_error(error: BaseException, method: str, device: torch.device,
     return error
 
 
-def check_parameters_usable(model: nn.Module) -> None:
+def check_parameters_usable(model: nn.Module, cause: Optional[BaseException] = None) -> None:
     """Refuse a model whose parameters were created inside ``torch.inference_mode()``: autograd
-    cannot record operations on them, so no gradient-based map can be computed."""
+    cannot record operations on them, so no gradient-based map can be computed. cause: the error autograd raised
+    (explainer calls check when one is raised; a method that needs no gradient works with such parameters)."""
     if any(parameter.is_inference() for parameter in model.parameters()):
         raise RuntimeError(
             "the model's parameters were created inside torch.inference_mode() (inference tensors), which "
             "autograd cannot use. Build or load the model outside inference_mode (calling explain inside "
             "inference_mode is fine), or clone its parameters: model.load_state_dict({k: v.clone() for k, v "
             "in model.state_dict().items()}) outside it."
-        )
+        ) from cause
 
 
 def check_finite_maps(raw_maps: Tensor, method: str) -> None:
     """Raise when a map holds NaN or inf (a non-finite gradient or perturbation score)."""
     bad = ~torch.isfinite(raw_maps).flatten(2).all(dim=2)  # (N, K)
     if bad.any():
-        pairs = ", ".join(f"image {n}, target {k}" for n, k in bad.nonzero().tolist()[:6])
-        raise ValueError(
-            f"{method} computed a map with NaN or inf values ({pairs}): a gradient or a score overflowed inside "
-            "the model. Check the input's range, and run a float16 model in float32 or under autocast."
-        )
+        raise non_finite_maps_error(bad.nonzero().tolist(), method)
+
+
+def non_finite_maps_error(pairs: Sequence[Sequence[int]], method: str) -> ValueError:
+    listed = ", ".join(f"image {n}, target {k}" for n, k in pairs[:6])
+    return ValueError(
+        f"{method} computed a map with NaN or inf values ({listed}): a gradient or a score overflowed inside "
+        "the model. Check the input's range, and run a float16 model in float32 or under autocast."
+    )
+
+
+def checked_map_extremes(values: list[float], shape: Sequence[int], how: Optional[str], method: str) -> list[bool]:
+    """From the maps' extremes on the host (``map_extremes``, flattened; ``shape`` theirs): raise when a map holds
+    NaN or inf; else whether each (image, target) map is zero everywhere, in row-major order."""
+    per_map = 2 if how == "minmax" else 1
+    images, targets = shape[0], shape[1]
+    rows = [values[i * per_map : (i + 1) * per_map] for i in range(images * targets)]
+    bad = [(i // targets, i % targets) for i, row in enumerate(rows) if not all(math.isfinite(v) for v in row)]
+    if bad:
+        raise non_finite_maps_error(bad, method)
+    return [all(v == 0 for v in row) for row in rows]
 
 
 EMPTY_MAP_REASONS = {
@@ -357,19 +407,22 @@ EMPTY_MAP_REASONS = {
 }
 
 
-def warn_about_empty_maps(raw_maps: Tensor, attribution: "Attribution", method: str) -> None:
-    """One RuntimeWarning naming the images and targets whose map is zero everywhere, and why; also
-    those whose target region (a ``RegionTarget``'s pixels or box) is empty, whatever their map."""
-    empty_map = raw_maps.flatten(2).eq(0).all(dim=2)  # (N, K)
+def warn_about_empty_maps(empty_map: Tensor, attribution: "Attribution", method: str) -> None:
+    """One RuntimeWarning naming the images and targets whose map is zero everywhere (``empty_map``, (N, K) bool on
+    the host), and why; also those whose target region (a ``RegionTarget``'s pixels or box) is empty, whatever
+    their map. The method's flags are computed here, when a map is empty."""
     empty_region = attribution.selected.empty_region
-    empty_region = torch.zeros_like(empty_map) if empty_region is None else empty_region.to(empty_map.device)
+    empty_region = torch.zeros_like(empty_map) if empty_region is None else empty_region.cpu()
     if not (empty_map | empty_region).any():
         return
     where = "the target layer's output" if attribution.low_res_maps is not None else "the input"
-    empty_path = attribution.baseline_is_input
-    empty_path = None if empty_path is None else empty_path.to(empty_map.device)[:, None].expand_as(empty_map)
-    checks = [("empty_region", empty_region), ("empty_path", empty_path), ("disconnected", attribution.disconnected),
-              ("zero_gradient", attribution.zero_gradient), ("negative", attribution.negative_everywhere)]
+    empty_path = flags_of(attribution.baseline_is_input)
+    empty_path = None if empty_path is None else empty_path.cpu()[:, None].expand_as(empty_map)
+    given = [("empty_region", empty_region), ("empty_path", empty_path),
+             ("disconnected", flags_of(attribution.disconnected)),
+             ("zero_gradient", flags_of(attribution.zero_gradient)),
+             ("negative", flags_of(attribution.negative_everywhere))]
+    checks = [(name, None if flags is None else flags.cpu()) for name, flags in given]
     groups: dict[str, list[str]] = {}
     for n, k in (empty_map | empty_region).nonzero().tolist():
         reason = next((name for name, flags in checks if flags is not None and bool(flags[n, k])), "other")
@@ -602,7 +655,7 @@ class Explainer(ABC):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         preprocess: PreprocessSpec = None,
         normalize: Optional[str] = "max",
@@ -610,6 +663,7 @@ class Explainer(ABC):
         output: OutputSelector = None,
         progress: Optional[bool] = None,
     ):
+        model, preprocess, class_names, output = loaded_model_parts(model, preprocess, class_names, output)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
         check_hookable(model)
@@ -771,38 +825,44 @@ class Explainer(ABC):
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
         scope = CallScope(self.model)
-        with scope:
+        with scope, deferred_checks() as checks:  # the checks of values: one host sync, at the end of the call
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
                 scope.enter(torch.inference_mode(False))
-            check_parameters_usable(self.model)
-            prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
+            device = model_device(self.model)
+            prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
             scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
             self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,
                                                     input_position, prepared.batch.shape[0], per_image)
-            scope.eval_mode(self.model)
-            scope.without_gradient_checkpointing(self.model)
+            modules = list(self.model.modules())
+            scope.eval_mode(self.model, modules)
+            scope.without_gradient_checkpointing(self.model, modules)
+            if device.type == "cpu":  # torch's CPU BatchNorm backward (see _eval_batch_norm)
+                self.guard_batch_norm_gradients(scope, modules)
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
-            copies_before = channels_last_copies()
-            attribution: Optional[Attribution] = None
             try:
-                attribution = self.attribute(prepared.batch, target, topk)
-            except (RuntimeError, AssertionError, ValueError) as error:
-                if channels_last_copies() == copies_before or not may_be_layout_error(error):
-                    raise
-            if attribution is None:  # the model may have refused a channels-last batch: run as it always runs
-                scope.enter(usual_layout_only())
-                attribution = self.attribute(prepared.batch, target, topk)
-            raw = upsample_maps(attribution.maps.detach(), prepared.batch.shape[-2:])
-            check_finite_maps(raw, self.method_name)
-            warn_about_empty_maps(raw, attribution, self.method_name)
-            warn_about_precision(self, reduced_precision(self.model, prepared.batch))
+                attribution = self._attribute_in_a_layout_the_model_takes(scope, prepared.batch, target, topk)
+            except Exception as error:
+                checks.run()  # a check that fails (a NaN input or score) is the cause to report
+                if isinstance(error, RuntimeError):
+                    check_parameters_usable(self.model, error)  # parameters made in inference mode: say so
+                raise
+            raw = upsample_maps(without_graph(attribution.maps), prepared.batch.shape[-2:])
+            extremes = map_extremes(raw, self.normalize, attribution.nonnegative_maps)
+            empty: list[bool] = []
+            check(extremes, lambda values: empty.extend(checked_map_extremes(values, extremes.shape, self.normalize,
+                                                                             self.method_name)))
+            checks.run()
+            if any(empty):
+                warn_about_empty_maps(torch.tensor(empty).view(raw.shape[:2]), attribution, self.method_name)
+            if self.reads_pixel_gradients():
+                warn_about_precision(self, reduced_precision(self.model, prepared.batch))
             selected = attribution.selected
             return Explanation(
-                map_grid=normalize_maps(raw, self.normalize),
+                map_grid=normalize_maps(raw, self.normalize, extremes),
                 raw_map_grid=raw,
-                scores=selected.scores.detach().float(),
+                scores=without_graph(selected.scores).float(),
                 class_indices=selected.class_indices,
                 display=prepared.display,
                 method=self.method_name,
@@ -811,10 +871,28 @@ class Explainer(ABC):
                 low_res_maps=attribution.low_res_maps,
                 probabilities=selected.probabilities,
                 attributions=(None if attribution.attributions is None
-                              else attribution.attributions.detach().contiguous()),
+                              else without_graph(attribution.attributions).contiguous()),
                 diagnostics=attribution.diagnostics,
                 class_names=self.class_names,
             )
+
+    def guard_batch_norm_gradients(self, scope: CallScope, modules: list[nn.Module]) -> None:
+        """On the CPU, for the call (``scope``): every BatchNorm module among ``modules`` (the model's) that the call
+        differentiates hands its backward a contiguous gradient (``_eval_batch_norm``); here, all of them. A method
+        that knows which of them its backward passes can reach may guard those alone."""
+        contiguous_batch_norm_gradients(scope, modules)
+
+    def _attribute_in_a_layout_the_model_takes(self, scope: CallScope, batch: Tensor, target: Target,
+                                               topk: Optional[int]) -> Attribution:
+        """``attribute``, run again in the batch's usual layout when the model refused a channels-last copy."""
+        copies_before = channels_last_copies()
+        try:
+            return self.attribute(batch, target, topk)
+        except (RuntimeError, AssertionError, ValueError) as error:
+            if channels_last_copies() == copies_before or not may_be_layout_error(error):
+                raise
+        scope.enter(usual_layout_only())
+        return self.attribute(batch, target, topk)
 
     @abstractmethod
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:

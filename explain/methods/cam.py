@@ -11,7 +11,7 @@ with ``smooth="eigen"`` projected on their first principal component.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,10 +21,23 @@ from ..attention import StepwiseAttention
 from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..layers import default_layer
 from ..layouts import Layout, Reshape, infer_layout, model_tokens
+from ..models import ModelSource
 from ..rules import call_rules
+from ..scope import CallScope
 from ..targets import SelectedTargets, Target, select_targets
 from ..units import BoundUnits, UnitTarget
-from .base import Attribution, Explainer, ExplainerOptions, PerThread, normalize_maps, register, upsample_maps
+from ._eval_batch_norm import contiguous_batch_norm_gradients
+from .base import (
+    Attribution,
+    Explainer,
+    ExplainerOptions,
+    Flags,
+    PerThread,
+    flags_of,
+    normalize_maps,
+    register,
+    upsample_maps,
+)
 
 COMBINATIONS = ("mean", "max", "sum", "product")
 SMOOTHINGS = (None, "augment", "eigen")
@@ -123,7 +136,7 @@ def augmented_attribution(attribute: Callable[[Tensor, Target, Optional[int]], A
             layers = [back(maps.float()) for maps in attribution.low_res_maps]
             low_res = layers if low_res is None else [a + b for a, b in zip(low_res, layers)]
         for key in ("zero_gradient", "disconnected", "negative_everywhere"):
-            value = getattr(attribution, key)
+            value = flags_of(getattr(attribution, key))
             if value is not None:
                 flags[key] = value & flags[key] if key in flags else value
     assert first is not None and total is not None, "AUGMENTATIONS holds at least the unchanged image"
@@ -171,9 +184,13 @@ class CAM(Explainer):
     """Whether ``layer_map`` needs G = ∂score/∂A (else the whole forward runs without a graph)."""
     _layouts: PerThread[list[Layout]] = PerThread()
     """During a call: how each layer's output maps to (N, C, h, w)."""
-    _zero_gradient: PerThread[tuple[Tensor, Tensor]] = PerThread()
+    _zero_gradient: PerThread[tuple[Flags, Flags]] = PerThread()
     """During a call: (N, K) bool where the gradient at every layer was zero everywhere, and (N, K)
     bool where the score does not depend on the layers at all."""
+
+    _batch_norm_guard: PerThread[tuple[CallScope, list[nn.Module]]] = PerThread()
+    """During a call, until a target layer has run: the call's scope and the model's modules, whose BatchNorm
+    modules get their gradient guard then (``guard_batch_norm_gradients``)."""
 
     layer_maps_reduce_channels: ClassVar[bool] = False
     """For a subclass that overrides ``layer_maps``: whether it sums channels with
@@ -181,7 +198,7 @@ class CAM(Explainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         layer: TargetLayers = None,
         *,
         relu: bool = True,
@@ -246,9 +263,43 @@ class CAM(Explainer):
             return augmented_attribution(self._attribute_once, batch, target, topk, self.normalize)
         return self._attribute_once(batch, target, topk)
 
+    def guard_batch_norm_gradients(self, scope: CallScope, modules: list[nn.Module]) -> None:
+        """The part of the model before the target layers runs without a graph (``_attribute_once``), so no backward
+        reaches a BatchNorm module that runs there: the guard is given to the BatchNorm modules when a target layer
+        has run (none run before then get it, and no hook of ours runs in that part), or at once where the graph
+        starts at the input (a hidden unit as the target). A CAM that takes no gradient needs none; a subclass that
+        runs the model otherwise guards every BatchNorm module, as other methods do."""
+        if type(self).attribute is not CAM.attribute or type(self)._attribute_once is not CAM._attribute_once:
+            super().guard_batch_norm_gradients(scope, modules)
+        elif self.uses_gradients:
+            outer = self._batch_norm_guard  # this explainer's call in progress, when it is called inside it
+            scope.add_undo(lambda: setattr(self, "_batch_norm_guard", outer))
+            self._batch_norm_guard = scope, modules
+
+    def _guard_batch_norm_from_layers(self, target: Target) -> None:
+        """Give the BatchNorm modules their gradient guard when the first target layer has run (see
+        ``guard_batch_norm_gradients``), or now for a hidden unit, whose graph starts at the input."""
+        guard = self._batch_norm_guard
+        if guard is None:
+            return
+        scope, modules = guard
+        if isinstance(target, BoundUnits):
+            self._batch_norm_guard = None
+            contiguous_batch_norm_gradients(scope, modules)
+            return
+
+        def guard_the_rest(module: nn.Module, args: Any, output: Any) -> None:
+            if self._batch_norm_guard is guard:  # at the first target layer to run
+                self._batch_norm_guard = None
+                contiguous_batch_norm_gradients(scope, modules)
+
+        for _, layer in self.layers or ():
+            scope.forward_hook(layer, guard_the_rest)
+
     def _attribute_once(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         if self.layers is None:
             self.layers = find_layers(self.model, default_layer(self.model, batch, run=self.call_model))
+        self._guard_batch_norm_from_layers(target)
         # a hidden unit may lie before the target layer: then the graph must start at the input
         prefix = contextlib.nullcontext() if isinstance(target, BoundUnits) else torch.no_grad()
         # also inside a caller's no_grad(): gradient methods need a graph here
@@ -258,7 +309,8 @@ class CAM(Explainer):
                 output = self.call_model(batch)
             activations = capture.activations()
             check_batch_dimension(self.layer_names, activations, batch.shape[0])
-            tokens = model_tokens(self.model)  # read once for every layer
+            # what the model states of its tokens, read once for every token layer (feature maps need none)
+            tokens = model_tokens(self.model) if any(activation.dim() == 3 for activation in activations) else None
             self._layouts = [infer_layout(activation, batch.shape[-2:], self.reshape, name, module, model=tokens)
                              for (name, module), activation in zip(self.layers, activations)]
             selected = select_targets(output, target, topk, batch_size=batch.shape[0])
@@ -267,7 +319,12 @@ class CAM(Explainer):
         selected.scores = selected.scores.detach()
         negative = None
         if self.relu:
-            negative = torch.stack([(m <= 0).flatten(2).all(2) & (m != 0).flatten(2).any(2) for m in maps]).all(0)
+            before_relu = maps
+
+            def negative() -> Tensor:  # computed when a map is empty, to say why
+                return torch.stack([(m <= 0).flatten(2).all(2) & (m != 0).flatten(2).any(2)
+                                    for m in before_relu]).all(0)
+
             maps = [torch.relu(layer_maps) for layer_maps in maps]
         attribution = self._combine_layers(maps, selected, batch.shape[-2:])
         attribution.negative_everywhere = negative
@@ -291,28 +348,36 @@ class CAM(Explainer):
                     for i, activation in enumerate(activations)]
             return [layer_map.unsqueeze(1).expand(-1, targets_per_image, -1, -1) for layer_map in maps]
         per_layer: list[list[Tensor]] = [[] for _ in activations]
-        zero_gradient: list[Tensor] = []
+        nonzero: list[list[Tensor]] = []  # per target, per layer: (N,) counts of non-zero gradient values
         disconnected: list[Tensor] = []
         for target_index in range(targets_per_image):
             gradients, unreachable = self.layer_gradients(
                 selected.scores[:, target_index], activations, retain_graph=target_index < targets_per_image - 1
             )
-            zero_at_every_layer = torch.ones(len(selected.scores), dtype=torch.bool, device=selected.scores.device)
+            counts = []
             for i, (maps, activation, gradient) in enumerate(zip(per_layer, activations, gradients)):
                 feature_gradients = self.feature_maps(i, gradient).float()
-                zero_at_every_layer &= feature_gradients.flatten(1).eq(0).all(1).to(zero_at_every_layer.device)
+                counts.append(torch.count_nonzero(feature_gradients, dim=tuple(range(1, feature_gradients.dim()))))
                 maps.append(self.layer_map(self.feature_maps(i, activation.detach()).float(), feature_gradients))
-            zero_gradient.append(zero_at_every_layer)
-            disconnected.append(unreachable.to(zero_at_every_layer.device))
-        self._zero_gradient = torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
+            nonzero.append(counts)
+            disconnected.append(unreachable)
+
+        def zero_gradient() -> Tensor:  # (N, K): the gradient zero at every layer; computed when a map is empty
+            return torch.stack([sum(counts).cpu() == 0 for counts in nonzero], dim=1)  # type: ignore[union-attr]
+
+        self._zero_gradient = zero_gradient, lambda: torch.stack([flags.cpu() for flags in disconnected], dim=1)
         return [torch.stack(maps, dim=1) for maps in per_layer]
 
     def _combine_layers(self, low_res: list[Tensor], selected: SelectedTargets, input_size: Sequence[int]
                         ) -> Attribution:
-        """Per layer (N, K, h, w) maps → Attribution with (N, K, H, W) maps, layers combined."""
+        """Per layer (N, K, h, w) maps → Attribution with (N, K, H, W) maps, layers combined (a token layer's map is
+        0 on the pixels its patch embedding never reads: ``Layout.to_input``)."""
+        layouts = self._layouts
+        assert layouts is not None, "the layers' layouts are known until the call ends"
+        on_input = [layout.to_input(maps, input_size) for layout, maps in zip(layouts, low_res)]
         if len(low_res) == 1:
-            return Attribution(maps=low_res[0], selected=selected, low_res_maps=low_res, layer=self.layer_names[0])
-        scaled = [normalize_maps(maps, "max") if self.normalize_layers else maps for maps in low_res]
+            return Attribution(maps=on_input[0], selected=selected, low_res_maps=low_res, layer=self.layer_names[0])
+        scaled = [normalize_maps(maps, "max") if self.normalize_layers else maps for maps in on_input]
         resized = torch.stack([upsample_maps(maps, input_size) for maps in scaled])
         reductions: dict[str, Callable[[Tensor, int], Tensor]] = {
             "mean": torch.mean, "max": torch.amax, "sum": torch.sum, "product": torch.prod}
@@ -487,7 +552,7 @@ class RandomCAM(CAM):
     summary = "Random-CAM: feature maps weighted by random numbers, a baseline every method should beat"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, seed: int = 0, **options: Unpack[CAMOptions]):
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, seed: int = 0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         self.seed = seed
 
@@ -512,7 +577,8 @@ class FEM(CAM):
     summary = "FEM: binary maps of each channel's k-sigma outliers weighted by the channel mean (no gradient)"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, k: float = 2.0, **options: Unpack[CAMOptions]):
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, k: float = 2.0,
+                 **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         self.k = k
 
@@ -583,7 +649,7 @@ class KernelPCACAM(CAM):
     summary = "KPCA-CAM: first kernel principal component of the feature maps (class-agnostic, no gradient)"
     uses_gradients = False
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, kernel: str = "sigmoid",
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, kernel: str = "sigmoid",
                  gamma: Optional[float] = None, degree: int = 3, coef0: float = 1.0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         if kernel not in KERNELS:
@@ -643,27 +709,37 @@ Classifier = Union[str, nn.Module]
 class ClassActivationMapping(CAM):
     """CAM, class activation mapping (Zhou et al. 2016): Σ_k w_c,k A_k, the layer's feature maps weighted
     by the classifier's weights for class c, no gradient. Exact for networks that average-pool the
-    layer over positions and then apply one linear layer (ResNets, DenseNets, MobileNets, EfficientNets
+    layer over positions and then apply one linear layer (ResNets, DenseNets, MobileNetV2, EfficientNets
     at their last convolutional stage): the class score is then the map's mean plus the bias, and
     Grad-CAM at that layer gives the same map. (``explain.CAM`` is the family's base class; this is
     the method of that name, registered as "cam".)
 
-    classifier: the linear layer (or 1 × 1 convolution) that reads the pooled layer: a
-        ``named_modules()`` name, the module, or "auto" (default: the model's last ``nn.Linear`` whose
-        ``in_features`` equals the layer's channels).
+    classifier: the linear layer (or 1 × 1 convolution) that produces the class scores: a
+        ``named_modules()`` name, the module, or "auto" (default): the ``nn.Linear`` or 1 × 1 ``nn.Conv2d``
+        whose output is the model's output, found in each call's forward pass (the same values, at most
+        reshaped: a flatten, dropout in eval mode or an identity may follow it). A model whose scores are
+        computed from that output (a temperature, a sigmoid) needs ``classifier=`` named. "auto" never
+        takes a hidden layer: where no layer produces the output, or the classifier does not read the
+        layer's channels (VGG and MobileNetV3 have hidden layers after pooling; DINOv2's classifier
+        reads the class token joined with the mean patch token), the call raises and says why.
     Targets are classes (an int, one per image, K per image, or ``topk``): row c of the classifier's
-    weight matrix weights the maps. The layer must be the one whose pooled output the classifier reads
-    (torchvision's DenseNet applies a last ReLU as a function after ``features``: the map of ``features``
-    uses the features before it). The paper's map is signed, as with ``relu=False``; the default
-    ``relu=True`` keeps its positive evidence, as every CAM here.
+    weight matrix weights the maps, so the classifier has one row per class of the model's output.
+    The layer must be the one whose pooled output the classifier reads (torchvision's DenseNet applies
+    a last ReLU as a function after ``features``: the map of ``features`` uses the features before it).
+    The paper's map is signed, as with ``relu=False``; the default ``relu=True`` keeps its positive
+    evidence, as every CAM here.
     """
 
     name = "cam"
     summary = "CAM (Zhou et al. 2016): feature maps weighted by the classifier's weights for the class"
     uses_gradients = False
     layer_maps_reduce_channels = True
+    _output_classifier: PerThread[tuple[str, nn.Module]] = PerThread()
+    """During a call, classifier="auto": the (name, module) whose output the last forward pass returned."""
+    _output_classes: PerThread[int] = PerThread()
+    """During a call: the number of classes of the last forward pass's (N, classes) output."""
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, classifier: Classifier = "auto",
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, classifier: Classifier = "auto",
                  **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
         if isinstance(classifier, str) and classifier != "auto":
@@ -676,39 +752,101 @@ class ClassActivationMapping(CAM):
                             f"{type(classifier).__name__}.")
         if isinstance(classifier, nn.Module) and class_weights(classifier) is None:
             raise TypeError(f"classifier must be an nn.Linear or a 1 × 1 nn.Conv2d (its weights give the classes' "
-                             f"channel weights); got {type(classifier).__name__}.")
+                            f"channel weights); got {type(classifier).__name__}.")
         self.classifier = classifier
 
-    def weights_for(self, channels: int, layer_name: str) -> Tensor:
-        """(classes, channels) weights of the classifier that reads the layer's ``channels`` features."""
+    def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
+        """The model's forward pass (see ``Explainer.call_model``); with classifier="auto" it also notes which
+        candidate classifier produced the output (see ``OutputProducers``)."""
         if isinstance(self.classifier, nn.Module):
-            weights = class_weights(self.classifier)
-            assert weights is not None, "checked in __init__"
-            if weights.shape[1] != channels:
-                raise ValueError(f"the classifier takes {weights.shape[1]} features, but layer {layer_name!r} has "
-                                 f"{channels} channels: CAM needs the layer whose pooled output the classifier reads "
-                                 "(usually the last convolutional stage).")
-            return weights
-        heads = [module for module in self.model.modules()
-                 if isinstance(module, nn.Linear) and module.in_features == channels]
-        if not heads:
-            raise ValueError(f"no nn.Linear of the model takes {channels} features, the channels of layer "
-                             f"{layer_name!r}: CAM needs a model that pools that layer and applies a linear "
-                             "classifier. Give classifier= (a module name), or explain the layer the classifier "
-                             "reads, or use Grad-CAM, which needs no classifier.")
-        return heads[-1].weight.detach()
+            output = super().call_model(inputs, rows)
+        else:
+            with OutputProducers(self.model) as producers:
+                output = super().call_model(inputs, rows)
+                self._output_classifier = producers.producer_of(output)
+        self._output_classes = output.shape[1] if isinstance(output, Tensor) and output.dim() == 2 else None
+        return output
+
+    def weights_for(self, channels: int, layer_name: str) -> Tensor:
+        """(classes, channels) weights of the classifier (given, or found in this call's forward pass) that
+        reads the layer's ``channels`` features; an error that says why where there is none."""
+        if isinstance(self.classifier, nn.Module):
+            name, classifier, described = module_name(self.model, self.classifier), self.classifier, "the classifier"
+        else:
+            found = self._output_classifier
+            if found is None:
+                raise ValueError(no_output_classifier_message(self.model, channels, layer_name))
+            (name, classifier), described = found, "the model's classifier"
+        weights = class_weights(classifier)
+        assert weights is not None, "a module given is checked in __init__; one found is a candidate"
+        if weights.shape[1] != channels:
+            hidden = [other for other in reversed(taking_features(self.model, channels)) if other != name]
+            raise ValueError(
+                f"{described} {name!r} takes {weights.shape[1]} features, but layer {layer_name!r} has {channels} "
+                "channels: CAM needs the layer whose pooled output the classifier reads (usually the last "
+                "convolutional stage). A model with hidden layers between the pooling and the classifier (VGG, "
+                "MobileNetV3, a head with a hidden MLP) has no such layer: use Grad-CAM, which needs no classifier."
+                + (f" (Other layers take {channels} features, {listed(hidden)}, but none of them produces the "
+                   "model's output: their rows are not the classes.)" if hidden else ""))
+        classes = self._output_classes
+        if classes is not None and weights.shape[0] != classes:
+            raise ValueError(
+                f"{described} {name!r} has {weights.shape[0]} outputs, but the model's output has {classes} classes: "
+                "CAM weights the maps by the classifier's row for the class, so the classifier must be the layer "
+                "that produces the model's scores, not a hidden layer. Give that layer (classifier='NAME') or "
+                "classifier='auto'.")
+        return weights
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         if selected.class_indices is None:
             raise ValueError("CAM weights the maps by a class's classifier weights, so its targets are classes (an "
                              "int, one per image, K per image, or topk), not a callable; use Grad-CAM for other "
                              "targets.")
-        maps = []
-        for index, (name, activation) in enumerate(zip(self.layer_names, activations)):
-            feature_maps = self.feature_maps(index, activation).float()
-            weights = self.weights_for(feature_maps.shape[1], name).float().to(feature_maps.device)
-            maps.append(self.weighted_maps(weights[selected.class_indices.to(weights.device)], feature_maps))
-        return maps
+        try:
+            maps = []
+            for index, (name, activation) in enumerate(zip(self.layer_names, activations)):
+                feature_maps = self.feature_maps(index, activation).float()
+                weights = self.weights_for(feature_maps.shape[1], name).float().to(feature_maps.device)
+                maps.append(self.weighted_maps(weights[selected.class_indices.to(weights.device)], feature_maps))
+            return maps
+        finally:
+            self._output_classifier = self._output_classes = None
+
+
+class OutputProducers(CallScope["OutputProducers"]):
+    """Forward hooks, for one forward pass of this thread, that keep the outputs of the candidate classifiers
+    (every ``nn.Linear`` and 1 × 1 ``nn.Conv2d``) whose shape can be class scores, (N, K) or (N, K, 1, 1), so
+    that ``producer_of`` can tell which one produced the model's output. Other outputs (a transformer's
+    per-token projections, a CNN's 1 × 1 convolutions over positions) cannot be the scores and are not kept."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.outputs: list[tuple[str, nn.Module, Tensor]] = []
+
+    def setup(self) -> "OutputProducers":
+        self.add_undo(self.outputs.clear)
+        for name, module in self.model.named_modules() if self.model is not None else ():
+            if class_weights(module) is not None:
+                self.forward_hook(module, self._hook_for(name))
+        return self
+
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+            if isinstance(output, Tensor) and (output.dim() == 2 or (output.dim() == 4 and output.shape[2:] == (1, 1))):
+                self.outputs.append((name, module, output))
+
+        return hook
+
+    def producer_of(self, output: object) -> Optional[tuple[str, nn.Module]]:
+        """(name, module) of the last candidate whose output is the model's ``output``: the same values in the same
+        order, at most reshaped or cast (a flatten, dropout in eval mode, an identity, a copy); None if none is."""
+        if not isinstance(output, Tensor):
+            return None
+        for name, module, produced in reversed(self.outputs):
+            if produced.shape[0] == output.shape[0] and produced.numel() == output.numel() and torch.equal(
+                    produced.detach().reshape(output.shape).to(output.dtype), output.detach()):
+                return name, module
+        return None
 
 
 def class_weights(classifier: nn.Module) -> Optional[Tensor]:
@@ -718,3 +856,35 @@ def class_weights(classifier: nn.Module) -> Optional[Tensor]:
     if isinstance(classifier, nn.Conv2d) and tuple(classifier.kernel_size) == (1, 1) and classifier.groups == 1:
         return classifier.weight.detach().flatten(1)
     return None
+
+
+def taking_features(model: nn.Module, features: int) -> list[str]:
+    """Names of the model's nn.Linear and 1 × 1 nn.Conv2d modules that take ``features`` input features."""
+    return [name for name, module in model.named_modules()
+            if (weights := class_weights(module)) is not None and weights.shape[1] == features]
+
+
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """The module's ``named_modules()`` name in the model (its type's name if it is not the model's)."""
+    return next((name for name, candidate in model.named_modules() if candidate is module), type(module).__name__)
+
+
+def listed(names: Sequence[str], most: int = 5) -> str:
+    """'a', 'b' and 3 more: the first ``most`` names quoted, the rest counted."""
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def no_output_classifier_message(model: nn.Module, channels: int, layer_name: str) -> str:
+    """Why classifier="auto" found no classifier, which layers it considered and what to do."""
+    considered = list(reversed(taking_features(model, channels)))
+    if considered:
+        why = (f" It considered the layers that take the {channels} features of layer {layer_name!r}, "
+               f"{listed(considered)}: none of them produces the output (hidden layers: their rows are not the "
+               "classes).")
+    else:
+        why = f" No nn.Linear or 1 × 1 nn.Conv2d of the model takes the {channels} features of layer {layer_name!r}."
+    return ("CAM's classifier='auto' found no nn.Linear or 1 × 1 nn.Conv2d whose output is the model's output (the "
+            "same values, at most reshaped), so it cannot tell which weights belong to the classes." + why
+            + " If the model's scores are computed from one layer's outputs (a temperature, a sigmoid), name it: "
+            "classifier='NAME'; otherwise use Grad-CAM, which needs no classifier.")

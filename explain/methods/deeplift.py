@@ -38,9 +38,10 @@ import warnings
 from typing import ClassVar, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
+from ..models import ModelSource
 from ..targets import SelectedTargets, Target, select_targets
 from ._deeplift_rules import deeplift_rules, detached_output
 from .base import Attribution, checked_batch_size, register
@@ -71,7 +72,7 @@ class DeepLift(GradientExplainer):
     name = "deeplift"
     summary = "DeepLIFT: differences from a baseline propagated with the rescale rule (sums to the score change)"
 
-    def __init__(self, model: nn.Module, *, baseline: Union[str, Tensor] = "zeros", eps: float = 1e-10,
+    def __init__(self, model: ModelSource, *, baseline: Union[str, Tensor] = "zeros", eps: float = 1e-10,
                  **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         baseline_like(baseline, None)  # validates
@@ -194,7 +195,7 @@ class DeepLiftShap(DeepLift):
     not_options: ClassVar[tuple[str, ...]] = ("baseline",)
     """DeepLift's single baseline is replaced by ``baselines``."""
 
-    def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, eps: float = 1e-10,
+    def __init__(self, model: ModelSource, baselines: Optional[Tensor] = None, *, eps: float = 1e-10,
                  batch_size: Optional[int] = None, **options: Unpack[GradientOptions]):
         check_references(baselines)
         checked_batch_size(batch_size)

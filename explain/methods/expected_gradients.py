@@ -4,15 +4,25 @@ with the baseline drawn from a distribution and the integral estimated by sampli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
+from ..checks import check_finite
+from ..models import ModelSource
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register
-from .gradients import GradientExplainer, GradientOptions, all_zero
+from .base import Attribution, Flags, checked_batch_size, register
+from .gradients import (
+    GradientExplainer,
+    GradientOptions,
+    UnsplitOutput,
+    all_zero,
+    every_row,
+    fold_leading_rows,
+    sum_per_image,
+)
 from .options import bool_option, check_finite_reference, int_option, number_option, random_generator, seed_option
 
 
@@ -33,7 +43,9 @@ def references_for(baselines: Optional[Tensor], batch: Tensor) -> Tensor:
         raise ValueError(f"the baselines are {tuple(baselines.shape[1:])} per image but the inputs are "
                          f"{tuple(batch.shape[1:])}; give baselines of the model input's shape.")
     references = baselines.to(batch.device, batch.dtype)
-    check_finite_reference(references, f"baselines (cast to the model's {batch.dtype})")
+    if references.dtype != baselines.dtype:  # finite as given (checked when the explainer was made); the cast too?
+        name = f"baselines (cast to the model's {batch.dtype})"
+        check_finite(references, lambda values: check_finite_reference(values, name))  # at the call's end
     return references
 
 
@@ -42,12 +54,56 @@ class PathSamples:
     """The random draws of one call, for S samples per image (rows ordered image by image).
 
     baseline_index: (N·S,) which reference each sample uses; alphas: (N·S,) positions on the
-    path in [0, 1]; noise: (N·S, C, H, W) Gaussian noise added to the image.
+    path in [0, 1]; noise: (N·S, C, H, W) Gaussian noise added to the image, None for none.
     """
 
     baseline_index: Tensor
     alphas: Tensor
-    noise: Tensor
+    noise: Optional[Tensor]
+
+
+class DrawnReferences:
+    """The references drawn in a call, for their scores y(b) (GradientSHAP's completeness check): a reference's
+    output is the same for every image unless the call has per-image forward arguments (``shared`` False), so the
+    model runs once per distinct reference drawn (16 samples from 4 references: 4 rows, whatever the batch),
+    else once per distinct (image, reference) pair.
+
+    references: (B, C, H, W); image_of_row, reference_of_row: (R,) the image and reference of each drawn row."""
+
+    def __init__(self, references: Tensor, image_of_row: Tensor, reference_of_row: Tensor, shared: bool):
+        self.references, self.image_of_row, self.shared = references, image_of_row, shared
+        key_of_row = reference_of_row if shared else image_of_row * len(references) + reference_of_row
+        self.keys, self.row_to_key = torch.unique(key_of_row, return_inverse=True)
+
+    def inputs(self) -> Tensor:
+        """(len(keys), C, H, W): the reference of each key."""
+        return self.references[self.keys if self.shared else self.keys % len(self.references)]
+
+    def images_of_inputs(self, count: int) -> Tensor:
+        """The image each model row is for: ``count`` images first (0 … count − 1), then each key's (any image for
+        shared references: their forward arguments are the same for every image)."""
+        key_images = torch.zeros_like(self.keys) if self.shared else self.keys // len(self.references)
+        return torch.cat([torch.arange(count, device=self.keys.device), key_images]) if count else key_images
+
+    def key_scores(self, output: object, selected: SelectedTargets, chunk: slice) -> Tensor:
+        """The output of keys ``chunk`` as it is, for ``row_scores`` (class scores are read per row's image there);
+        a callable target's (len, K) scores at once, per-image keys' scores for their image."""
+        if selected.target_function is not None:
+            return selected.scores_for(output, self.keys[chunk]).double()
+        if not self.shared:
+            return selected.scores_for(output, self.keys[chunk] // len(self.references)).double()
+        assert isinstance(output, Tensor), "class targets read (rows, classes) scores"
+        return output.double()
+
+    def row_scores(self, key_output: Tensor, selected: SelectedTargets) -> Tensor:
+        """(R, K) float64 y(b) of each drawn row, from ``key_scores`` of every key."""
+        if selected.target_function is None and self.shared:  # each row reads its image's classes
+            return selected.scores_for(key_output[self.row_to_key], self.image_of_row)
+        return key_output[self.row_to_key]
+
+    def scores(self, output: object, selected: SelectedTargets) -> Tensor:
+        """(R, K) float64 y(b) of each drawn row, from the model's (detached) output on ``inputs()``."""
+        return self.row_scores(self.key_scores(output, selected, slice(None)), selected)
 
 
 @register
@@ -79,7 +135,7 @@ class GradientShap(GradientExplainer):
     summary = "GradientSHAP / expected gradients: gradients at random points between the input and random references"
     records_the_forward = False  # only differentiates the output
 
-    def __init__(self, model: nn.Module, baselines: Optional[Tensor] = None, *, samples: int = 25,
+    def __init__(self, model: ModelSource, baselines: Optional[Tensor] = None, *, samples: int = 25,
                  noise_std: float = 0.0, seed: Optional[int] = 0, multiply_by_inputs: bool = True,
                  batch_size: Optional[int] = None, check_completeness: bool = True, **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
@@ -103,87 +159,108 @@ class GradientShap(GradientExplainer):
                                        generator=generator, device=device)
         alphas = torch.rand(rows, generator=generator, dtype=torch.float64, device=device)
         if self.noise_std == 0:
-            noise = torch.zeros((rows, *batch.shape[1:]), device=device, dtype=batch.dtype)
-        else:
-            noise = torch.randn((rows, *batch.shape[1:]), generator=generator, device=device) * self.noise_std
+            return PathSamples(baseline_index, alphas, None)
+        noise = torch.randn((rows, *batch.shape[1:]), generator=generator, device=device) * self.noise_std
         return PathSamples(baseline_index, alphas, noise.to(batch.dtype))
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        return self.attribute_with(batch, (target, topk), self.draw(batch))
+
+    def attribute_with(self, batch: Tensor, targets: SelectedTargets | tuple[Target, Optional[int]],
+                       samples: PathSamples) -> Attribution:
+        """The attributions for given draws (``draw`` makes them; a test may give a peer's). targets: selected
+        already, or (target, topk) to select them on the images' forward, which is then made with the first pass
+        of the path (``fold_leading_rows``), together with the references' forward of the completeness check."""
         count = batch.shape[0]
-        with torch.no_grad():
-            selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
-        return self.attribute_with(batch, selected, self.draw(batch))
-
-    def reference_scores(self, references: Tensor, image_of_row: Tensor, reference_of_row: Tensor,
-                         selected: SelectedTargets) -> Tensor:
-        """(N, K) float64 sums over each image's drawn rows of y(x'), the score of the row's reference.
-        A reference's output is the same for every image unless the call has per-image forward
-        arguments: then one no-grad forward per distinct (image, reference) pair, else one per
-        distinct reference (16 samples from 4 references cost 4 forwards, whatever the batch)."""
-        shared = self._forward_call is None
-        key_of_row = reference_of_row if shared else image_of_row * len(references) + reference_of_row
-        keys, row_to_key = torch.unique(key_of_row, return_inverse=True)
-        row_scores = torch.empty(len(key_of_row), selected.scores.shape[1], dtype=torch.float64,
-                                 device=image_of_row.device)
-
-        def chunk_scores(chunk_keys: slice) -> tuple[Tensor, Tensor]:
-            """((R,) bool: the rows whose key is in the chunk, (R, K) float64: their scores there)."""
-            chunk = keys[chunk_keys]
-            in_chunk = (row_to_key >= chunk_keys.start) & (row_to_key < chunk_keys.stop)
-            scores = torch.zeros_like(row_scores)
-            with torch.no_grad():
-                if shared:  # one output per reference, scored for the target of each image drawing it
-                    output = self.call_model(references[chunk])
-                    for image in torch.unique(image_of_row[in_chunk]):
-                        rows = in_chunk & (image_of_row == image)
-                        image_scores = selected.scores_for(output, image.expand(len(chunk))).double()
-                        scores[rows] = image_scores[row_to_key[rows] - chunk_keys.start]
-                else:
-                    images = chunk // len(references)
-                    output = self.call_model(references[chunk % len(references)], rows=images)
-                    pair_scores = selected.scores_for(output, images).double()
-                    scores[in_chunk] = pair_scores[row_to_key[in_chunk] - chunk_keys.start]
-            return in_chunk, scores
-
-        for _, (in_chunk, scores) in self.row_passes(len(keys), self.batch_size, image_of_row.device, chunk_scores):
-            row_scores[in_chunk] = scores[in_chunk]
-        sums = torch.zeros(selected.scores.shape, dtype=torch.float64, device=row_scores.device)
-        return sums.index_add_(0, image_of_row, row_scores)
-
-    def attribute_with(self, batch: Tensor, selected: SelectedTargets, samples: PathSamples) -> Attribution:
-        """The attributions for given draws (``draw`` makes them; a test may give a peer's)."""
-        count, targets = batch.shape[0], selected.scores.shape[1]
         baselines = references_for(self.baselines, batch)
         per_image = len(samples.alphas) // count
-        image_of_row = torch.arange(count, device=batch.device).repeat_interleave(per_image)
-        total = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
-        disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
-        empty_path = torch.ones(count, dtype=torch.bool, device=batch.device)  # every draw's reference = its input
+        image_of_row = torch.arange(count * per_image, device=batch.device) // per_image
+        ends: dict[str, Any] = {}  # "selected": the targets; "reference_scores": (R, K) y(b) of each drawn row
+        if isinstance(targets, SelectedTargets):
+            ends["selected"] = targets
+        target, topk = (None, None) if isinstance(targets, SelectedTargets) else targets
+        references = DrawnReferences(baselines, image_of_row, samples.baseline_index, self._forward_call is None) \
+            if self.check_completeness else None
 
-        def path_terms(rows: slice) -> tuple[Tensor, Tensor, Tensor]:  # the rows' terms of the expectation, float64
-            images = image_of_row[rows]
-            references = baselines[samples.baseline_index[rows]]
-            noisy = batch[images] + samples.noise[rows]
-            alphas = samples.alphas[rows].to(batch.dtype).view(-1, 1, 1, 1)
-            points = alphas * noisy + (1 - alphas) * references
-            gradients, unreachable = self.copies_gradients(points, selected, images)
+        def select(outputs: list[object]) -> SelectedTargets:
+            """The targets, from the outputs of the leading rows: the images', then the references', if any."""
+            ends["selected"] = select_targets(outputs[0], target, topk, batch_size=count)
+            if references is not None:
+                ends["reference_scores"] = references.scores(outputs[1], ends["selected"])
+            return ends["selected"]
+
+        def path_terms(rows: slice) -> tuple[Tensor, Flags]:  # the rows' terms of the expectation, float64
+            every = rows.start == 0 and rows.stop == len(image_of_row)  # one pass: no slicing
+            images = image_of_row if every else image_of_row[rows]
+            references_of_rows = baselines[samples.baseline_index if every else samples.baseline_index[rows]]
+            noisy = batch if count == 1 else batch[images]  # the one image broadcasts
+            if samples.noise is not None:
+                noisy = noisy + (samples.noise if every else samples.noise[rows])
+            alphas = (samples.alphas if every else samples.alphas[rows]).to(batch.dtype).view(-1, 1, 1, 1)
+            difference = noisy - references_of_rows
+            points = references_of_rows + alphas * difference
+            gradients: Optional[Tensor] = None
+            if "selected" not in ends:
+                leading = count + (0 if references is None else len(references.keys))
+                if fold_leading_rows(self, leading, self.batch_size, batch.device, target):
+                    try:  # the images (and the references scored) as the first rows of this pass
+                        gradients, unreachable = self.folded_gradients(
+                            [batch] if references is None else [batch, references.inputs()],
+                            None if references is None or self._forward_call is None
+                            else references.images_of_inputs(count), points, images, select)
+                    except UnsplitOutput:
+                        pass  # an output that is not one row per input: its own forwards below
+            if gradients is None:
+                if "selected" not in ends:
+                    with torch.no_grad():
+                        ends["selected"] = select_targets(self.call_model(batch), target, topk, batch_size=count)
+                gradients, unreachable = self.copies_gradients(points, ends["selected"], images)
             if self.multiply_by_inputs:
-                gradients = (noisy - references)[:, None] * gradients
-            return gradients.double(), unreachable, (noisy - references).flatten(1).eq(0).all(dim=1)
+                gradients = difference[:, None] * gradients
+            return gradients, unreachable
 
-        for rows, (terms, unreachable, empty) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                                 path_terms):
-            total.index_add_(0, image_of_row[rows], terms)
-            disconnected[image_of_row[rows]] &= unreachable
-            empty_path[image_of_row[rows]] &= empty
+        total: Optional[Tensor] = None  # (N, K, C, H, W) float64
+        unreachable_rows: list[tuple[Tensor, Flags]] = []
+        for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
+                                                          path_terms):
+            images = image_of_row if rows.stop - rows.start == len(image_of_row) else image_of_row[rows]
+            total = sum_per_image(total, terms, images, count)
+            unreachable_rows.append((images, unreachable))
+        assert total is not None, "samples ≥ 1: at least one pass ran"
+        selected: SelectedTargets = ends["selected"]
         attributions = (total / per_image).to(batch.dtype)
-        self._disconnected = disconnected
-        if not self.check_completeness:
+        self._disconnected = every_row(unreachable_rows, count)
+
+        def empty_path() -> Tensor:  # (N,) bool: every draw's reference equals its (noisy) input
+            noisy = batch[image_of_row] if samples.noise is None else batch[image_of_row] + samples.noise
+            same = (noisy - baselines[samples.baseline_index]).flatten(1).eq(0).all(dim=1)
+            return every_row([(image_of_row, same[:, None])], count)()[:, 0]
+
+        if references is None:
             return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
                                          baseline_is_input=empty_path)
-        baseline_scores = self.reference_scores(baselines, image_of_row, samples.baseline_index, selected)
-        score_change = selected.scores.detach().double() - baseline_scores / per_image
-        completeness_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
+        if "reference_scores" not in ends:
+            ends["reference_scores"] = self.reference_scores(references, selected)
+        baseline_scores = sum_per_image(None, ends["reference_scores"], image_of_row, count)
+        score_change = selected.scores.double() - baseline_scores / per_image
+        completeness_error = total.sum(dim=(2, 3, 4)) / per_image - score_change
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(total),
                                      baseline_is_input=empty_path, completeness_error=completeness_error.float(),
                                      score_change=score_change.float())
+
+    def reference_scores(self, references: DrawnReferences, selected: SelectedTargets) -> Tensor:
+        """(R, K) float64 y(b) of each drawn row's reference, from no-grad forwards of the distinct references (or
+        distinct (image, reference) pairs, ``DrawnReferences``), ``rows_per_pass`` at a time: where the references
+        were not rows of the first pass."""
+        parts: list[Tensor] = []
+        keys = len(references.keys)
+
+        def chunk_scores(chunk: slice) -> Tensor:
+            with torch.no_grad():
+                images = None if references.shared else references.images_of_inputs(0)[chunk]
+                return references.key_scores(self.call_model(references.inputs()[chunk], rows=images), selected,
+                                             chunk)
+
+        for _, scores in self.row_passes(keys, self.batch_size, references.keys.device, chunk_scores):
+            parts.append(scores)
+        return references.row_scores(torch.cat(parts) if len(parts) > 1 else parts[0], selected)

@@ -7,17 +7,29 @@ gradient), and reduces the channels to one map per image and target.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
 from ..blur import reflect_blur
 from ..explanation import Diagnostic
+from ..models import ModelSource
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, ExplainerOptions, PerThread, checked_batch_size, register
+from ..units import BoundUnits
+from .base import (
+    Attribution,
+    Explainer,
+    ExplainerOptions,
+    Flags,
+    PerThread,
+    checked_batch_size,
+    register,
+    rows_per_pass,
+)
 from .options import check_finite_reference
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
@@ -38,13 +50,14 @@ def reduce_channels(attributions: Tensor, how: str) -> Tensor:
 
 def input_gradients(
     forward: Callable[[Tensor], object], inputs: Tensor, scores_of: Callable[[object], Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Flags]:
     """∂scores/∂inputs for each of K scores per row.
 
     forward: runs the model on the inputs; scores_of: the model's output → (R, K) scores.
     Returns ((R, K, C, H, W) gradients, (R, K) scores, (R, K) bool: whether the score does not
-    depend on the input at all, its gradient then being zeros). Rows do not interact in eval
-    mode, so one backward pass per target gives every row its own gradient.
+    depend on the input at all, its gradient then being zeros; a function that makes it, all False,
+    where every score depends on the input). Rows do not interact in eval mode, so one backward
+    pass per target gives every row its own gradient.
     """
     if not inputs.is_floating_point():
         raise TypeError(f"gradients need a floating-point input; got {inputs.dtype}.")
@@ -52,22 +65,106 @@ def input_gradients(
         inputs = inputs.detach().requires_grad_(True)
         scores = scores_of(forward(inputs))
         gradients: list[Tensor] = []
-        disconnected: list[Tensor] = []
+        unreachable: list[bool] = []
         for target_index in range(scores.shape[1]):
-            score = scores[:, target_index].sum()
+            # one target: ∂(Σ_r score_r)/∂inputs, with the sum's gradient (ones) given rather than computed
+            score = scores if scores.shape[1] == 1 else scores[:, target_index].sum()
             gradient: Optional[Tensor] = None
             if score.requires_grad:
                 (gradient,) = torch.autograd.grad(
-                    score, inputs, retain_graph=target_index < scores.shape[1] - 1, allow_unused=True
+                    score, inputs, grad_outputs=torch.ones_like(score) if scores.shape[1] == 1 else None,
+                    retain_graph=target_index < scores.shape[1] - 1, allow_unused=True
                 )
             gradients.append(torch.zeros_like(inputs) if gradient is None else gradient)
-            disconnected.append(torch.full(scores.shape[:1], gradient is None, dtype=torch.bool, device=inputs.device))
-    return torch.stack(gradients, dim=1), scores.detach(), torch.stack(disconnected, dim=1)
+            unreachable.append(gradient is None)
+    shape, device = scores.shape, inputs.device
+    disconnected: Flags = torch.tensor(unreachable, device=device).expand(shape[0], -1) if any(unreachable) \
+        else lambda: torch.zeros(shape, dtype=torch.bool, device=device)
+    stacked = gradients[0].unsqueeze(1) if len(gradients) == 1 else torch.stack(gradients, dim=1)
+    return stacked, scores.detach(), disconnected
 
 
-def all_zero(attributions: Tensor) -> Tensor:
-    """(N, K, ...) → (N, K) bool: whether each image's attributions for a target are all zero."""
-    return attributions.flatten(2).eq(0).all(dim=2)
+def flag_values(flags: Flags) -> Tensor:
+    """Flags as a tensor, computed now if given as a function (``Flags``)."""
+    return flags() if callable(flags) else flags
+
+
+def detached_output(value: Any) -> Any:
+    """A model output with its tensors detached (lists, tuples and dicts kept)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if type(value) in (list, tuple):
+        return type(value)(detached_output(item) for item in value)
+    if isinstance(value, dict):  # HuggingFace's ModelOutput too, which is built from keywords
+        items = {key: detached_output(item) for key, item in value.items()}
+        try:
+            return type(value)(**items)
+        except TypeError:
+            return items
+    return value
+
+
+# ------------------------------------------------------------------ leading rows folded into a pass
+
+
+class UnsplitOutput(Exception):
+    """The model's output for a batch is not one row (or list item) per input row, so a folded pass cannot be
+    split into its parts (``output_parts``); the method then runs those rows' forwards on their own."""
+
+
+def output_parts(output: object, sizes: Sequence[int]) -> list[object]:
+    """A model's output for a batch of sum(sizes) rows, split into consecutive parts of these sizes: a tensor's
+    rows, or a list's items (one per row, as torchvision's detection models return them). UnsplitOutput for any
+    other output."""
+    total = sum(sizes)
+    if isinstance(output, Tensor) and output.dim() > 0 and output.shape[0] == total:
+        return list(output.split(list(sizes)))
+    if isinstance(output, list) and len(output) == total:
+        starts = np.cumsum([0, *sizes]).tolist()
+        return [output[start:stop] for start, stop in zip(starts, starts[1:])]
+    raise UnsplitOutput
+
+
+def fold_leading_rows(explainer: Explainer, leading: int, batch_size: Optional[int], device: torch.device,
+                      target: Target) -> bool:
+    """Whether a call's first pass also carries ``leading`` rows whose forward a method needs besides its copies of
+    the images (the images themselves, to choose the targets; baselines and references, to score them): one
+    forward and one backward instead of extra no-grad forwards. Yes while they are at most as many as the pass's
+    own rows (a first pass at most twice a pass's size), unless a pass of this explainer has run out of memory on
+    the device (``Explainer.rows_that_fit``): then a pass keeps the size that fitted and those forwards run alone.
+    Never for a hidden unit as the target (``explain.Channel``, ``explain.Neuron``): its values are read from the
+    unit's layer in the whole forward, not from the rows' parts of the output."""
+    return (not isinstance(target, BoundUnits) and str(device) not in explainer.rows_that_fit
+            and leading <= rows_per_pass(batch_size, device))
+
+
+def folded_input_gradients(forward: Callable[[Tensor], object], leading: Sequence[Tensor], copies: Tensor,
+                           select: Callable[[list[object]], Callable[[object], Tensor]]) -> tuple[Tensor, Flags]:
+    """∂scores/∂copies for R copies of the images (path points, noisy copies), their forward made together with
+    leading rows whose output decides what is scored (the images, to choose the targets; baselines, to score them):
+    one forward of the leading rows and the copies, then one backward per target from the copies' scores alone.
+
+    forward: the model on a batch; leading: the leading rows, in parts (images, baselines, ...) that go first, in
+    order; select: the output of each part (detached) → a function of the copies' output giving their (R, K)
+    scores. Returns ((R, K, C, H, W) gradients, (R, K) bool where the score does not depend on the input, as
+    ``input_gradients``). Raises UnsplitOutput, before any backward, for an output that is not one row per input
+    row."""
+    sizes = [len(part) for part in leading]
+    lead = sum(sizes)
+
+    def scores_of(output: object) -> Tensor:
+        scores_of_copies = select(output_parts(detached_output(output), [*sizes, len(copies)])[:-1])
+        return scores_of_copies(output[lead:])  # type: ignore[index]  # a tensor or list, as output_parts checked
+
+    # the whole batch is the leaf: the leading rows' gradients (zero) are dropped after, not sliced inside the graph
+    gradients, _, disconnected = input_gradients(forward, torch.cat([*leading, copies]), scores_of)
+    return gradients[lead:], disconnected
+
+
+def all_zero(attributions: Tensor) -> Callable[[], Tensor]:
+    """(N, K, ...) → (N, K) bool, computed when called: whether each image's attributions for a target are all zero
+    (needed only to say why a map is empty, see ``Attribution``)."""
+    return lambda: attributions.flatten(2).eq(0).all(dim=2)
 
 
 class GradientOptions(ExplainerOptions, total=False):
@@ -84,13 +181,13 @@ class GradientExplainer(Explainer):
         (signed). The per-channel attributions stay on ``Explanation.attributions``.
     """
 
-    _disconnected: PerThread[Tensor] = PerThread()
+    _disconnected: PerThread[Flags] = PerThread()
     """During a call: (N, K) bool, where the score does not depend on the input at all."""
 
     def reads_pixel_gradients(self) -> bool:
         return True
 
-    def __init__(self, model: nn.Module, *, reduce: str = "maxabs", **options: Unpack[ExplainerOptions]):
+    def __init__(self, model: ModelSource, *, reduce: str = "maxabs", **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}; got {reduce!r}.")
@@ -115,18 +212,46 @@ class GradientExplainer(Explainer):
         selected.scores = scores
         return gradients, selected
 
-    def copies_gradients(self, copies: Tensor, selected: SelectedTargets, images: Tensor) -> tuple[Tensor, Tensor]:
+    def copies_gradients(self, copies: Tensor, selected: SelectedTargets, images: Tensor) -> tuple[Tensor, Flags]:
         """For R rows, row r a copy of image ``images[r]`` (a path point, a noisy sample): ((R, K, C, H, W)
         ∂score/∂input for that image's K targets, (R, K) bool where the score does not depend on the input)."""
         gradients, _, unreachable = input_gradients(lambda inputs: self.forward(inputs, images), copies,
                                                     lambda output: selected.scores_for(output, images))
         return gradients, unreachable
 
-    def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Tensor,
-                         baseline_is_input: Optional[Tensor] = None, **diagnostics: Diagnostic) -> Attribution:
+    def attributions_of_gradients(self, batch: Tensor, gradients: Tensor) -> Optional[Tensor]:
+        """For a method whose attributions are a function of the batch and its gradient alone (saliency, input ×
+        gradient; they define this and write ``attribute`` with it): the (R, K, C, H, W) attributions of a
+        (R, C, H, W) batch from its (R, K, C, H, W) ∂score/∂input, so that a wrapper (``SmoothGrad``) can take the
+        gradients in passes of its own. None for the other methods."""
+        return None
+
+    def folded_gradients(self, leading: Sequence[Tensor], leading_images: Optional[Tensor], copies: Tensor,
+                         images: Tensor, select: Callable[[list[object]], SelectedTargets]) -> tuple[Tensor, Flags]:
+        """``copies_gradients`` for R copies with leading rows in the same forward (``folded_input_gradients``):
+        row l of the leading rows (their parts one after the other) is a row of image ``leading_images[l]`` (None:
+        of image l; needed only for a call with other forward arguments), copy r one of image ``images[r]``.
+        select: the output of each leading part (detached) → the targets, whose scores on each copy (for its
+        image) are differentiated."""
+        every_image = None
+        if self._forward_call is not None:
+            if leading_images is None:
+                leading_images = torch.arange(sum(len(part) for part in leading), device=images.device)
+            every_image = torch.cat([leading_images.to(images.device), images])
+
+        def scores_for_copies(leading_outputs: list[object]) -> Callable[[object], Tensor]:
+            selected = select(leading_outputs)
+            return lambda output: selected.scores_for(output, images)
+
+        return folded_input_gradients(lambda inputs: self.forward(inputs, every_image), leading, copies,
+                                      scores_for_copies)
+
+    def attribution_from(self, attributions: Tensor, selected: SelectedTargets, *, zero_gradient: Flags,
+                         baseline_is_input: Optional[Flags] = None, **diagnostics: Diagnostic) -> Attribution:
         """An Attribution of (N, K, C, H, W) input attributions, reduced over channels to the maps;
         zero_gradient: (N, K) bool, where the gradient at the input was zero everywhere;
-        baseline_is_input: (N,) bool, where a path method's baseline equals the image."""
+        baseline_is_input: (N,) bool, where a path method's baseline equals the image (either may be a function
+        that computes it, see ``Attribution``)."""
         disconnected, self._disconnected = self._disconnected, None
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
@@ -136,6 +261,7 @@ class GradientExplainer(Explainer):
             zero_gradient=zero_gradient,
             disconnected=disconnected,
             baseline_is_input=baseline_is_input,
+            nonnegative_maps=self.reduce != "sum",  # "maxabs" and "sumabs" reduce |attributions|
         )
 
 
@@ -149,7 +275,11 @@ class Saliency(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
-        return self.attribution_from(gradients, selected, zero_gradient=all_zero(gradients))
+        return self.attribution_from(self.attributions_of_gradients(batch, gradients), selected,
+                                     zero_gradient=all_zero(gradients))
+
+    def attributions_of_gradients(self, batch: Tensor, gradients: Tensor) -> Tensor:
+        return gradients
 
 
 @register
@@ -162,7 +292,11 @@ class InputXGradient(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         gradients, selected = self.gradients(batch, target, topk)
-        return self.attribution_from(batch[:, None] * gradients, selected, zero_gradient=all_zero(gradients))
+        return self.attribution_from(self.attributions_of_gradients(batch, gradients), selected,
+                                     zero_gradient=all_zero(gradients))
+
+    def attributions_of_gradients(self, batch: Tensor, gradients: Tensor) -> Tensor:
+        return batch[:, None] * gradients
 
 
 BASELINES = ("zeros", "blur")
@@ -227,6 +361,18 @@ def integration_nodes(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"rule must be one of {RULES} (or {', '.join(RULE_ALIASES)}); got {rule!r}.")
 
 
+@dataclass
+class PathIntegral:
+    """``IntegratedGradients.path_integral``'s result for M images and K targets: integral (M, K, C, H, W) float64;
+    disconnected (M, K) bool, where the score depends on the input at no point of the path (a function that computes
+    it); selected: the targets; baseline_scores (M, K), y(x'), where the targets were selected on the way."""
+
+    integral: Tensor
+    disconnected: Flags
+    selected: SelectedTargets
+    baseline_scores: Optional[Tensor]
+
+
 @register
 class IntegratedGradients(GradientExplainer):
     """Integrated Gradients (Sundararajan et al. 2017): (x − x') ⊙ ∫₀¹ ∂y/∂x(x' + α(x − x')) dα.
@@ -254,7 +400,7 @@ class IntegratedGradients(GradientExplainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         baseline: Union[str, Tensor] = "zeros",
         steps: int = 32,
@@ -284,13 +430,11 @@ class IntegratedGradients(GradientExplainer):
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         baseline = self.baseline_for(batch)
-        with torch.no_grad():
-            selected = select_targets(self.call_model(batch), target, topk, batch_size=count)
-            baseline_output = self.call_model(baseline)
-            baseline_scores = selected.scores_for(baseline_output, torch.arange(count, device=batch.device))
-        score_change = selected.scores.detach().double() - baseline_scores.double()
+        path = self.path_integral(batch, baseline, (target, topk), self.steps)
+        integral, disconnected, selected = path.integral, path.disconnected, path.selected
+        assert path.baseline_scores is not None, "a path that selects its targets scores its baseline too"
+        score_change = selected.scores.double() - path.baseline_scores.double()
         difference = (batch - baseline)[:, None].double()
-        integral, disconnected = self.path_integral(batch, baseline, selected, self.steps)
         steps = torch.full((count,), self.steps, dtype=torch.long)
         while self.tolerance is not None:  # each image's steps doubled until it alone is complete enough
             completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
@@ -298,26 +442,29 @@ class IntegratedGradients(GradientExplainer):
             unfinished = (relative > self.tolerance).any(dim=1).cpu() & (2 * steps <= self.max_steps)
             if not bool(unfinished.any()):
                 break
+            disconnected = flag_values(disconnected)
             images = unfinished.nonzero()[:, 0]
             for doubled in torch.unique(2 * steps[images]).tolist():  # images at the same steps: one pass
                 these = images[2 * steps[images] == doubled]
                 on_device = these.to(batch.device)
-                integral[on_device], disconnected[on_device] = self.path_integral(batch, baseline, selected, doubled,
-                                                                                   on_device)
+                again = self.path_integral(batch, baseline, selected, doubled, on_device)
+                integral[on_device] = again.integral
+                disconnected[on_device] = flag_values(again.disconnected)
                 steps[these] = doubled
         completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
         attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
         self._disconnected = disconnected
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),
-                                     baseline_is_input=difference.flatten(1).eq(0).all(dim=1),
+                                     baseline_is_input=lambda: difference.flatten(1).eq(0).all(dim=1),
                                      completeness_error=completeness_error.float(), score_change=score_change.float(),
                                      steps=steps.to(batch.device))
 
-    def path_integral(self, batch: Tensor, baseline: Tensor, selected: SelectedTargets, steps: int,
-                      images: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def path_integral(self, batch: Tensor, baseline: Tensor, targets: SelectedTargets | tuple[Target, Optional[int]],
+                      steps: int, images: Optional[Tensor] = None) -> PathIntegral:
         """∫₀¹ ∂y/∂x(x' + α(x − x')) dα by the rule with ``steps`` points, for the ``images`` given (indices
-        into the batch; default all): ((len(images), K, C, H, W) float64, (len(images), K) bool where the
-        score does not depend on the input at any point)."""
+        into the batch; default all). targets: selected already, or (target, topk) to select them on the images'
+        forward, which then also scores the baselines: both forwards are rows of the first pass
+        (``fold_leading_rows``), or, where they are not, no-grad forwards of their own before it."""
         if images is None:
             images = torch.arange(batch.shape[0], device=batch.device)
         count = len(images)
@@ -327,19 +474,79 @@ class IntegratedGradients(GradientExplainer):
         position_of_row = torch.arange(count, device=batch.device).repeat_interleave(steps)
         image_of_row = images[position_of_row]
         step_of_row = torch.arange(steps, device=batch.device).repeat(count)
-        integral = torch.zeros(count, selected.scores.shape[1], *batch.shape[1:], dtype=torch.float64,
-                               device=batch.device)
         difference = batch - baseline
-        disconnected = torch.ones(count, selected.scores.shape[1], dtype=torch.bool, device=batch.device)
+        ends: dict[str, Any] = {}  # "selected" targets and "baseline_scores" (N, K), once known
+        if isinstance(targets, SelectedTargets):
+            ends["selected"] = targets
+        target = None if isinstance(targets, SelectedTargets) else targets[0]
 
-        def weighted_gradients(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the sum, float64
-            images, steps_of_rows = image_of_row[rows], step_of_row[rows]
-            points = baseline[images] + alphas[steps_of_rows].view(-1, 1, 1, 1) * difference[images]
-            gradients, unreachable = self.copies_gradients(points, selected, images)
+        def select(image_output: object, baseline_output: object) -> SelectedTargets:
+            assert not isinstance(targets, SelectedTargets), "targets to select"
+            ends["selected"] = select_targets(image_output, targets[0], targets[1], batch_size=batch.shape[0])
+            ends["baseline_scores"] = ends["selected"].scores_for(baseline_output, images)
+            return ends["selected"]
+
+        def weighted_gradients(rows: slice) -> tuple[Tensor, Flags]:  # the rows' terms of the sum, float64
+            images_of_rows, steps_of_rows = image_of_row[rows], step_of_row[rows]
+            points = baseline[images_of_rows] + alphas[steps_of_rows].view(-1, 1, 1, 1) * difference[images_of_rows]
+            gradients: Optional[Tensor] = None
+            if "selected" not in ends and fold_leading_rows(self, 2 * count, self.batch_size, batch.device, target):
+                try:  # the images and baselines as the first rows of this pass: they choose and score the targets
+                    gradients, unreachable = self.folded_gradients(
+                        [batch, baseline], None if self._forward_call is None else images.repeat(2), points,
+                        images_of_rows, lambda outputs: select(*outputs))
+                except UnsplitOutput:
+                    pass  # an output that is not one row per input: its own forwards below
+            if gradients is None:
+                if "selected" not in ends:
+                    with torch.no_grad():
+                        select(self.call_model(batch), self.call_model(baseline))
+                gradients, unreachable = self.copies_gradients(points, ends["selected"], images_of_rows)
             return gradients.double() * weights[steps_of_rows].view(-1, 1, 1, 1, 1), unreachable
 
+        integral: Optional[Tensor] = None  # (count, K, C, H, W) float64, once K is known
+        unreachable_rows: list[tuple[Tensor, Flags]] = []
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
                                                           weighted_gradients):
+            if integral is None:
+                integral = torch.zeros(count, *terms.shape[1:], dtype=torch.float64, device=batch.device)
             integral.index_add_(0, position_of_row[rows], terms)
-            disconnected[position_of_row[rows]] &= unreachable
-        return integral, disconnected
+            unreachable_rows.append((position_of_row[rows], unreachable))
+        assert integral is not None, "steps ≥ 1: at least one pass ran"
+        targets_count = integral.shape[1]
+
+        def disconnected() -> Tensor:  # (count, K) bool: the score depends on the input at no point of the path
+            flags = torch.ones(count, targets_count, dtype=torch.bool, device=batch.device)
+            for positions, unreachable in unreachable_rows:
+                flags[positions] &= flag_values(unreachable)
+            return flags
+
+        return PathIntegral(integral, disconnected, ends["selected"], ends.get("baseline_scores"))
+
+
+def sum_per_image(total: Optional[Tensor], values: Tensor, image_of_row: Tensor, count: int) -> Tensor:
+    """``total`` (N, ...) float64 (None: zeros) plus the (R, ...) values of rows, row r added to image
+    ``image_of_row[r]``."""
+    if count == 1:  # every row is the one image's
+        part = values.sum(dim=0, keepdim=True, dtype=torch.float64)
+        return part if total is None else total.add_(part)
+    if total is None:
+        total = torch.zeros(count, *values.shape[1:], dtype=torch.float64, device=values.device)
+    return total.index_add_(0, image_of_row.to(values.device), values.double())
+
+
+def every_row(rows: list[tuple[Tensor, Flags]], count: int) -> Callable[[], Tensor]:
+    """(N, K) bool, computed when called: where a flag holds for every row of the image. rows: for each pass, the
+    image of each row and the (R, K) flags there (or a function that makes them)."""
+
+    def compute() -> Tensor:
+        not_holding: Optional[Tensor] = None  # per image, the rows where the flag does not hold
+        for image_of_row, flags in rows:
+            values = flag_values(flags)
+            if not_holding is None:
+                not_holding = torch.zeros(count, *values.shape[1:], dtype=torch.long, device=values.device)
+            not_holding.index_add_(0, image_of_row.to(values.device), (~values).long())
+        assert not_holding is not None, "at least one pass"
+        return not_holding == 0
+
+    return compute

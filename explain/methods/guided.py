@@ -16,14 +16,15 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
 from ..capture import LayerSpec
+from ..models import ModelSource
 from ..rules import CallRules, Rule
 from ..scope import CallScope
 from ..targets import Target
-from .base import Attribution, PerThread, register, upsample_maps
+from .base import Attribution, Flags, PerThread, flags_of, register, upsample_maps
 from .cam import CAM, GradCAM
 from .gradients import GradientExplainer, GradientOptions, all_zero, reduce_channels
 
@@ -148,7 +149,7 @@ class GuidedGradCAM(GradientExplainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         layer: Union[LayerSpec, Sequence[LayerSpec], None] = None,
         *,
         cam: Union[type[CAM], CAM] = GradCAM,
@@ -190,7 +191,13 @@ class GuidedGradCAM(GradientExplainer):
         )
 
 
-def _either(first: Optional[Tensor], second: Optional[Tensor]) -> Optional[Tensor]:
+def _either(first: Optional[Flags], second: Optional[Flags]) -> Optional[Flags]:
     if first is None or second is None:
         return first if second is None else second
-    return first | second.to(first.device)
+
+    def either() -> Tensor:
+        computed, other = flags_of(first), flags_of(second)
+        assert computed is not None and other is not None, "both flags are given"
+        return computed | other.to(computed.device)
+
+    return either

@@ -19,12 +19,13 @@ import math
 from typing import Callable, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..blur import gaussian_blur
+from ..models import ModelSource
 from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, checked_batch_size, register, rows_per_pass
-from .gradients import GradientExplainer, all_zero, baseline_like, input_gradients
+from .base import Attribution, Flags, checked_batch_size, register, rows_per_pass
+from .gradients import GradientExplainer, all_zero, baseline_like, flag_values, input_gradients
 from .options import bool_option, check_finite_reference, int_option, number_option
 
 CLOSE_ENOUGH = 1e-9
@@ -130,7 +131,7 @@ class GuidedIG(GradientExplainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         baseline: Union[str, Tensor] = "zeros",
         steps: int = 200,
@@ -207,7 +208,7 @@ class GuidedIG(GradientExplainer):
             return self.forward(inputs, images)
 
         gradients, _, unreachable = input_gradients(forward, points, scores_of)
-        return gradients[:, 0], unreachable[:, 0]
+        return gradients[:, 0], flag_values(unreachable)[:, 0]
 
 
 @register
@@ -240,7 +241,7 @@ class BlurIG(GradientExplainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         *,
         max_sigma: float = 50.0,
         steps: int = 100,
@@ -277,7 +278,7 @@ class BlurIG(GradientExplainer):
         integral = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
 
-        def path_terms(rows: slice) -> tuple[Tensor, Tensor]:  # the rows' terms of the integral, float64
+        def path_terms(rows: slice) -> tuple[Tensor, Flags]:  # the rows' terms of the integral, float64
             images, at_steps = image_of_row[rows], step_of_row[rows]
             originals = images64[images]
             points = gaussian_blur(originals, [sigmas[step] for step in at_steps])
@@ -290,7 +291,7 @@ class BlurIG(GradientExplainer):
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
                                                           path_terms):
             integral.index_add_(0, image_of_row[rows], terms)
-            disconnected[image_of_row[rows]] &= unreachable
+            disconnected[image_of_row[rows]] &= flag_values(unreachable)
         attributions = -integral
         score_change = selected.scores.detach().double() - blurred_scores.double()
         completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change

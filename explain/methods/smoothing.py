@@ -3,19 +3,104 @@ mean square or the variance of any method's attributions over noisy copies of th
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..targets import Target, select_targets
-from .base import Attribution, Explainer, ExplainerOptions, checked_batch_size, register
-from .gradients import GradientExplainer, GradientOptions, Saliency, reduce_channels
+from ..models import LoadedModel
+from ..targets import SelectedTargets, Target, select_targets
+from .base import (
+    Attribution,
+    Explainer,
+    ExplainerOptions,
+    Flags,
+    checked_batch_size,
+    flags_of,
+    register,
+    without_graph,
+)
+from .gradients import (
+    GradientExplainer,
+    GradientOptions,
+    Saliency,
+    UnsplitOutput,
+    every_row,
+    fold_leading_rows,
+    reduce_channels,
+    sum_per_image,
+)
 from .options import int_option, number_option, random_generator, seed_option
 
 STATISTICS = ("mean", "mean_square", "variance")
 AVERAGES = ("attributions", "maps")
+
+
+def noise_source(seed: Optional[int], batch: Tensor) -> Callable[[range], Tensor]:
+    """The noise of a call's samples: ``noise_of(samples)`` is (len(samples) · N, C, H, W), sample s being the s-th
+    standard normal (N, C, H, W) draw from a generator seeded with ``seed`` (``random_generator``) on the batch's
+    device. Samples drawn again (a pass run again after running out of memory) get the same values.
+
+    On the CPU, where the N·C·H·W values of a sample are a multiple of 16, the samples of a pass are drawn in one
+    call: torch's CPU normal sampler turns uniform draws into normal ones 16 at a time, so one draw of S samples
+    equals S draws of one (tests/test_issue40_methods.py checks it); elsewhere one draw per sample."""
+    generator = random_generator(seed, batch.device)  # drawn where the batch is
+    state_before = {0: generator.get_state()}  # by sample, where known
+    latest: dict[str, Any] = {}  # the latest draw: "first" sample and "noise", whose last sample a pass may share
+    at_once = batch.device.type == "cpu" and batch.numel() % 16 == 0
+    count = batch.shape[0]
+
+    def draw(samples: int) -> Tensor:
+        return torch.randn((samples * count, *batch.shape[1:]), generator=generator, device=batch.device)
+
+    def noise_of(samples: range) -> Tensor:
+        first, parts = samples.start, []
+        if latest and latest["first"] + len(latest["noise"]) // count - 1 == first < samples.stop:
+            parts.append(latest["noise"][-count:])  # a pass that began inside this sample drew it
+            first += 1
+        if first < samples.stop:
+            start = max(sample for sample in state_before if sample <= first)  # ``first`` itself, unless skipped
+            generator.set_state(state_before[start])
+            if at_once:
+                drawn = draw(samples.stop - start)
+            else:
+                draws = []
+                for sample in range(start, samples.stop):
+                    draws.append(draw(1))
+                    state_before[sample + 1] = generator.get_state()
+                drawn = torch.cat(draws) if len(draws) > 1 else draws[0]
+            if start < first:
+                drawn = drawn[(first - start) * count:]
+            state_before[samples.stop] = generator.get_state()
+            latest.update(first=first, noise=drawn)
+            parts.append(drawn)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return noise_of
+
+
+def takes_gradients_alone(explainer: Explainer) -> bool:
+    """Whether an explainer's attributions are a function of the batch and ∂score/∂input alone (saliency, input ×
+    gradient: ``GradientExplainer.attributions_of_gradients``), its ``attribute`` being the one written with it (a
+    subclass that overrides ``attribute`` alone is not)."""
+    for owner in type(explainer).__mro__:
+        defines = ("attribute" in owner.__dict__, "attributions_of_gradients" in owner.__dict__)
+        if any(defines):
+            return all(defines) and owner is not GradientExplainer
+    return False
+
+
+def add_per_image(sums: dict[str, Tensor], key: str, values: Tensor, image_of_row: Tensor, count: int) -> None:
+    """Add (R, ...) values of copies to ``sums[key]``, (N, ...) float64 per image (made at the first pass)."""
+    sums[key] = sum_per_image(sums.get(key), values, image_of_row, count)
+
+
+def every_copy(passes: list[tuple[Tensor, Flags]], count: int) -> Optional[Callable[[], Tensor]]:
+    """(N, K) bool, computed when called: where a flag of the wrapped method (``zero_gradient``, ``disconnected``)
+    holds for every noisy copy of the image; None where the method gives no such flag. passes: each pass's rows (the
+    image of each) and the flag's (R, K) values there."""
+    return every_row(passes, count) if passes else None
 
 
 @register
@@ -58,7 +143,7 @@ class SmoothGrad(Explainer):
         batch_size: Optional[int] = None,
         **options: Unpack[GradientOptions],
     ):
-        if isinstance(explainer, nn.Module):
+        if isinstance(explainer, (nn.Module, LoadedModel)):
             explainer = Saliency(explainer, **options)
         elif not isinstance(explainer, Explainer):
             raise TypeError(f"{type(self).__name__} wraps an explainer or a model; got {type(explainer).__name__}.")
@@ -94,70 +179,63 @@ class SmoothGrad(Explainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
-        with torch.no_grad():
-            clean = select_targets(self.call_model(batch), target, topk, batch_size=count)
         spread = self.noise_scale(batch)
-        generator = random_generator(self.seed, batch.device)  # drawn where the batch is
-        state_before = {0: generator.get_state()}  # by sample: rows drawn again get the same noise
+        noise_of = noise_source(self.seed, batch)
+        by_gradients = takes_gradients_alone(self.explainer)
+        chosen: dict[str, SelectedTargets] = {}  # "clean": the targets, chosen on the clean images
 
-        def noise_of(samples: range) -> Tensor:
-            """(len(samples) · N, C, H, W): the noise of whole samples, each drawn as (N, C, H, W), in order."""
-            generator.set_state(state_before[samples.start])
-            draws = []
-            for sample in samples:
-                draws.append(torch.randn(batch.shape, generator=generator, device=batch.device))
-                state_before[sample + 1] = generator.get_state()
-            return torch.cat(draws)
+        def choose(output: object) -> SelectedTargets:
+            chosen["clean"] = select_targets(output, target, topk, batch_size=count)
+            return chosen["clean"]
 
-        def images_of(rows: slice) -> Tensor:  # rows are sample by sample, image by image
-            return torch.arange(rows.start, rows.stop, device=batch.device) % count
-
-        def noisy_attribution(rows: slice) -> Attribution:
-            """The wrapped method on noisy copies ``rows`` (row r: sample r // N of image r % N)."""
+        def noisy_attribution(rows: slice) -> tuple[Tensor, Attribution]:
+            """(the image of each row, the wrapped method on noisy copies ``rows``): row r is sample r // N of image
+            r % N."""
             first_sample, last_sample = rows.start // count, (rows.stop - 1) // count
+            noise = noise_of(range(first_sample, last_sample + 1))
             offset = first_sample * count
-            noise = noise_of(range(first_sample, last_sample + 1))[rows.start - offset : rows.stop - offset]
-            image_of_row = images_of(rows)
-            noisy = batch[image_of_row] + noise.to(batch.dtype) * spread[image_of_row]
-            fixed: Target
-            if clean.target_function:
-                fixed = clean.target_function
+            if rows.start != offset or rows.stop != (last_sample + 1) * count:  # a pass that ends inside a sample
+                noise = noise[rows.start - offset : rows.stop - offset]
+            if count == 1:  # every row is a copy of the one image: broadcast it
+                image_of_row = torch.zeros(rows.stop - rows.start, dtype=torch.long, device=batch.device)
+                noisy = batch + noise.to(batch.dtype) * spread
             else:
-                assert clean.class_indices is not None, "class targets carry their class indices"
-                fixed = clean.class_indices[image_of_row]
-            call = self._forward_call
-            self.explainer._forward_call = None if call is None else call.for_rows(image_of_row)
-            try:
-                return self.explainer.attribute(noisy, fixed, None)
-            finally:
-                self.explainer._forward_call = None
+                image_of_row = torch.arange(rows.start, rows.stop, device=batch.device) % count
+                noisy = batch[image_of_row] + noise.to(batch.dtype) * spread[image_of_row]
+            if by_gradients:
+                return image_of_row, self._attribution_of_gradients(batch, noisy, image_of_row, chosen, choose, target)
+            if "clean" not in chosen:
+                with torch.no_grad():
+                    choose(self.call_model(batch))
+            return image_of_row, self._wrapped_attribution(noisy, image_of_row, chosen["clean"])
 
-        sums: dict[str, Tensor] = {}  # per image, of each copy's values and of their squares, float64
-        flag_counts: dict[str, Tensor] = {}  # per image, the copies whose gradient was not zero / not disconnected
+        average = self.average
+        squares = self.statistic != "mean"
+        sums: dict[str, Tensor] = {}  # per image, of each copy's values (and of their squares), float64
+        flags: dict[str, list[tuple[Tensor, Flags]]] = {"zero_gradient": [], "disconnected": []}  # by pass
         inner: Optional[Attribution] = None
-        for rows, inner in self.row_passes(self.samples * count, self.batch_size, batch.device, noisy_attribution):
-            image_of_row = images_of(rows)
-            for key in ("zero_gradient", "disconnected"):
-                value = getattr(inner, key)
+        for _, (image_of_row, inner) in self.row_passes(self.samples * count, self.batch_size, batch.device,
+                                                        noisy_attribution):
+            for key, passes in flags.items():  # small (R, K) flags: the copies' maps and gradients are not kept
+                if by_gradients:  # disconnected as input_gradients gives it; zero_gradient from the sums, below
+                    value = inner.disconnected if key == "disconnected" else None
+                else:
+                    value = flags_of(getattr(inner, key))
                 if value is not None:
-                    counts = flag_counts.setdefault(key, torch.zeros(count, *value.shape[1:], dtype=torch.long,
-                                                                     device=value.device))
-                    counts.index_add_(0, image_of_row.to(value.device), (~value).long())
-            for key, values in (("maps", inner.maps), ("attributions", inner.attributions)):
-                if values is None:
-                    continue
-                values = values.detach().double()
-                if key not in sums:
-                    sums[key] = torch.zeros(count, *values.shape[1:], dtype=torch.float64, device=values.device)
-                    sums[key + "²"] = torch.zeros_like(sums[key])
-                sums[key].index_add_(0, image_of_row.to(values.device), values)
-                sums[key + "²"].index_add_(0, image_of_row.to(values.device), values.pow(2))
-        flags = {key: counts == 0 for key, counts in flag_counts.items()}  # every copy's gradient zero / disconnected
-        statistics = {key: self._statistic(sums[key], sums[key + "²"]).float() for key in ("maps", "attributions")
-                      if key in sums}
-        # the papers average input gradients, then reduce them; a layer's or a CAM's maps are averaged as maps
-        by_attributions = isinstance(self.explainer, GradientExplainer) and "attributions" in statistics
-        average = self.average or ("attributions" if by_attributions else "maps")
+                    passes.append((image_of_row, value))
+            if average is None:  # the papers average input gradients, then reduce them; a layer's or a CAM's maps
+                by_attributions = isinstance(self.explainer, GradientExplainer) and inner.attributions is not None
+                average = "attributions" if by_attributions else "maps"  # are averaged as maps
+            values = {"attributions": inner.attributions}
+            if average == "maps":
+                values["maps"] = (reduce_channels(inner.maps, getattr(self.explainer, "reduce", "maxabs"))
+                                  if by_gradients else inner.maps)  # by gradients: ``maps`` holds the attributions
+            for key, value in values.items():
+                if value is not None:
+                    add_per_image(sums, key, without_graph(value), image_of_row, count)
+                    if squares:
+                        add_per_image(sums, key + "²", without_graph(value).pow(2), image_of_row, count)
+        statistics = {key: self._statistic(sums[key], sums.get(key + "²")).float() for key in sums if "²" not in key}
         if average == "attributions":
             if "attributions" not in statistics:
                 raise ValueError(f"{self.explainer.method_name} gives no per-channel attributions; use average='maps'.")
@@ -167,17 +245,72 @@ class SmoothGrad(Explainer):
         assert inner is not None, "samples ≥ 1: the wrapped method ran at least once"
         return Attribution(
             maps=maps,
-            selected=clean,
+            selected=chosen["clean"],
             layer=inner.layer,
             attributions=statistics.get("attributions"),
-            zero_gradient=flags.get("zero_gradient"),
-            disconnected=flags.get("disconnected"),
+            zero_gradient=(self._every_gradient_zero(sums) if by_gradients
+                           else every_copy(flags["zero_gradient"], count)),
+            disconnected=every_copy(flags["disconnected"], count),
         )
 
-    def _statistic(self, total: Tensor, total_of_squares: Tensor) -> Tensor:
+    def _every_gradient_zero(self, sums: dict[str, Tensor]) -> Callable[[], Tensor]:
+        """(N, K) bool, computed when called: where every copy's attributions (those of saliency or input × gradient)
+        are zero everywhere, read from their sums (and sums of squares, where kept) over the copies: a sum of
+        attributions that are not all zero is zero at every pixel only if they cancel exactly everywhere."""
+        return lambda: torch.stack([sums[key].flatten(2).eq(0).all(dim=2) for key in sums]).all(dim=0)
+
+    def _wrapped_attribution(self, noisy: Tensor, image_of_row: Tensor, clean: SelectedTargets) -> Attribution:
+        """The wrapped method's ``attribute`` on noisy copies, each explained for its clean image's targets."""
+        fixed: Target
+        if clean.target_function:
+            fixed = clean.target_function
+        else:
+            assert clean.class_indices is not None, "class targets carry their class indices"
+            fixed = clean.class_indices[image_of_row]
+        call = self._forward_call
+        self.explainer._forward_call = None if call is None else call.for_rows(image_of_row)
+        try:
+            return self.explainer.attribute(noisy, fixed, None)
+        finally:
+            self.explainer._forward_call = None
+
+    def _attribution_of_gradients(self, batch: Tensor, noisy: Tensor, image_of_row: Tensor,
+                                  chosen: dict[str, SelectedTargets],
+                                  choose: Callable[[object], SelectedTargets], target: Target) -> Attribution:
+        """The wrapped method (one whose attributions are a function of the input gradient, ``takes_gradients_alone``)
+        on noisy copies, from their gradients for their clean image's targets; no maps (SmoothGrad reduces the
+        averaged attributions, or the copies' where it averages maps). Before the targets are chosen, the clean
+        images are the first rows of this pass's forward (``fold_leading_rows``), or a no-grad forward of their own
+        where they are not."""
+        explainer = self.explainer
+        assert isinstance(explainer, GradientExplainer), "takes_gradients_alone: a GradientExplainer"
+        explainer._forward_call = self._forward_call  # the copies' rows are mapped to their images below
+        try:
+            gradients: Optional[Tensor] = None
+            if "clean" not in chosen and fold_leading_rows(self, len(batch), self.batch_size, batch.device, target):
+                try:
+                    gradients, unreachable = explainer.folded_gradients([batch], None, noisy, image_of_row,
+                                                                             lambda outputs: choose(outputs[0]))
+                except UnsplitOutput:
+                    pass  # an output that is not one row per input: the clean images' forward below
+            if gradients is None:
+                if "clean" not in chosen:
+                    with torch.no_grad():
+                        choose(self.call_model(batch))
+                gradients, unreachable = explainer.copies_gradients(noisy, chosen["clean"], image_of_row)
+        finally:
+            explainer._forward_call = None
+        attributions = explainer.attributions_of_gradients(noisy, gradients)
+        assert attributions is not None, "takes_gradients_alone: the method computes them"
+        # maps: unused (SmoothGrad reduces the averaged attributions, or each copy's where it averages maps)
+        return Attribution(maps=attributions, selected=chosen["clean"], attributions=attributions,
+                           disconnected=unreachable)
+
+    def _statistic(self, total: Tensor, total_of_squares: Optional[Tensor]) -> Tensor:
         mean = total / self.samples
         if self.statistic == "mean":
             return mean
+        assert total_of_squares is not None, "the squares are summed for the statistics that need them"
         if self.statistic == "mean_square":
             return total_of_squares / self.samples
         return (total_of_squares / self.samples - mean.pow(2)).clamp_min(0)

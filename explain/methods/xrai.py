@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..models import LoadedModel
 from ..targets import Target, select_targets
-from .base import Attribution, Explainer, checked_batch_size, register, rows_per_pass, upsample_maps
+from .base import Attribution, Explainer, checked_batch_size, flags_of, register, rows_per_pass, upsample_maps
 from .gradients import REDUCTIONS, IntegratedGradients, baseline_like, reduce_channels
 from .options import check_finite_reference, int_option, number_option
 
@@ -286,7 +287,7 @@ class XRAI(Explainer):
             options.setdefault("class_names", explainer.class_names)
             options.setdefault("output", explainer.output)
             model, self.explainer = explainer.model, explainer
-        elif isinstance(explainer, nn.Module):
+        elif isinstance(explainer, (nn.Module, LoadedModel)):  # a LoadedModel: Explainer takes its parts
             model = explainer
         else:
             raise TypeError(f"XRAI takes a model or an explainer; got {type(explainer).__name__}.")
@@ -352,7 +353,7 @@ class XRAI(Explainer):
                 bar.update()
                 collected.append(self.channel_values(inner, batch))
                 for key in ("zero_gradient", "disconnected"):
-                    value = getattr(inner, key)
+                    value = flags_of(getattr(inner, key))
                     if value is not None:
                         flags[key] = value if flags[key] is None else flags[key] & value
                 flags["layer"] = inner.layer

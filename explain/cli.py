@@ -37,6 +37,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
@@ -49,6 +50,7 @@ from .layers import format_layers, list_layers
 from .methods import REGISTRY, Explainer, get_method
 from .methods.base import parameter_docs
 from .models import LoadedModel, WeightsUnavailableError, load_model, names_an_architecture, weights_choices
+from .pipeline import default_workers
 from .targets import SegmentationTarget, Target, class_index
 
 DEMO_SEED = 2024
@@ -170,6 +172,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {value}")
     return value
 
 
@@ -382,14 +395,26 @@ def run_images(arguments: argparse.Namespace) -> int:
     target = command_line_target(arguments, loaded)
     mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
+    failed = 0
     for path, stem in zip(arguments.images, output_names(arguments.images)):
-        explanation = explainer.explain(path, target=target, topk=arguments.topk)
-        destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
-                                           run_settings(arguments, path), arguments.alpha, arguments.cmap)
+        try:  # an image that cannot be read or explained is reported, and the others are explained
+            explanation = explainer.explain(path, target=target, topk=arguments.topk)
+            destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
+                                               run_settings(arguments, path), arguments.alpha, arguments.cmap)
+        except (ValueError, TypeError, LayerNotRunError, ModelInputError, OSError) as error:
+            failed += 1
+            text = _os_error_text(error) if isinstance(error, OSError) else str(error)
+            print(f"explain: error: {'' if path in text else f'{path}: '}{text}", file=sys.stderr, flush=True)
+            continue
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
         layer = f" [{explanation.description()}]" if explanation.layer is not None else ""
-        print(f"{path}: {described}{mark}{layer} -> {destination}{note}")
+        print(f"{path}: {described}{mark}{layer} -> {destination}{note}", flush=True)
+    if failed:
+        written = len(arguments.images) - failed
+        print(f"explain: error: {failed} of {len(arguments.images)} image(s) could not be explained (the reasons "
+              f"above){f'; the other {written} were written to {out}' if written else ''}.", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -430,7 +455,7 @@ def run_strategies(argv: Sequence[str]) -> int:
     parser.add_argument("out", help="a folder written by explain batch")
     parser.add_argument("--clusters", type=positive_int, help="clusters per class (default: from the eigengap)")
     parser.add_argument("--min-images", type=positive_int, default=20, help="classes with fewer maps are skipped")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     arguments = parser.parse_args(argv)
     found = strategies(arguments.out, clusters=arguments.clusters, min_images=arguments.min_images,
                        progress=not arguments.no_progress)
@@ -450,28 +475,140 @@ EVALUATE_METRICS = ("deletion", "insertion", "road", "confidence_drop", "pointin
                     "sparseness", "random_logit")
 
 
+def literal_value(raw: str) -> Any:
+    """A command-line VALUE as a Python literal (64, 0.5, (7, 7), None, True; a bare word such as blur is a
+    string)."""
+    raw = raw.strip()
+    words = {"none": None, "true": True, "false": False}
+    if raw.lower() in words:
+        return words[raw.lower()]
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def evaluation_explainers(methods: Sequence[str], loaded: LoadedModel, layer: Optional[str],
+                          options: Sequence[str]) -> dict[str, Explainer]:
+    """``explain evaluate``'s methods: each built as ``explain batch`` builds its one (``make_explainer``), with
+    --layer for the methods that explain a layer (the others explain at the input) and each --option: KEY=VALUE
+    to every method that takes KEY (an error when none does), METHOD:KEY=VALUE to that method alone."""
+    classes = {name: get_method(name) for name in methods}
+    if layer is not None and not any(cls.needs_layer for cls in classes.values()):
+        raise ValueError(f"--layer {layer}: none of the methods ({', '.join(methods)}) explains a layer; leave it out, "
+                         "or add a CAM method (gradcam, ...).")
+    given: dict[str, list[str]] = {name: [] for name in methods}
+    for text in options:
+        head, separator, value = text.partition("=")
+        method, colon, key = head.rpartition(":")
+        key = key.strip().replace("-", "_")
+        if not separator:
+            raise ValueError(f"--option {text!r}: write KEY=VALUE (to every method that takes KEY) or "
+                             "METHOD:KEY=VALUE (to one method), e.g. --option integratedgradients:steps=64.")
+        if colon:
+            if method.strip() not in classes:
+                raise ValueError(f"--option {text!r}: {method.strip()!r} is not one of --methods "
+                                 f"({', '.join(methods)}).")
+            given[method.strip()].append(f"{key}={value}")
+            continue
+        takers = [name for name, cls in classes.items() if key in method_options(cls)]
+        if not takers:
+            listed = "; ".join(f"{name}: {', '.join(method_options(cls)) or 'none'}" for name, cls in classes.items())
+            raise ValueError(f"--option {text!r}: none of the methods takes {key!r}. Their options: {listed}.")
+        for name in takers:
+            given[name].append(f"{key}={value}")
+    return {name: make_explainer(name, loaded, layer if classes[name].needs_layer else None, given[name])
+            for name in methods}
+
+
+def evaluation_metrics(names: Sequence[str], options: Sequence[str]) -> list[Any]:
+    """``explain evaluate``'s metrics: names of ``explain.evaluation.METRICS`` (in any case, with or without their
+    underscores: pointinggame is pointing_game), those named by a --metric-option METRIC.KEY=VALUE changed with
+    ``Metric.with_options`` (VALUE read as ``literal_value``, checked against the setting's default)."""
+    from .evaluation import METRICS
+
+    def spelled(name: str) -> str:  # a metric's name as written: pointinggame, pointing-game, Pointing_Game
+        return name.lower().replace("_", "").replace("-", "")
+
+    by_spelling = {spelled(name): name for name in METRICS}
+    names = [by_spelling.get(spelled(name), name) for name in names]
+    unknown = [name for name in names if name not in METRICS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(METRICS), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown metric {unknown[0]!r}.{hint} Known: {', '.join(METRICS)}.")
+    changes: dict[str, dict[str, Any]] = {}
+    for text in options:
+        head, separator, raw = text.partition("=")
+        metric, dot, key = head.strip().partition(".")
+        if not separator or not dot:
+            raise ValueError(f"--metric-option {text!r}: write METRIC.KEY=VALUE, e.g. --metric-option "
+                             "pointing_game.tolerance=4.")
+        metric, key = by_spelling.get(spelled(metric), metric), key.strip()
+        if metric not in names:
+            raise ValueError(f"--metric-option {text!r}: {metric!r} is not one of the metrics evaluated "
+                             f"({', '.join(names)}).")
+        settings = METRICS[metric].options
+        if key not in settings:
+            raise ValueError(f"--metric-option {text!r}: {metric} has the settings "
+                             f"{', '.join(f'{name}={value!r}' for name, value in settings.items()) or '(none)'}.")
+        value, default = literal_value(raw), settings[key]
+        if isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        fits = (default is None or value is None or type(value) is type(default)
+                or (isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)))
+        if not fits:
+            raise ValueError(f"--metric-option {text!r}: {metric}.{key} takes {type(default).__name__} values "
+                             f"(default {default!r}).")
+        changes.setdefault(metric, {})[key] = value
+    return [METRICS[name].with_options(**changes[name]) if name in changes else name for name in names]
+
+
 def run_evaluate(argv: Sequence[str]) -> int:
     """``explain evaluate``: a method × metric table over a data set (``explain.evaluate``), resumable."""
-    from .evaluation import METRICS, evaluate
+    from .evaluation import METRICS, evaluate, metric_heading
 
     parser = Parser(prog="explain evaluate", description="Compare explanation methods with metrics over a data set: "
-                    "writes OUT/evaluation.md (mean ± standard error per method and metric, ranks, mean rank), "
-                    "OUT/evaluation.png and every image's values in OUT/evaluation.csv; a rerun resumes.")
-    parser.add_argument("--model", required=True, help="demo, demo-vit, a torchvision name, timm:NAME, hf:ID ...")
+                    "writes OUT/evaluation.md (mean ± standard error per method and metric, ranks, ≈ where a "
+                    "difference lies inside the standard error, the mean rank, and every metric's settings), "
+                    "OUT/evaluation.png and every image's values in OUT/evaluation.csv; a rerun resumes.",
+                    epilog="Settings: " + "; ".join(metric_heading(metric) for metric in METRICS.values()
+                                                     if metric.options))
+    parser.add_argument("--model", required=True, help="demo, demo-vit, demo-vit2, demo-watermark, a torchvision "
+                        "name, timm:NAME, hf:ID_OR_DIRECTORY, or a file holding a whole model (--allow-pickle)")
     parser.add_argument("--weights", help="a pretrained name, a state-dict file, or random")
-    parser.add_argument("--num-classes", type=positive_int)
-    parser.add_argument("--allow-pickle", action="store_true")
+    parser.add_argument("--num-classes", type=positive_int, help="classes of a fine-tuned head (with --weights FILE)")
+    parser.add_argument("--allow-pickle", action="store_true", help="load a whole pickled model from --model FILE "
+                        "(unpickling can run code from the file: trust it)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps (default: cuda when there is a GPU, else cpu)")
     parser.add_argument("--methods", nargs="+", required=True, metavar="METHOD", help="registered method names")
+    parser.add_argument("--layer", help="target layer of the methods that explain a layer (CAMs), e.g. layer4 "
+                        "(default: chosen automatically); the other methods explain at the input")
+    parser.add_argument("--option", action="append", default=[], metavar="[METHOD:]KEY=VALUE",
+                        help="a method option, as explain batch takes it: KEY=VALUE goes to every method that takes "
+                        "KEY, METHOD:KEY=VALUE to that one (repeatable; `explain methods NAME` lists a method's "
+                        "options), e.g. --option integratedgradients:steps=64")
     parser.add_argument("--metrics", nargs="+", metavar="METRIC",
                         help=f"default: {' '.join(EVALUATE_METRICS)} (with --data FOLDER, those that need no masks); "
                         f"known: {' '.join(METRICS)}")
+    parser.add_argument("--metric-option", action="append", default=[], metavar="METRIC.KEY=VALUE",
+                        help="a metric's setting instead of its default, e.g. --metric-option "
+                        "pointing_game.tolerance=4 (repeatable; the table and the figure show every metric's "
+                        "settings, the settings below)")
     parser.add_argument("--data", default="demo", help="'demo' (held-out synthetic images of the shipped models, "
                         "with object masks) or a folder with one sub-folder per class (no masks: no localisation "
-                        "metrics)")
+                        "metrics; images of different sizes go in batches of one size; an --out folder inside it is "
+                        "left out)")
     parser.add_argument("--images", type=positive_int, default=32, help="with --data demo: how many (default 32)")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=8,
+                        help="images explained and measured together (default 8); a resumed run needs the same")
+    parser.add_argument("--workers", type=non_negative_int, default=default_workers(), metavar="N",
+                        help="with --data FOLDER: processes that read and preprocess the images ahead of the batch "
+                        f"being evaluated (default: min(8, CPU cores - 1), here {default_workers()}; 0: in the main "
+                        "process)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     arguments = parser.parse_args(argv)
     for name in ("output", "size", "mean", "std", "class_names"):
         setattr(arguments, name, None)
@@ -481,12 +618,17 @@ def run_evaluate(argv: Sequence[str]) -> int:
     if arguments.metrics is None:  # a class folder has no masks: the default metrics that need none
         arguments.metrics = [name for name in EVALUATE_METRICS
                              if arguments.data == "demo" or not METRICS[name].needs_masks]
+    device = parse_device(arguments.device)
+    chosen = evaluation_metrics(arguments.metrics, arguments.metric_option)
+    out = check_output_folder(arguments.out)
     loaded = load_from_arguments(arguments)
-    explainers = {name: make_explainer(name, loaded) for name in arguments.methods}
-    result = evaluate(loaded.model, explainers, _evaluation_data(arguments, loaded), arguments.metrics,
-                      out=check_output_folder(arguments.out), batch_size=arguments.batch_size,
-                      progress=not arguments.no_progress)
+    loaded.model.to(device)
+    explainers = evaluation_explainers(arguments.methods, loaded, arguments.layer, arguments.option)
+    result = evaluate(loaded.model, explainers, _evaluation_data(arguments, loaded, out), chosen, out=out,
+                      batch_size=arguments.batch_size, progress=not arguments.no_progress)
     print(result.markdown())
+    print()
+    print(result.notes_markdown())
     print(f"written to {arguments.out}: evaluation.md, evaluation.png, evaluation.csv")
     return 0
 
@@ -506,8 +648,9 @@ def run_vlm(argv: Sequence[str]) -> int:
     parser.add_argument("--model", required=True, metavar="hf:DIR",
                         help="hf:DIRECTORY (what model.save_pretrained(DIR) and processor.save_pretrained(DIR) wrote), "
                         "hf:HUB_ID (fetched into the HuggingFace cache: needs the network the first time), or "
-                        "demo-vlm (the shipped tiny LLaVA that names the colour or shape in explain.data.demo_vlm's "
-                        "scenes)")
+                        "demo-vlm (the shipped tiny LLaVA, trained on one question about explain.data.demo_vlm's "
+                        "scenes, 'what color is it ?', which it answers with the shape's colour; to any other prompt "
+                        "it still names a colour)")
     parser.add_argument("--prompt", required=True, metavar="TEXT",
                         help="the question about the image (in the model's chat template when its processor has one)")
     parser.add_argument("--answer", metavar="TEXT", help="explain this answer instead of generating one")
@@ -535,8 +678,11 @@ def run_vlm(argv: Sequence[str]) -> int:
     out = check_output_folder(arguments.out)
     image = load_image(arguments.image)
     if arguments.model == "demo-vlm":
-        from .data.demo_vlm import load_vlm_demo
+        from .data.demo_vlm import QUESTIONS, load_vlm_demo
 
+        if " ".join(arguments.prompt.split()) != QUESTIONS["color"]:
+            print(f"explain: warning: demo-vlm was trained on one question, {QUESTIONS['color']!r} (the shape's "
+                  f"colour); it answers {arguments.prompt!r} with a colour too, whatever it asks.", file=sys.stderr)
         model, processor = load_vlm_demo()
         model = model.to(device=device, dtype=DTYPES[arguments.dtype] if arguments.dtype else None)
     else:
@@ -559,8 +705,9 @@ def run_vlm(argv: Sequence[str]) -> int:
     return 0
 
 
-def _evaluation_data(arguments: argparse.Namespace, loaded: LoadedModel) -> Any:
-    """--data as evaluate's data: the demo's held-out images with masks, or a class-folder's images in batches."""
+def _evaluation_data(arguments: argparse.Namespace, loaded: LoadedModel, out: Path) -> Any:
+    """--data as evaluate's data: the demo's held-out images with masks, or a class-folder's images in batches
+    (``_folder_batches``; the output folder ``out`` left out where it lies inside)."""
     if arguments.data == "demo":
         from .data.synthetic import make_dataset
         from .data.train import EVALUATION_SEED
@@ -571,25 +718,66 @@ def _evaluation_data(arguments: argparse.Namespace, loaded: LoadedModel) -> Any:
         data = make_dataset(arguments.images, seed=EVALUATION_SEED)
         inputs = torch.stack([loaded.preprocess(image) for image in data.images])
         return inputs, torch.from_numpy(data.labels), torch.from_numpy(data.masks)
-    return _folder_batches(Path(arguments.data), loaded, arguments.batch_size)
+    return _folder_batches(Path(arguments.data), loaded, arguments.batch_size, out, workers=arguments.workers)
 
 
-def _folder_batches(folder: Path, loaded: LoadedModel, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, labels) batches of a folder's images, labels from the class folders, in sorted file order."""
+PENDING_BATCHES = 4
+"""How many batches' worth of images ``_folder_batches`` holds at most while it gathers images of one size."""
+
+
+class FolderBatches:
+    """The batches of ``_folder_batches``, iterated once, with ``dataset``, the labelled image files they hold, so
+    that ``evaluate``'s progress bar knows how many images are coming."""
+
+    def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], dataset: list[Path]):
+        self.batches, self.dataset = batches, dataset
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.batches
+
+
+def _folder_batches(folder: Path, loaded: LoadedModel, batch_size: int, out: Optional[Path] = None,
+                    workers: int = 0) -> FolderBatches:
+    """(inputs (B, C, H, W), labels (B,)) batches of a folder's images, labels from the class folders; the output
+    folder ``out`` is left out when it lies inside (as ``explain batch`` does: a rerun must not read the figure it
+    wrote as an image of a class). A batch holds images of one size (after the model's preprocessing, which may
+    keep each image's size): the images are read in sorted file order, each joins the batch of its size, and a batch
+    is given when it is full, when more than ``PENDING_BATCHES`` batches' worth of images are waiting (the one
+    started first), or at the end (in the order they were started). The same folder gives the same batches. The
+    images are read and preprocessed by ``workers`` worker processes, ahead of the batch being evaluated (0: in this
+    process; a preprocess that cannot be sent to them, with a warning)."""
     from .batch import image_files
-    from .inputs import load_image
     from .labels import folder_labels
+    from .pipeline import preprocessed_images, usable_workers
 
-    files = image_files(folder)
-    labels = folder_labels(folder, files, "folders", loaded.class_names)
+    files = image_files(folder, exclude=out)
+    labels = folder_labels(folder, files, "folders", loaded.class_names, exclude=out)
     assert labels is not None, "labels='folders' always gives labels"
     labelled = [path for path in files if path.relative_to(folder) in labels.by_path]
     if not labelled:
         raise ValueError(f"no labelled image in {folder}: give a folder with one sub-folder per class.")
-    for start in range(0, len(labelled), batch_size):
-        chunk = labelled[start:start + batch_size]
-        yield (torch.stack([loaded.preprocess(load_image(path)) for path in chunk]),
-               torch.tensor([labels.by_path[path.relative_to(folder)] for path in chunk]))
+
+    by_path = labels.by_path
+
+    def batch(group: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([image for image, _ in group]), torch.tensor([label for _, label in group])
+
+    def batches(workers: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        workers, reason = usable_workers(workers, loaded.preprocess)
+        if reason:
+            warnings.warn(reason, UserWarning, stacklevel=2)
+        waiting: dict[tuple[int, ...], list[tuple[torch.Tensor, int]]] = {}  # by image size, in the order started
+        for path, image in zip(labelled, preprocessed_images(labelled, loaded.preprocess, workers)):
+            group = waiting.setdefault(tuple(image.shape), [])
+            group.append((image, by_path[path.relative_to(folder)]))
+            if len(group) == batch_size:
+                yield batch(waiting.pop(tuple(image.shape)))
+            elif sum(len(images) for images in waiting.values()) > PENDING_BATCHES * batch_size:
+                yield batch(waiting.pop(next(iter(waiting))))
+        for group in waiting.values():
+            yield batch(group)
+
+    return FolderBatches(batches(workers), labelled)
 
 
 def list_methods(verbose: bool = False) -> str:
@@ -628,7 +816,10 @@ def run_batch(argv: Sequence[str]) -> int:
     true labels (--labels folders: DIR/<class>/...; --labels FILE.csv: columns path,label), an image
     the model gets wrong is explained for its label and its predicted class (--target both, the
     default), one it gets right for the predicted class; --target label or predicted explains one
-    of them, --target CLASS a given class, --topk K the top classes."""
+    of them, --target CLASS a given class, --topk K the top classes. The same command resumes an
+    interrupted run; OUT/run.json records the model, its weights, the method's settings and the
+    input files, and a rerun into OUT that differs in any of them is refused. One run at a time
+    writes to OUT: a second one started meanwhile stops with an error naming the first."""
     from .batch import TARGET_MODES
 
     parser = Parser(prog="explain batch", description=run_batch.__doc__)
@@ -640,9 +831,16 @@ def run_batch(argv: Sequence[str]) -> int:
                         help="the images' true classes: 'folders' (the first folder under DIR is the class, matched "
                         "by name to the model's class names, else numbered in sorted order) or a CSV file with the "
                         "columns path,label (path relative to DIR; label a class index or name)")
-    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--batch-size", type=positive_int, default=16,
+                        help="images explained together in one call (default 16); more is faster on a GPU, until "
+                        "its memory runs out")
+    parser.add_argument("--workers", type=non_negative_int, metavar="N",
+                        help="processes that decode and preprocess the images, the next batches while one is "
+                        f"explained (default: min(8, CPU cores - 1), here {default_workers()}; 0: in the main "
+                        "process)")
     parser.add_argument("--overlays", action="store_true", help="also write overlay PNGs")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (under torchrun only rank 0 draws one, for its share)")
     for action in parser._actions:
         if action.dest == "target":
             action.help = ("label, predicted or both (with --labels; default both: the label's map and the "
@@ -677,21 +875,34 @@ def run_batch(argv: Sequence[str]) -> int:
         mark = warn_if_random(loaded)
         summary = run(explainer, arguments.folder, arguments.out, target=target, topk=arguments.topk,
                       labels=arguments.labels, batch_size=arguments.batch_size, overlays=arguments.overlays,
-                      progress=not arguments.no_progress, shard=shard)
+                      progress=not arguments.no_progress, shard=shard, model_name=_resolved(arguments.model),
+                      weights_name=_resolved(arguments.weights), workers=arguments.workers)
         index = summary.index
+        counts = [summary.explained, summary.already_done, len(summary.skipped), summary.labelled,
+                  summary.misclassified]
+        processes = ""
         if shard.world_size > 1:
-            if torch.distributed.is_initialized():
+            if torch.distributed.is_initialized():  # every rank's counts, added up: rank 0 reports the whole run
+                totals = torch.tensor(counts, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+                torch.distributed.all_reduce(totals)
+                counts = [int(count) for count in totals.tolist()]
+                processes = f" by {shard.world_size} processes ({summary.explained} by rank 0)"
                 torch.distributed.barrier()
             if shard.rank == 0:
                 index = merge_shard_indexes(arguments.out)
-        skipped = (f"; {len(summary.skipped)} file(s) skipped, listed with the reason in {summary.skipped_file}"
-                   if summary.skipped else "")
-        rank = f"rank {shard.rank}: " if shard.world_size > 1 else ""
+        explained, already_done, skipped_count, labelled_count, misclassified = counts
+        merged = shard.world_size > 1 and torch.distributed.is_initialized()
+        if merged and shard.rank != 0:  # rank 0 speaks for the run: one report, not one per process
+            return 0
+        skipped_file = Path(arguments.out) / "skipped.csv" if merged else summary.skipped_file
+        skipped = (f"; {skipped_count} file(s) skipped, listed with the reason in {skipped_file}"
+                   if skipped_count else "")
+        rank = f"rank {shard.rank}: " if shard.world_size > 1 and not merged else ""
         if summary.labels:
             print(f"{rank}{summary.labels}")
-        labelled = (f"; {summary.labelled} of them with a label, {summary.misclassified} misclassified"
+        labelled = (f"; {labelled_count} of them with a label, {misclassified} misclassified"
                     if summary.labels else "")
-        print(f"{rank}{summary.explained} image(s) explained{mark}, {summary.already_done} already done{labelled}"
+        print(f"{rank}{explained} image(s) explained{processes}{mark}, {already_done} already done{labelled}"
               f"{skipped}; results in {arguments.out}, index {index}")
     finally:
         if distributed:
@@ -702,9 +913,10 @@ def run_batch(argv: Sequence[str]) -> int:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", required=True,
-                       help="demo, demo-vit, demo-vit2, a torchvision name (resnet50), timm:NAME "
-                       "(timm:vit_small_patch16_224), hf:ID_OR_DIRECTORY (a HuggingFace model), or a file holding a "
-                       "whole model (--allow-pickle)")
+                       help="demo, demo-vit, demo-vit2 or demo-watermark (the shipped models, no network), a "
+                       "torchvision name (resnet50), timm:NAME (timm:vit_small_patch16_224), hf:ID_OR_DIRECTORY (a "
+                       "HuggingFace model), or a file holding a whole model (--allow-pickle); the shipped "
+                       "vision-language model, demo-vlm, is `explain vlm`'s")
     model.add_argument("--weights", help="needed by a torchvision or timm architecture: a pretrained name (DEFAULT or "
                        "a torchvision weights name such as IMAGENET1K_V2; 'pretrained' for timm), a state-dict file "
                        "(.pt, .pth, .bin, .safetensors), or 'random' (random weights, to try the command)")
@@ -719,7 +931,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="input size instead of the model's own: S (shorter side to S, centre crop S×S) or H W")
     model.add_argument("--mean", type=float, nargs="+", help="normalisation mean per channel, in [0, 1] units")
     model.add_argument("--std", type=float, nargs="+", help="normalisation std per channel, in [0, 1] units")
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu, cuda, cuda:N or mps (default: cuda when there is a GPU, else cpu)")
     method = parser.add_argument_group("method")
     method.add_argument("--method", default="gradcam", help="a method name (see `explain methods`)")
     method.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
@@ -752,9 +965,13 @@ def _image_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="explain",
         description="Explain images with a vision model and write heatmap overlays.",
-        epilog="Other commands: `explain demo` (no network needed), `explain methods [--verbose] [NAME]` (a "
-        "method's options), `explain layers MODEL`, `explain batch DIR`, `explain vlm IMAGE` (a vision-language "
-        "model's answer).",
+        epilog="Other commands (each with its own --help): `explain demo` (no network needed; --debugging: a model "
+        "debugged over a data set), `explain methods [--verbose] [NAME]` (a method's options), `explain layers "
+        "MODEL` (layer names and output shapes), `explain batch DIR --out OUT` (a whole folder, resumable; "
+        "sharded under torchrun), `explain strategies OUT` (a batch run's maps clustered per class, SpRAy), "
+        "`explain report OUT` (a batch run as an HTML page), `explain evaluate --methods A B ... --out OUT` (a "
+        "method × metric table over a data set), `explain vlm IMAGE --prompt TEXT` (a vision-language model's "
+        "answer, a map per token).",
     )
     parser.add_argument("images", nargs="+", help="image files")
     _add_model_options(parser)
@@ -769,8 +986,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if argv and argv[0] == "demo":
             parser = Parser(prog="explain demo", description=run_demo.__doc__)
-            parser.add_argument("--out", default="explain-demo.png")
-            parser.add_argument("--count", type=positive_int, default=6)
+            parser.add_argument("--out", default="explain-demo.png",
+                                help="the figure to write (default explain-demo.png); with --debugging a folder")
+            parser.add_argument("--count", type=positive_int, default=6,
+                                help="how many held-out images (default 6; with --debugging 400)")
             parser.add_argument("--model", default="demo", choices=sorted(DEMO_METHODS),
                                 help="demo (the shipped CNN, Grad-CAM), demo-vit (the shipped transformer, "
                                 "gradient-weighted attention rollout) or demo-vit2 (the second, transformer "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import itertools
 import json
 import math
 import time
@@ -44,6 +45,7 @@ from .explanation import Explanation
 from .layers import default_layer
 from .methods.base import Explainer, get_method, progress_shown_by_caller, setting_text
 from .methods.options import int_option
+from .models import LoadedModel, loaded_model_parts
 
 FIELDS = ["batch", "method", "metric", "image", "value", "seconds"]
 SETTINGS_FILE = "evaluation.json"
@@ -363,8 +365,9 @@ METRICS: dict[str, Metric] = {metric.name: metric for metric in [
     _entry("continuity", "lower", "robustness: largest ‖Φ(x) − Φ(x')‖₁ / ‖x − x'‖ over 6 horizontal translations "
            "x' (±1/16, ±1/8, ±1/4 of the width)", _continuity, shares=(-0.25, -0.125, -0.0625, 0.0625, 0.125, 0.25)),
     # localisation: against the objects' masks
-    _entry("pointing_game", "higher", "localisation: 1 where the map's maximum lies on the object",
-           _localisation(metrics.pointing_game), needs_masks=True),
+    _entry("pointing_game", "higher", "localisation: 1 where the map's maximum lies on the object or within "
+           "tolerance pixels of it (0: on it; TorchRay's protocol takes 15 px at 224 px, about 4 px at 64 px)",
+           _localisation(metrics.pointing_game), needs_masks=True, tolerance=0.0),
     _entry("energy_pointing_game", "higher", "localisation: share of the positive relevance in the object's box",
            _localisation(metrics.energy_pointing_game), needs_masks=True),
     _entry("relevance_mass_accuracy", "higher", "localisation: share of the positive relevance on the object",
@@ -443,17 +446,77 @@ class Evaluation:
         """The methods by mean rank, best first; those no metric applies to (NaN) last."""
         return sorted(self.methods, key=lambda name: (math.isnan(mean_rank[name]), mean_rank[name]))
 
+    def within_error(self) -> dict[str, list[list[str]]]:
+        """Per metric, the methods it applies to in groups whose order the data does not settle, best first:
+        walking the methods from the best mean on, a method joins the group of the current group's first (best)
+        method when their means differ by at most the standard error of the difference, √(se₁² + se₂²) (the
+        ``spread`` of each), else it starts the next group. A group of one is a method set apart from the others;
+        the table marks the members of larger groups with ≈ and the figure gives them one colour."""
+        groups: dict[str, list[list[str]]] = {}
+        for metric in self.metrics:
+            sign = -1.0 if metric.better == "higher" else 1.0
+            means = {method: self.mean(method, metric.name) for method in self.methods}
+            ordered = sorted((method for method in self.methods if not math.isnan(means[method])),
+                             key=lambda method: sign * means[method])
+            metric_groups: list[list[str]] = []
+            for method in ordered:
+                if metric_groups:
+                    leader = metric_groups[-1][0]
+                    error = math.hypot(self.spread(method, metric.name), self.spread(leader, metric.name))
+                    if abs(means[method] - means[leader]) <= error:
+                        metric_groups[-1].append(method)
+                        continue
+                metric_groups.append([method])
+            groups[metric.name] = metric_groups
+        return groups
+
+    def ranks_within_error(self) -> dict[str, dict[str, float]]:
+        """``ranks[method][metric]`` as ``ranks`` gives them, but each group of ``within_error`` sharing the mean of
+        its members' ranks (the figure's colours): methods whose difference lies inside the error rank alike."""
+        ranks: dict[str, dict[str, float]] = {method: {} for method in self.methods}
+        for name, metric_groups in self.within_error().items():
+            for method in self.methods:
+                ranks[method][name] = math.nan
+            position = 1
+            for group in metric_groups:
+                shared = position + (len(group) - 1) / 2
+                for method in group:
+                    ranks[method][name] = shared
+                position += len(group)
+        return ranks
+
+    def _tied(self) -> dict[str, set[str]]:
+        """Per metric, the methods whose mean lies within the error of another's (``within_error``'s groups of
+        two or more)."""
+        return {name: {method for group in metric_groups if len(group) > 1 for method in group}
+                for name, metric_groups in self.within_error().items()}
+
     def markdown(self) -> str:
-        """The table: a row per method, a column per metric (mean ± standard error, its rank), and the mean rank."""
-        ranks, mean_rank = self.ranks(), self.mean_rank()
-        header = "| method | " + " | ".join(f"{m.name} {'↑' if m.better == 'higher' else '↓'}" for m in self.metrics)
+        """The table: a row per method, a column per metric headed by its name, ↑ (higher is better) or ↓, and its
+        settings (``Metric.options``); in a cell, the mean ± standard error and the rank, with ≈ where the
+        difference from another method lies inside the error (``within_error``); the mean rank last."""
+        ranks, mean_rank, tied = self.ranks(), self.mean_rank(), self._tied()
+        header = "| method | " + " | ".join(metric_heading(metric) for metric in self.metrics)
         lines = [header + " | mean rank |", "| --- |" + " ---: |" * (len(self.metrics) + 1)]
         for method in self._best_first(mean_rank):
             cells = ["–" if math.isnan(ranks[method][m.name]) else
-                     f"{self.mean(method, m.name):.3f} ± {self.spread(method, m.name):.3f} ({ranks[method][m.name]:g})"
-                     for m in self.metrics]
+                     f"{self.mean(method, m.name):.3f} ± {self.spread(method, m.name):.3f} ({ranks[method][m.name]:g}"
+                     f"{' ≈' if method in tied[m.name] else ''})" for m in self.metrics]
             shown = "–" if math.isnan(mean_rank[method]) else f"{mean_rank[method]:.2f}"
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {shown} |")
+        return "\n".join(lines)
+
+    def notes_markdown(self) -> str:
+        """What the table's marks mean, and each metric's settings and what it measures, one line each."""
+        lines = ["Mean ± standard error over the images (rank, 1 = best). ≈: walking a column from the best mean, "
+                 "the methods whose mean differs from the best of their group by at most the standard error of the "
+                 "difference, √(se₁² + se₂²), form a group; the members of a group of two or more are marked ≈ (the "
+                 "data do not settle their order) and share a colour in the figure.", "",
+                 "Metrics and their settings:", ""]
+        for metric in self.metrics:
+            settings = metric_settings(metric)
+            lines.append(f"- {metric_name(metric)} ({'higher' if metric.better == 'higher' else 'lower'} is better; "
+                         f"{settings or 'no settings'}): {metric.measures}")
         return "\n".join(lines)
 
     def cost_markdown(self) -> str:
@@ -466,28 +529,53 @@ class Evaluation:
         return "\n".join(lines)
 
     def figure(self) -> Any:
-        """A matplotlib figure: each method's rank per metric (colour) with its mean (text)."""
+        """A matplotlib figure: a cell per method and metric holding the mean (≈ where the difference from another
+        method lies inside the error), coloured by rank with each ``within_error`` group sharing one colour; the
+        metrics' settings under their names, the mean rank beside each method's."""
+        import textwrap
+
         import matplotlib.pyplot as plt
 
-        ranks, mean_rank = self.ranks(), self.mean_rank()
+        ranks, mean_rank, tied = self.ranks_within_error(), self.mean_rank(), self._tied()
         order = self._best_first(mean_rank)
         grid = [[ranks[method][metric.name] for metric in self.metrics] for method in order]
-        labels = [f"{m.name.replace('(', chr(10) + '(')}\n{'↑' if m.better == 'higher' else '↓'}" for m in self.metrics]
+        labels = [f"{metric_name(m)} {'↑' if m.better == 'higher' else '↓'}"
+                  + "".join("\n" + line for line in textwrap.wrap(metric_settings(m), 24)) for m in self.metrics]
         longest = max(len(line) for label in labels for line in label.splitlines())  # rotated 45°: its height
-        figure, axes = plt.subplots(figsize=(1.1 * len(self.metrics) + 2.5, 0.55 * len(order) + 0.8 + 0.04 * longest))
+        lines = max(len(label.splitlines()) for label in labels)
+        figure, axes = plt.subplots(figsize=(1.1 * len(self.metrics) + 2.5,
+                                             0.55 * len(order) + 0.8 + 0.04 * longest + 0.1 * lines))
         image = axes.imshow(grid, cmap="RdYlGn_r", vmin=1, vmax=max(len(order), 2), aspect="auto")
         for row, method in enumerate(order):
             for column, metric in enumerate(self.metrics):
                 mean = self.mean(method, metric.name)
-                axes.text(column, row, "–" if math.isnan(mean) else f"{mean:.2f}", ha="center", va="center",
+                mark = " ≈" if method in tied[metric.name] else ""
+                axes.text(column, row, "–" if math.isnan(mean) else f"{mean:.2f}{mark}", ha="center", va="center",
                           fontsize=8)
         axes.set_xticks(range(len(self.metrics)), labels, rotation=45, ha="right", fontsize=8)
         shown = {method: "–" if math.isnan(rank) else f"{rank:.1f}" for method, rank in mean_rank.items()}
         axes.set_yticks(range(len(order)), [f"{method} ({shown[method]})" for method in order], fontsize=8)
         figure.colorbar(image, ax=axes, label="rank (1 = best)")
-        axes.set_title("methods × metrics: mean value, coloured by rank (mean rank in brackets)", fontsize=9)
+        axes.set_title("methods × metrics: mean value, coloured by rank (mean rank in brackets); ≈: inside the\n"
+                       "standard error of another ≈ method, which shares its colour", fontsize=9)
         figure.tight_layout()
         return figure
+
+
+def metric_name(metric: Metric) -> str:
+    """A metric's name without the settings that ``Metric.with_options`` writes into it."""
+    return metric.name.split("(", 1)[0] if metric.options else metric.name
+
+
+def metric_settings(metric: Metric) -> str:
+    """Every setting a metric computes with, "tolerance=0.0" or "steps=16, samples=4" ("" for none)."""
+    return ", ".join(f"{key}={value!r}" for key, value in metric.options.items())
+
+
+def metric_heading(metric: Metric) -> str:
+    """A metric's column heading: its name, ↑ or ↓ (higher or lower is better) and its settings."""
+    settings = metric_settings(metric)
+    return f"{metric_name(metric)} {'↑' if metric.better == 'higher' else '↓'}" + (f" ({settings})" if settings else "")
 
 
 def _class_indices(labels: Any) -> Tensor:
@@ -530,6 +618,25 @@ def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size
         yield _ordinary(batch[0], torch.as_tensor(batch[1]), masks)
 
 
+def _image_count(data: Union[EvaluationBatch, Iterable[EvaluationBatch]]) -> Optional[int]:
+    """How many images ``data`` holds, for the progress bar, where that is known without reading it: one
+    (inputs, labels[, masks]) tuple, a list of such batches, or a DataLoader (anything with a sized ``dataset``; the
+    last, partial batch left out with ``drop_last``); None otherwise."""
+    if isinstance(data, tuple) and len(data) in (2, 3) and isinstance(data[0], Tensor):
+        return int(data[0].shape[0]) if data[0].dim() > 0 else None
+    dataset = getattr(data, "dataset", None)
+    if dataset is not None and hasattr(dataset, "__len__"):
+        count, batch_size = len(dataset), getattr(data, "batch_size", None)
+        if getattr(data, "drop_last", False) and isinstance(batch_size, int) and batch_size > 0:
+            count -= count % batch_size
+        return count
+    if isinstance(data, (list, tuple)) and all(isinstance(batch, (tuple, list)) and batch
+                                               and isinstance(batch[0], Tensor) and batch[0].dim() > 0
+                                               for batch in data):
+        return sum(int(batch[0].shape[0]) for batch in data)
+    return None
+
+
 def _ordinary(*tensors: Optional[Tensor]) -> Any:
     """The tensors, those made inside ``torch.inference_mode()`` copied (called outside it)."""
     return tuple(tensor.clone() if tensor is not None and tensor.is_inference() else tensor for tensor in tensors)
@@ -562,11 +669,15 @@ def _model_fingerprint(model: nn.Module) -> str:
     return f"{type(model).__name__} {_fingerprint(samples + [torch.tensor(value.shape) for value in tensors])}"
 
 
-def _explainers(model: nn.Module,
+def _explainers(model: Union[nn.Module, LoadedModel],
                 methods: Union[str, Explainer, Sequence[Union[str, Explainer]], Mapping[str, Explainer]]
                 ) -> dict[str, Explainer]:
     if isinstance(methods, (str, Explainer)):
         methods = [methods]
+    # a loaded model: the methods named take its module with its preprocessing, class names and output selector
+    module, preprocess, class_names, output = loaded_model_parts(model)
+    parts: dict[str, Any] = {key: value for key, value in (("preprocess", preprocess), ("class_names", class_names),
+                                                           ("output", output)) if value is not None}
     explainers: dict[str, Explainer] = {}
     if isinstance(methods, Mapping):
         for name, explainer in methods.items():
@@ -578,7 +689,7 @@ def _explainers(model: nn.Module,
             explainers[name] = explainer
     else:
         for method in methods:
-            explainer = get_method(method)(model) if isinstance(method, str) else method
+            explainer = get_method(method)(module, **parts) if isinstance(method, str) else method
             if not isinstance(explainer, Explainer):
                 raise ValueError(f"method {method!r} is neither a method's name nor an explainer.")
             name = method if isinstance(method, str) else explainer.name
@@ -589,7 +700,7 @@ def _explainers(model: nn.Module,
     if not explainers:
         raise ValueError("evaluate needs at least one method.")
     for name, explainer in explainers.items():
-        if explainer.model is not model and getattr(model, "_orig_mod", None) is not explainer.model:
+        if explainer.model is not module and getattr(module, "_orig_mod", None) is not explainer.model:
             raise ValueError(f"the explainer of method {name!r} ({type(explainer).__name__}) explains another model "
                              "than the one given: the metrics would score the given model on another's maps.")
     return explainers
@@ -697,7 +808,7 @@ def _done(out: Path, settings: dict[str, Any], metric_names: Sequence[str]
 
 
 def evaluate(
-    model: nn.Module,
+    model: Union[nn.Module, LoadedModel],
     methods: Union[str, Explainer, Sequence[Union[str, Explainer]], Mapping[str, Explainer]],
     data: Union[EvaluationBatch, Iterable[EvaluationBatch]],
     metrics: Union[str, Metric, Sequence[Union[str, Metric]]] = ("deletion", "insertion", "road", "pointing_game",
@@ -709,6 +820,8 @@ def evaluate(
 ) -> Evaluation:
     """Evaluate each method with each metric over ``data``; every image's value kept (see the module docstring).
 
+    model: a module, or what ``explain.load_model`` returns (the methods named then take its preprocessing, class
+        names and output selector; the metrics score its module).
     methods: registry names ("gradcam", ...; built with their defaults on ``model``), explainers, or a mapping
         name → explainer. data: (inputs (N, C, H, W) model input, labels (N,)[, masks (N, H, W) bool]) or a
         DataLoader of such batches, in a fixed order (resuming relies on it). metrics: names of ``METRICS`` or
@@ -722,6 +835,8 @@ def evaluate(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
     explainers, chosen = _explainers(model, methods), _metrics(metrics)
+    if isinstance(model, LoadedModel):  # the explainers built on it hold its parts; the metrics need the module
+        model = model.model
     names = [metric.name for metric in chosen]
     settings: dict[str, Any] = {"methods": list(explainers), "metrics": names, "batch_size": batch_size,
                                 "explainers": [setting_text(explainer) for explainer in explainers.values()]}
@@ -739,7 +854,7 @@ def evaluate(
     per_batch: dict[tuple[int, str], dict[str, Tensor]] = {}
     seconds: dict[str, dict[str, float]] = {method: dict.fromkeys(names, 0.0) for method in explainers}
     with torch.inference_mode(False), progress_shown_by_caller(), \
-            tqdm(desc="evaluate", unit="batch", disable=not progress) as bar:
+            tqdm(desc="evaluate", unit="image", total=_image_count(data), disable=not progress) as bar:
         _run(model, explainers, chosen, data, batch_size, done, per_batch, seconds, folder, record, bar)
     if not per_batch:
         raise ValueError("the data holds no images.")
@@ -788,13 +903,17 @@ def _run(model: nn.Module, explainers: dict[str, Explainer], chosen: list[Metric
                 continue
             per_batch[(index, method)] = _evaluate_batch(model, explainer, chosen, inputs, labels, masks,
                                                         seconds[method], folder, index, method)
-        bar.update(1)
+        bar.update(len(inputs))
 
 
 def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric], inputs: Tensor, labels: Tensor,
                     masks: Optional[Tensor], seconds: dict[str, float], folder: Optional[Path], index: int,
                     method: str) -> dict[str, Tensor]:
-    """One batch explained by one method and every metric computed on its maps; their rows appended in one write."""
+    """One batch explained by one method and every metric computed on its maps; their rows appended in one write.
+    The batch goes to the model's device first (the first parameter's or buffer's; data are read on the CPU)."""
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+    inputs, labels = inputs.to(device), labels.to(device)
+    masks = None if masks is None else masks.to(device)
     explanation = explainer.explain(inputs, target=labels)
     given = MetricInput(model, explainer, inputs, explanation, labels, masks, index)
     values: dict[str, Tensor] = {}
@@ -827,7 +946,8 @@ def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric]
 def _write_summary(result: Evaluation, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
-    table = f"{result.markdown()}\n\nSeconds per image of each metric:\n\n{result.cost_markdown()}\n"
+    table = (f"{result.markdown()}\n\n{result.notes_markdown()}\n\nSeconds per image of each metric:\n\n"
+             f"{result.cost_markdown()}\n")
     write_atomically(folder / "evaluation.md", lambda path: path.write_text(table, encoding="utf-8"))
     figure = result.figure()
     try:

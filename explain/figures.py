@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypedDict
+import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 import torch
@@ -18,8 +19,9 @@ from typing_extensions import Unpack
 from . import render
 from .capture import LayerSpec
 from .explanation import Explanation
-from .inputs import Inputs
-from .targets import Target
+from .inputs import Inputs, PreprocessSpec
+from .models import LoadedModel
+from .targets import OutputSelector, Target
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -36,6 +38,11 @@ CHEAP_METHODS = ("gradcam", "gradcam++", "layercam", "saliency", "inputxgradient
 worth naming when wanted, at their cost."""
 
 
+PanelTitles = Union[bool, Sequence[Sequence[str]]]
+"""``figure``'s ``panel_titles``: True (each map's class and score), False (none), or the texts, one list per
+image with one text per method."""
+
+
 class FigureOptions(TypedDict, total=False):
     """The keyword options of ``figure``, as ``compare`` passes them on."""
 
@@ -50,6 +57,11 @@ class FigureOptions(TypedDict, total=False):
     colorbar: bool
     panel_size: float
     fontsize: float
+    method_titles: Optional[Sequence[str]]
+    image_titles: Optional[Sequence[str]]
+    panel_titles: PanelTitles
+    image_header: str
+    colorbar_label: Optional[str]
 
 
 def _panel_values(explanation: Explanation, image: int, signed: bool, clip_percentile: float,
@@ -76,6 +88,29 @@ def is_signed(explanation: Explanation) -> bool:
     return bool((explanation.raw_map_grid < 0).any())
 
 
+def _titles(given: Optional[Sequence[str]], count: int, what: str, per: str) -> Optional[list[str]]:
+    """``given`` as a list of ``count`` texts, or a ValueError saying what was expected."""
+    if given is None:
+        return None
+    if isinstance(given, str) or len(given) != count or not all(isinstance(text, str) for text in given):
+        shown = repr(given) if isinstance(given, str) else f"{len(given)} item(s)"
+        raise ValueError(f"{what} takes one text per {per}, {count} in all; got {shown}.")
+    return list(given)
+
+
+def _panel_titles(given: PanelTitles, count: int, methods: int) -> Optional[list[list[str]]]:
+    """``panel_titles`` as texts [image][method]; None for the default (each map's class and score)."""
+    if given is True:
+        return None
+    if given is False:
+        return [[""] * methods for _ in range(count)]
+    if (isinstance(given, (str, bool)) or len(given) != count
+            or any(isinstance(row, str) or len(row) != methods for row in given)):
+        raise ValueError(f"panel_titles takes True (each map's class and score), False (none), or one list per "
+                         f"image ({count}) holding one text per method ({methods}).")
+    return [[str(text) for text in row] for row in given]
+
+
 def figure(
     explanations: Sequence[Explanation],
     *,
@@ -90,6 +125,11 @@ def figure(
     colorbar: bool = False,
     panel_size: float = 1.9,
     fontsize: float = 8.0,
+    method_titles: Optional[Sequence[str]] = None,
+    image_titles: Optional[Sequence[str]] = None,
+    panel_titles: PanelTitles = True,
+    image_header: str = "image",
+    colorbar_label: Optional[str] = None,
 ) -> "Figure":
     """A grid of the explanations of the same images by several methods.
 
@@ -103,9 +143,15 @@ def figure(
         values are in different units (activations × gradients, gradients, logit shares), so one
         method's would blank the others. signed: draw maps with negative values in a diverging
         colour map centred on zero ("RdBu_r"), clipping |values| at ``clip_percentile``; None
-        decides per explanation. colorbar: one shared colorbar, labelled.
-    Returns a matplotlib Figure (save it to PNG at any dpi, or to PDF/SVG); a notebook cell whose
-    result it is shows it, no ``%matplotlib inline`` needed.
+        decides per explanation. colorbar: one shared colorbar, labelled (``colorbar_label``: its label
+        instead of "relevance (normalised)" / "signed relevance (scaled)").
+    Titles, for a paper: method_titles: one per explanation, instead of its description ("GradCAM @ layer4"),
+        heading its column (its row with rows="methods"). image_titles: one per image, labelling its row (heading
+        its column with rows="methods"). panel_titles: True (each map's class and score, "disc (0): 4.2"), False
+        (none), or one list per image of one text per method. image_header: the heading of the images' own column
+        (row), "image" by default.
+    Returns a matplotlib Figure (save it to PNG at any dpi, or to PDF/SVG: each panel one image, the
+    titles text); a notebook cell whose result it is shows it, no ``%matplotlib inline`` needed.
     """
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -124,6 +170,9 @@ def figure(
         raise ValueError("all explanations must be of the same images (the same N).")
     if count == 0:
         raise ValueError("the explanations hold no image: nothing to draw.")
+    headers = _titles(method_titles, len(explanations), "method_titles", "explanation (method)")
+    row_titles = _titles(image_titles, count, "image_titles", "image")
+    texts = _panel_titles(panel_titles, count, len(explanations))
     images = explanations[0].images
     for position, explanation in enumerate(explanations[1:], start=2):
         if explanation.images.shape != images.shape or not torch.allclose(explanation.images, images, atol=1 / 255):
@@ -132,37 +181,40 @@ def figure(
             raise ValueError(f"explanation {position} is of other images than the first ({sizes}): figure lays out the "
                              "explanations of the same images by several methods. Explain the same inputs with each "
                              "method, with one preprocess (the same size) for all.")
+    if headers is None:  # long layer names go on their own line, so headers never overlap
+        headers = [explanation.description() for explanation in explanations]
+        headers = [header.replace(" @ ", "\n@ ") if len(header) > 22 else header for header in headers]
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)
     fig = render.shown_in_notebooks(Figure(
-        figsize=(panel_size * grid_shape[1] + (0.8 if colorbar else 0), panel_size * grid_shape[0] + 0.3),
+        figsize=(panel_size * grid_shape[1] + (0.8 if colorbar else 0) + (0.3 if row_titles and rows == "images"
+                                                                          else 0), panel_size * grid_shape[0] + 0.3),
         layout="constrained"))
     axes = fig.subplots(*grid_shape, squeeze=False)
     scales = [method_scale(e) if normalize in ("method", "row") else None for e in explanations]
     for image in range(count):
-        panels: list[tuple[str, np.ndarray, Optional[str]]] = []
+        panels: list[tuple[str, np.ndarray, str]] = []
         if show_image:
-            panels.append(("image", (images[image].numpy() * 255).round().astype("uint8"), None))
-        for explanation, signed_map, scale in zip(explanations, signs, scales):
+            panels.append((image_header, (images[image].numpy() * 255).round().astype("uint8"), ""))
+        for number, (explanation, signed_map, scale) in enumerate(zip(explanations, signs, scales)):
             values = _panel_values(explanation, image, signed_map, clip_percentile, scale)
             panel_cmap = render.DIVERGING_CMAP if signed_map else cmap
             drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode)
-            header = explanation.description()
-            if len(header) > 22:  # long layer names go on their own line, so headers never overlap
-                header = header.replace(" @ ", "\n@ ")
-            panels.append((header, drawn, explanation.title(image)))
+            panels.append((headers[number], drawn, explanation.title(image) if texts is None else texts[image][number]))
         for position, (header, picture, subtitle) in enumerate(panels):
             axis = axes[image, position] if rows == "images" else axes[position, image]
             axis.imshow(picture, interpolation="bilinear")
             axis.set_xticks([])
             axis.set_yticks([])
-            first = image == 0
-            if first and rows == "images":
-                axis.set_title(header if subtitle is None else f"{header}\n{subtitle}", fontsize=fontsize,
-                               parse_math=False)
-            elif subtitle is not None:
-                axis.set_title(subtitle, fontsize=fontsize, parse_math=False)
+            # the text above a panel: its column's heading (first row only) and its own title
+            heading = (header if image == 0 else "") if rows == "images" else (
+                row_titles[image] if row_titles is not None and position == 0 else "")
+            title = "\n".join(text for text in (heading, subtitle) if text)
+            if title:
+                axis.set_title(title, fontsize=fontsize, parse_math=False)
+            if rows == "images" and position == 0 and row_titles is not None:
+                axis.set_ylabel(row_titles[image], fontsize=fontsize, parse_math=False)
             if rows == "methods" and image == 0:
                 axis.set_ylabel(header, fontsize=fontsize, parse_math=False)
     if colorbar:  # one per colour map in use: the unsigned maps' (0 to 1), the signed maps' (-1 to 1)
@@ -174,7 +226,7 @@ def figure(
         for low, bar_cmap, label in scales_drawn:
             scalar = matplotlib.cm.ScalarMappable(norm=Normalize(low, 1), cmap=bar_cmap)
             bar = fig.colorbar(scalar, ax=axes, shrink=0.8 / len(scales_drawn))
-            bar.set_label(label, fontsize=fontsize)
+            bar.set_label(label if colorbar_label is None else colorbar_label, fontsize=fontsize)
             bar.ax.tick_params(labelsize=fontsize)
     return fig
 
@@ -189,6 +241,11 @@ class Comparison(NamedTuple):
     def _repr_png_(self) -> bytes:
         return render.figure_png(self.figure)
 
+    def save(self, path: Union[str, "os.PathLike[str]"], dpi: Optional[int] = 300) -> None:
+        """Save the figure; the format follows the file's extension: PDF and SVG are vector figures (each panel
+        one embedded image, the titles and the colour bar text), PNG is drawn at ``dpi``."""
+        render.save_figure(self.figure, os.fspath(path), dpi=dpi)
+
 
 def options_taken(method: type[Explainer]) -> Optional[frozenset[str]]:
     """The names of the keyword options ``method``'s constructor takes (not the model, the layer or the
@@ -202,30 +259,42 @@ def options_taken(method: type[Explainer]) -> Optional[frozenset[str]]:
 
 
 def compare(
-    model: nn.Module,
+    model: Union[nn.Module, LoadedModel],
     images: Inputs,
     methods: Sequence[str] = CHEAP_METHODS,
     *,
     layer: Optional[LayerSpec | Sequence[LayerSpec]] = None,
     target: Target = None,
     method_options: Optional[Mapping[str, Any]] = None,
+    preprocess: PreprocessSpec = None,
+    class_names: Optional[Sequence[str]] = None,
+    output: OutputSelector = None,
     **figure_options: Unpack[FigureOptions],
 ) -> Comparison:
     """Explain ``images`` with each registered method by name and lay them out with ``figure``.
 
-    methods: registered names (``explain methods`` lists them); the default, ``CHEAP_METHODS``, costs
-    one forward and one backward pass per image and method. layer: the CAM methods' layer (None:
-    chosen automatically). method_options: keyword arguments for the methods, each passed to the
-    methods that take it (``preprocess``, ``class_names`` to all; ``steps`` to Integrated Gradients
-    only); an option that none of them takes is an error.
-    Returns a ``Comparison``: the figure and the explanations, which a notebook shows as the figure.
+    model: a module, or what ``explain.load_model`` returns (its preprocessing, class names and output
+    selector then go to every method). methods: registered names (``explain methods`` lists them); the
+    default, ``CHEAP_METHODS``, costs one forward and one backward pass per image and method. layer: the
+    CAM methods' layer (None: chosen automatically). preprocess, class_names, output: as every explainer
+    takes them (``Explainer``), for all the methods. method_options: keyword arguments for the methods,
+    each passed to the methods that take it (``steps`` to Integrated Gradients only); an option that none
+    of them takes is an error. The other keywords are ``figure``'s (titles, colour bar, layout).
+    Returns a ``Comparison``: the figure and the explanations, which a notebook shows as the figure;
+    ``.save("figure.pdf")`` writes it.
     """
     from .methods import get_method
 
     if isinstance(methods, str):  # one method by name, not its letters
         methods = (methods,)
+    unknown_figure_options = sorted(set(figure_options) - set(FigureOptions.__annotations__))
+    if unknown_figure_options:
+        raise TypeError(f"compare got the keyword(s) {', '.join(unknown_figure_options)}, which neither the methods "
+                        "(preprocess, class_names, output; others in method_options=) nor the figure take "
+                        f"({', '.join(FigureOptions.__annotations__)}).")
     classes = [get_method(name) for name in methods]
-    options = dict(method_options or {})
+    shared = {"preprocess": preprocess, "class_names": class_names, "output": output}
+    options = {**{key: value for key, value in shared.items() if value is not None}, **dict(method_options or {})}
     taken = [options_taken(cls) for cls in classes]
     known = set().union(*(names for names in taken if names is not None))
     unknown = [name for name in options if None not in taken and name not in known]

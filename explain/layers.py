@@ -163,6 +163,10 @@ class _ModuleRun:
     bypassed: bool = False
     """Whether the module runs inside a block too small to draw that reaches the image by another path too (a
     branch, a shortcut): its maps would show part of the evidence (``_mark_bypassed``)."""
+    layout_error: Optional[str] = None
+    """For a norm (LayerNorm, RMSNorm) whose (N, T, D) tokens cannot be laid out on the input's patch grid: why
+    (``explain.layouts``' message), so that a transformer given an input of the wrong size is told, not explained
+    at a layer before its blocks."""
 
     @property
     def is_candidate(self) -> bool:
@@ -213,6 +217,20 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
         return norm
+    modules = dict(model.named_modules())
+    unplaced = [module_run for module_run in runs.values()
+                if module_run.layout_error is not None and _block_of(module_run.name, modules) is not None]
+    if unplaced:  # a transformer whose tokens do not fit this input: a layer before its blocks would be chosen
+        last_block = _block_of(unplaced[-1].name, modules)
+        last = next(module_run for module_run in unplaced if _block_of(module_run.name, modules) == last_block)
+        raise ValueError(
+            f"{str(last.layout_error).rstrip('.')}. A transformer's default layer is its last block's first norm "
+            f"({last.name} here), and no layer of its blocks can be drawn on this input, so none is chosen (a "
+            "layer before the blocks, such as the patch embedding, would explain almost nothing of the model). "
+            "Resize the image to a size the model's patches tile (the size it was trained at: --size S or H W on "
+            "the command line, size= in explain.load_model), pass reshape=(h, w) for the patch grid, or name a "
+            "layer (--layer, layer=)."
+        )
     if not candidates:
         raise ValueError(
             f"no layer gives feature maps of the batch's {batch.shape[0]} images to explain (a spatial "
@@ -249,6 +267,8 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
             fingerprint=None if main is None or layout is None else _fingerprint(main.detach()),
             too_small=grid is not None and layout is None,
+            layout_error=None if grid is not None or main is None else _token_layout_error(
+                main, modules[name], name, count, input_size, tokens),
         )
 
     inputs = batch.detach().requires_grad_(batch.is_floating_point())
@@ -430,6 +450,21 @@ def _map_grid(tensor: Tensor, module: nn.Module, count: int, input_size: Sequenc
     else:
         height, width = tensor.shape[2:]
     return layout.kind, int(height), int(width)
+
+
+def _token_layout_error(tensor: Tensor, module: nn.Module, name: str, count: int, input_size: Sequence[int],
+                        tokens: Optional[ModelTokens]) -> Optional[str]:
+    """Why the (N, T, D) tokens a norm outputs cannot be laid out on the input's patch grid (``infer_layout``'s
+    message), where the model states a vision transformer's tokens (``model_tokens``: a CNN with a sequence model
+    on top keeps its own default layer); None for any other module or output, and for tokens that can."""
+    if (tokens is None or not _is_norm(module) or tensor.dim() != 3 or tensor.shape[0] != count
+            or not tensor.is_floating_point() or tensor.layout != torch.strided):
+        return None
+    try:
+        infer_layout(tensor, input_size, name=name, module=module, model=tokens)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _fingerprint(tensor: Tensor) -> Tensor:

@@ -36,9 +36,10 @@ import inspect
 import json
 import pickle
 import zipfile
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torchvision
@@ -69,6 +70,49 @@ SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', 'demo-watermark', a torchvisio
                 "whole model")
 
 
+HUB_PROBE_SECONDS = 3.0
+"""How long ``hub_offline_when_unreachable`` waits for the HuggingFace hub to answer before loading from the cache
+alone."""
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether the HuggingFace hub (``HF_ENDPOINT``, huggingface.co by default) answers one request within
+    ``timeout`` seconds, through the hub client's own session (its proxies and certificates). Any answer counts,
+    an error status too; no answer (no network, no name resolution, a firewall) does not."""
+    try:
+        from huggingface_hub import constants, get_session
+    except ImportError:
+        return False
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout, follow_redirects=False)
+    except Exception:  # any failure to get an answer (connection, DNS, timeout, TLS) means no hub
+        return False
+    return True
+
+
+@contextmanager
+def hub_offline_when_unreachable() -> Iterator[bool]:
+    """Within the block, the HuggingFace hub client in offline mode when the hub does not answer within
+    ``HUB_PROBE_SECONDS`` (``hub_reachable``): files already in its cache still load, and a file that is not fails
+    at once instead of after the client's retries (five per file with back-off, about 50 s for timm's two
+    candidate files). Yields whether the hub was found unreachable. Already offline (``HF_HUB_OFFLINE=1``): left
+    as it is. The setting is the client's, for the whole process, while the block runs."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        yield False
+        return
+    if constants.is_offline_mode() or hub_reachable():
+        yield False
+        return
+    earlier = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield True
+    finally:
+        constants.HF_HUB_OFFLINE = earlier
+
+
 class WeightsUnavailableError(RuntimeError):
     """Pretrained weights that could not be downloaded or read, or a file that cannot be loaded."""
 
@@ -96,6 +140,22 @@ class LoadedModel:
     dicts per image) or "other" (a backbone or embedding model whose ``output`` is explained)."""
     random_weights: bool = False
     """Whether the model's weights are random: an architecture loaded without weights."""
+
+
+ModelSource = Union[nn.Module, LoadedModel]
+"""What an explainer takes as its model: any ``nn.Module``, or what ``explain.load_model`` returns (its module,
+with its preprocessing, class names and output selector as defaults)."""
+
+
+def loaded_model_parts(model: Any, preprocess: Any = None, class_names: Any = None, output: OutputSelector = None
+                       ) -> tuple[Any, Any, Any, OutputSelector]:
+    """What an explainer takes from ``model``: a ``LoadedModel`` gives its module, and its preprocessing, class
+    names and output selector where the caller gave none (``GradCAM(explain.load_model("demo"), "layer4")``);
+    anything else is returned as given (the explainer checks that it is a module)."""
+    if not isinstance(model, LoadedModel):
+        return model, preprocess, class_names, output
+    return (model.model, model.preprocess if preprocess is None else preprocess,
+            model.class_names if class_names is None else class_names, model.output if output is None else output)
 
 
 def load_model(
@@ -311,13 +371,17 @@ def _load_timm(name: str, weights: Optional[str], num_classes: Optional[int],
         raise ValueError(f"--weights {weights!r} for a timm model: give a state-dict file, or 'pretrained' "
                          "(downloaded by timm from the HuggingFace hub).")
     try:
-        model = timm.create_model(name, pretrained=pretrained, **head)
+        with hub_offline_when_unreachable() if pretrained else nullcontext(False) as unreachable:
+            model = timm.create_model(name, pretrained=pretrained, **head)
     except (OSError, RuntimeError) as error:
         if not pretrained:
             raise
+        cause = ("the HuggingFace hub did not answer within "
+                 f"{HUB_PROBE_SECONDS:g} s and the weights are not in its cache" if unreachable else
+                 f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         raise WeightsUnavailableError(
-            f"could not download timm's pretrained weights for {name} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200]}). This machine may have no network. Download the weights "
+            f"could not download timm's pretrained weights for {name} ({cause}). This machine may have no "
+            "network. Download the weights "
             f"(model.safetensors of https://huggingface.co/timm/{name}) on a machine that has, copy the file here "
             "and pass its path: --weights /path/to/model.safetensors"
         ) from error
@@ -350,10 +414,11 @@ def _load_huggingface(identifier: str, weights: Optional[str], output: OutputSel
     if local.is_dir() and not allow_pickle:
         _refuse_pickled_weights(local)
     try:
-        config = transformers.AutoConfig.from_pretrained(where)
-        model_class = _huggingface_model_class(transformers, config)
-        # pickled weights (pytorch_model.bin) only when trusted; a hub id offering only those then fails
-        model = model_class.from_pretrained(where, use_safetensors=None if allow_pickle else True)
+        with nullcontext(False) if local.is_dir() else hub_offline_when_unreachable():  # a hub id: no long retries
+            config = transformers.AutoConfig.from_pretrained(where)
+            model_class = _huggingface_model_class(transformers, config)
+            # pickled weights (pytorch_model.bin) only when trusted; a hub id offering only those then fails
+            model = model_class.from_pretrained(where, use_safetensors=None if allow_pickle else True)
     except OSError as error:
         first = _first_line(error)
         if local.is_dir():

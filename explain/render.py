@@ -34,6 +34,8 @@ class PanelOptions(TypedDict, total=False):
     panel_size: float
     show_original: bool
     image_titles: Optional[Sequence[str]]
+    map_titles: Optional[Sequence[Sequence[str]]]
+    title: Optional[str]
 
 
 class ExplanationFigureOptions(PanelOptions, total=False):
@@ -235,11 +237,15 @@ def explanation_figure(
     show_original: bool = True,
     image_titles: Optional[Sequence[str]] = None,
     figure: Optional["Figure"] = None,
+    map_titles: Optional[Sequence[Sequence[str]]] = None,
+    title: Optional[str] = None,
 ) -> "Figure":
     """A matplotlib figure of an explanation: one column per image, the image on top and
     one overlay per target under it, titled with the class and the score.
 
-    Draws into ``figure`` when given (e.g. one made by pyplot), else into a new Figure.
+    image_titles: one per image (default "image i"); map_titles: one list per image of one text per target
+    (default: the class and the score); title: the figure's title (default: the method and its layer; "" for
+    none). Draws into ``figure`` when given (e.g. one made by pyplot), else into a new Figure.
     """
     from matplotlib.figure import Figure
 
@@ -249,6 +255,10 @@ def explanation_figure(
         raise ValueError("this explanation holds no image (an empty selection): there is nothing to draw.")
     if image_titles is not None and len(image_titles) != count:
         raise ValueError(f"image_titles holds {len(image_titles)} title(s) for {count} image(s): give one per image.")
+    if map_titles is not None and (len(map_titles) != count or any(
+            isinstance(texts, str) or len(texts) != targets_per_image for texts in map_titles)):
+        raise ValueError(f"map_titles takes one list per image ({count}) of one text per target "
+                         f"({targets_per_image}).")
     overlays = overlay_explained(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
@@ -261,15 +271,18 @@ def explanation_figure(
     for image_index in range(count):
         if show_original:
             axes[0, image_index].imshow(explanation.images[image_index].numpy(), interpolation="nearest")
-            title = image_titles[image_index] if image_titles is not None else f"image {image_index}"
-            axes[0, image_index].set_title(title, fontsize=9, parse_math=False)
+            heading = image_titles[image_index] if image_titles is not None else f"image {image_index}"
+            axes[0, image_index].set_title(heading, fontsize=9, parse_math=False)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
             axis.imshow(overlays[image_index, target_index], interpolation="nearest")
-            axis.set_title(explanation.title(image_index, target_index), fontsize=9, parse_math=False)
+            text = (explanation.title(image_index, target_index) if map_titles is None
+                    else map_titles[image_index][target_index])
+            axis.set_title(text, fontsize=9, parse_math=False)
     for axis in axes.flat:
         axis.set_axis_off()
-    figure.suptitle(explanation.description(), fontsize=10, parse_math=False)
+    if title != "":
+        figure.suptitle(explanation.description() if title is None else title, fontsize=10, parse_math=False)
     return figure
 
 

@@ -538,7 +538,8 @@ def test_the_written_table_figure_and_values_match_the_returned_result(cnn, tmp_
     out = tmp_path / "evaluation"
     result = evaluate(cnn, ["saliency", "gradcam"], (x, y, masks), chosen, out=out, batch_size=2, progress=False)
     assert (out / "evaluation.md").read_text(encoding="utf-8") == \
-        f"{result.markdown()}\n\nSeconds per image of each metric:\n\n{result.cost_markdown()}\n"
+        (f"{result.markdown()}\n\n{result.notes_markdown()}\n\nSeconds per image of each metric:\n\n"
+         f"{result.cost_markdown()}\n")
     assert (out / "evaluation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stored: dict = {}
     for row in rows_of(out):

@@ -128,17 +128,18 @@ def assert_each_image_once(out: Path, folder: Path, targets: int = 1) -> None:
     assert sorted(row["id"] for row in rows) == sorted(ids * targets)
     for item in ids:
         assert sorted(int(row["k"]) for row in rows if row["id"] == item) == list(range(targets))
-        assert (out / "maps" / f"{item}.npy").is_file()
+        assert batch.MapReader(out).read(item).shape[0] == targets
 
 
 @pytest.mark.parametrize("fails", ["index sync", "index write", "map"])
 def test_a_full_disk_stops_the_batch_with_an_error_line_and_a_resume_finishes(fails, tmp_path, monkeypatch, capsys):
     """The disk fills while the third image's rows are synced (ENOSPC from fsync, as on delayed
-    allocation), while they are written (half of them written), or while the fourth map is written."""
+    allocation), while they are written (half of them written), or while the fourth map is written
+    (batches of one image: a batch's rows are synced, and its maps written, at once)."""
     folder = shape_folder(tmp_path / "images", 6)
     out = tmp_path / "out"
     calls = {"count": 0}
-    real_fsync, real_save_array = os.fsync, batch._save_array
+    real_fsync, real_save_maps = os.fsync, batch._save_maps_file
     real_write_all = getattr(batch, "_write_all", None)
 
     def sync_fills_the_disk(descriptor):
@@ -154,20 +155,20 @@ def test_a_full_disk_stops_the_batch_with_an_error_line_and_a_resume_finishes(fa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_write_all(descriptor, data)
 
-    def map_fills_the_disk(path, array):
+    def map_fills_the_disk(path, maps):
         calls["count"] += 1
         if calls["count"] == 4:
-            Path(path).write_bytes(b"\x93NUMPY")
+            Path(path).write_bytes(b"PK\x03\x04")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_save_array(path, array)
+        real_save_maps(path, maps)
 
     if fails == "index sync":
         monkeypatch.setattr(batch.os, "fsync", sync_fills_the_disk)
     elif fails == "index write":
         monkeypatch.setattr(batch, "_write_all", write_fills_the_disk)
     else:
-        monkeypatch.setattr(batch, "_save_array", map_fills_the_disk)
-    command = ["batch", folder, "--model", "demo", "--out", out, "--batch-size", "2", "--topk", "2", "--no-progress"]
+        monkeypatch.setattr(batch, "_save_maps_file", map_fills_the_disk)
+    command = ["batch", folder, "--model", "demo", "--out", out, "--batch-size", "1", "--topk", "2", "--no-progress"]
     line = error_line(capsys, command)
     assert "no space left" in line and "free some space and run the same command again" in line
     kept = 3 if fails == "map" else 2

@@ -32,7 +32,8 @@ import torchvision
 import explain
 
 # the names the examples use, typed as tests/test_readme.py makes them
-model: torch.nn.Module
+model: explain.LoadedModel  # README: model = explain.load_model("demo"), taken by explainers as it is
+module: torch.nn.Module
 vit: torchvision.models.VisionTransformer
 x: torch.Tensor
 img: str
@@ -52,17 +53,17 @@ reveal_type(explanation.targets)
 reveal_type(explanation.scores)
 reveal_type(explanation.diagnostics)
 reveal_type(explain.IntegratedGradients(model, steps=8).explain(img, target=3))
-with explain.capture(model, "layer3", inputs=True, grads=True) as records:
-    model(x)[0, 281].backward()
+with explain.capture(module, "layer3", inputs=True, grads=True) as records:
+    module(x)[0, 281].backward()
 reveal_type(records["layer3"].output)
 reveal_type(records["layer3"].args)
 with explain.capture_attention(vit, grads=True) as recorded:
     vit(x)
 reveal_type(recorded.probabilities)
 reveal_type(load_model("demo"))
-reveal_type(explain.list_layers(model))
+reveal_type(explain.list_layers(module))
 reveal_type(pointing_game(explanation, object_masks))
-reveal_type(deletion(model, img, explanation))
+reveal_type(deletion(module, img, explanation))
 reveal_type(explain.figure([explanation]))
 reveal_type(explain.compare(model, [img]))
 reveal_type(explain.run(explain.GradCAM(model, "layer4"), "images/", out="results/"))

@@ -40,7 +40,8 @@ HELD_OUT_SEED = 12345
 
 
 QUESTIONS = {"color": "what color is it ?"}
-"""The question the demo was trained on (its answer: the shape's colour, then the end of sequence)."""
+"""The one question the demo was trained on (its answer: the shape's colour, then the end of sequence). Asked
+anything else ("what shape is it ?"), it still answers with a colour: it has never learnt to name the shape."""
 
 
 @dataclass

@@ -10,7 +10,6 @@ whose backward is the rule. Hooks registered through the scope (on this thread o
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..caller import warn_at_callers_line
 from ..capture import ModelInputError
 from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
@@ -67,6 +67,11 @@ ROUTING = torch_functions(
     "requires_grad_", "detach",
 )
 """Functions that only move, copy or select values: the plain gradient routes the relevance."""
+
+TRANSFORMER_FUNCTIONS = ("scaled_dot_product_attention", "multi_head_attention_forward", "softmax", "log_softmax",
+                         "layer_norm", "rms_norm", "group_norm", "matmul", "bmm", "baddbmm", "einsum")
+"""The endings of the unruled calls (``CallTrace.where``'s "module: function") that mark a transformer's attention,
+softmax and norms: where LRP meets them, its warning names AttnLRP, which has rules for them."""
 
 KINDS: dict[Callable, str] = {
     **{function: "route" for function in ROUTING},
@@ -456,6 +461,9 @@ class _Trace(Rule):
                 f"it has no rule for {listed} on the input's path: there the relevance follows the plain gradient, "
                 "so the map is not LRP and relevance is not conserved (rules cover convolutions, linear layers, "
                 "BatchNorm, elementwise activations, sums, average pooling and reshaping)"
+                + (". These are a transformer's attention, softmax or normalisation: explain it with AttnLRP "
+                   "(explain.AttnLRP, --method attnlrp), whose rules cover them, in one backward pass as LRP"
+                   if any(name.endswith(TRANSFORMER_FUNCTIONS) for name in names) else "")
             )
         if isinstance(output, Tensor) and output.requires_grad and output not in self.path:
             problems.append("the model's output depends on the input through functions it cannot follow (not "
@@ -470,7 +478,7 @@ class _Trace(Rule):
                 "composite such as 'epsilon_plus'"
             )
         if problems:
-            warnings.warn(f"{method}: " + "; ".join(problems) + ".", RuntimeWarning, stacklevel=4)
+            warn_at_callers_line(f"{method}: " + "; ".join(problems) + ".", RuntimeWarning)
 
     def layer_diagnostics(self, count: int, targets: int) -> dict[str, Any]:
         """Per rule-carrying call, in forward order: Σ relevance received and passed on, (N, K, L) each."""

@@ -7,10 +7,11 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
 from ..blur import gaussian_blur
+from ..models import ModelSource, loaded_model_parts
 from ..targets import SelectedTargets, Target, select_targets
 from .base import Attribution, Explainer, ExplainerOptions, normalize_maps, register
 from .cam import CAM, CAMOptions, GradCAM, TargetLayers
@@ -20,13 +21,13 @@ from .perturbation import PerturbationCAM
 CAM_ONLY_OPTIONS = ("relu", "combine", "normalize_layers", "smooth", "reshape")
 
 
-def wrapped_cam(model: nn.Module, layer: TargetLayers, cam: object, options: dict[str, Any], wrapper: str,
+def wrapped_cam(model: ModelSource, layer: TargetLayers, cam: object, options: dict[str, Any], wrapper: str,
                 output: Any) -> Explainer:
     """The explainer a wrapper runs: ``cam`` built on ``model`` and ``layer`` when it is a CAM class (with
     the CAM options, raw maps), or ``cam`` itself when it is an explainer of the same model."""
     cam_options = {key: options.pop(key) for key in CAM_ONLY_OPTIONS if key in options}
     if isinstance(cam, Explainer):
-        if cam.model is not model:
+        if cam.model is not loaded_model_parts(model)[0]:  # a LoadedModel's module
             raise ValueError(f"the explainer given to {wrapper} must be built on the same model.")
         if cam_options:
             raise ValueError(f"{sorted(cam_options)} are options of the CAM that {wrapper} builds; give them to the "
@@ -98,7 +99,7 @@ class FinerCAM(Explainer):
     scores_are_outputs = False
     records_the_forward = False  # the wrapped CAM checks the model for itself
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, cam: Union[type[CAM], CAM] = GradCAM,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, cam: Union[type[CAM], CAM] = GradCAM,
                  alpha: float = 1.0, similar: Sequence[int] = (1, 2, 3), **options: Unpack[CAMOptions]):
         own: dict[str, Any] = dict(options)
         self.cam = wrapped_cam(model, layer, cam, own, "FinerCAM", own.get("output"))
@@ -170,7 +171,7 @@ class SESS(Explainer):
     needs_layer = True
     records_the_forward = False  # the wrapped CAM checks the model for itself
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, cam: Union[type[CAM], Explainer] = GradCAM,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, cam: Union[type[CAM], Explainer] = GradCAM,
                  scales: Optional[Sequence[int]] = None, num_scales: int = 12, scale_step: float = 2 / 7,
                  window: Optional[int] = None, stride: Optional[int] = None, pre_filter: float = 0.0,
                  theta: float = 0.0, pool: str = "mean", blur: bool = True, softmax_scores: bool = True,

@@ -24,6 +24,7 @@ from torchvision.ops import FrozenBatchNorm2d
 from typing_extensions import Unpack
 
 from ..capture import LayerRecord, capture
+from ..models import ModelSource
 from ..targets import Target, select_targets
 from ..units import UnitTarget
 from .base import Attribution, Explainer, ExplainerOptions, register
@@ -83,7 +84,7 @@ class FullGrad(Explainer):
     def reads_pixel_gradients(self) -> bool:
         return True
 
-    def __init__(self, model: nn.Module, *, smooth: Optional[str] = None, **options: Unpack[ExplainerOptions]):
+    def __init__(self, model: ModelSource, *, smooth: Optional[str] = None, **options: Unpack[ExplainerOptions]):
         super().__init__(model, **options)
         if smooth not in (None, "augment"):
             raise ValueError(f"FullGrad's smooth must be None or 'augment'; got {smooth!r}.")

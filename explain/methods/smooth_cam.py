@@ -7,10 +7,11 @@ import contextlib
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import Unpack
 
 from ..capture import ActivationCapture
+from ..models import ModelSource
 from ..targets import SelectedTargets
 from ..units import BoundUnits
 from .base import register
@@ -44,7 +45,7 @@ class SmoothGradCAMPlusPlus(CAM):
     summary = "Smooth Grad-CAM++: Grad-CAM++ with derivatives averaged over noisy copies of the input"
     layer_maps_reduce_channels = True
 
-    def __init__(self, model: nn.Module, layer: TargetLayers = None, *, samples: int = 4, noise_std: float = 0.3,
+    def __init__(self, model: ModelSource, layer: TargetLayers = None, *, samples: int = 4, noise_std: float = 0.3,
                  seed: Optional[int] = 0, noise_draws: Optional[NoiseDraws] = None,
                  **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)

@@ -8,13 +8,14 @@ cache (or read from the cache), which needs the network the first time.
 from __future__ import annotations
 
 import pickle
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from ..models import WeightsUnavailableError, _first_line, _refuse_pickled_weights
+from ..models import WeightsUnavailableError, _first_line, _refuse_pickled_weights, hub_offline_when_unreachable
 
 VLM_AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForVision2Seq")
 """The transformers Auto classes that build a vision-language model, tried in this order (the second is the older
@@ -55,6 +56,17 @@ def load_vision_language_model(
     elif _looks_like_a_path(identifier):
         raise ValueError(f"hf:{identifier}: there is no directory {str(local.resolve())!r}. Give the directory that "
                          "model.save_pretrained(DIR) and processor.save_pretrained(DIR) wrote.")
+    with nullcontext(False) if local.is_dir() else hub_offline_when_unreachable():  # a hub id: no long retries
+        model, processor = _model_and_processor(transformers, where, identifier, local, torch_dtype, allow_pickle)
+    model.eval()
+    if target_device is not None:
+        model.to(target_device)
+    return model, processor
+
+
+def _model_and_processor(transformers: Any, where: str, identifier: str, local: Path,
+                         torch_dtype: Optional[torch.dtype], allow_pickle: bool) -> tuple[nn.Module, Any]:
+    """The model (``_auto_class`` of its config) and its processor, from ``where`` (a directory or a hub id)."""
     try:
         config = transformers.AutoConfig.from_pretrained(where)
     except OSError as error:
@@ -77,9 +89,6 @@ def load_vision_language_model(
             f"could not read the weights of {identifier!r} ({_first_line(error)}): the file is damaged or incomplete "
             "(an interrupted download or copy?). Save or download the model again.") from error
     processor = _processor(transformers, where, identifier)
-    model.eval()
-    if target_device is not None:
-        model.to(target_device)
     return model, processor
 
 

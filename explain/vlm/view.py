@@ -130,6 +130,7 @@ def token_figure(
     panel_size: float = 1.6,
     fontsize: float = 8.0,
     dpi: float = 120.0,
+    colorbar: bool = False,
 ) -> "Figure":
     """A matplotlib Figure of an answer's explanation: the prompt and the answer as text, then a grid of
     ``columns`` panels a row: the image (``show_image``), then each answer token's map over the image, captioned
@@ -139,7 +140,9 @@ def token_figure(
     ``display_maps``. panel_size: a panel's longer side in inches; dpi: the figure's resolution (``savefig`` uses it
     unless given another): a panel of more than panel_size × dpi pixels is scaled down to that. The panels are one
     raster image (one axes, the captions text above each panel), so that 64 tokens draw and save in seconds. A
-    notebook cell whose result it is shows it.
+    notebook cell whose result it is shows it. colorbar: a colour bar beside the panels, in a second axes (the
+    signed maps' from -1, against the token, to 1, for it: a blue or red patch over a red object is then read
+    right); ``write_token_files`` draws it.
     """
     from matplotlib.figure import Figure
 
@@ -176,7 +179,8 @@ def token_figure(
         top, left = row * (band + height) + band, column * (width + gap)
         mosaic[top:top + height, left:left + width] = picture
         places.append((top, left))
-    figure_width = mosaic.shape[1] * inches + 0.2
+    bar_width = 1.1 if colorbar else 0.0  # inches beside the panels for the colour bar and its label
+    figure_width = mosaic.shape[1] * inches + 0.2 + bar_width
     characters = max(20, int(figure_width * 72 / (fontsize * 0.62)))  # a line's room in characters of this size
     lines = [f"{explanation.description()}, {len(texts)} token{'s' if len(texts) != 1 else ''}"]
     prompt = _diagnostic_text(explanation, "prompt")
@@ -197,6 +201,18 @@ def token_figure(
     for (caption, _), (top, left) in zip(panels, places):
         axis.text(left + width / 2, top - 0.1 * band, caption, fontsize=fontsize, ha="center", va="bottom",
                   parse_math=False, linespacing=1.2)
+    if colorbar:
+        import matplotlib
+        from matplotlib.colors import Normalize
+
+        signed_maps = signed if signed is not None else bool((explanation.map_grid[0].nan_to_num(0.0) < 0).any())
+        left, bottom = (figure_width - bar_width + 0.15) / figure_width, (0.05 + 0.1 * grid_height) / figure_height
+        bar_axis = figure.add_axes((left, bottom, 0.12 / figure_width, 0.8 * grid_height / figure_height))
+        scalar = matplotlib.cm.ScalarMappable(norm=Normalize(-1 if signed_maps else 0, 1), cmap=colour_map)
+        bar = figure.colorbar(scalar, cax=bar_axis)
+        bar.set_label("relevance / largest |value|\nred: for the token, blue: against"
+                      if signed_maps else "relevance / largest value", fontsize=fontsize)
+        bar.ax.tick_params(labelsize=fontsize)
     return figure
 
 
@@ -373,12 +389,13 @@ def write_token_html(
 
 def write_token_files(explanation: Explanation, out: Union[str, Path], *, title: Optional[str] = None,
                       alpha: float = 0.5, cmap: str = "jet", columns: int = 8) -> tuple[Path, Path]:
-    """Write OUT/tokens.png (``token_figure``) and OUT/tokens.html (``write_token_html``); returns both paths."""
+    """Write OUT/tokens.png (``token_figure``, with its colour bar) and OUT/tokens.html (``write_token_html``);
+    returns both paths."""
     from ..batch import write_atomically
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    figure = token_figure(explanation, columns=columns, alpha=alpha, cmap=cmap)
+    figure = token_figure(explanation, columns=columns, alpha=alpha, cmap=cmap, colorbar=True)
     picture = out / "tokens.png"
     write_atomically(picture, lambda temporary: figure.savefig(temporary, format="png"))
     page = write_token_html(explanation, out / "tokens.html", title=title, alpha=alpha, cmap=cmap)

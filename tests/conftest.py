@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from abc import ABC, abstractmethod
@@ -12,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-torch.set_num_threads(2)
+# Two cores: the suite runs in two pytest-xdist worker processes (pyproject's addopts) with one torch thread each;
+# run alone (``-n 0``, or without xdist), with two threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attribution_speed  # noqa: E402
-from common import write_section  # noqa: E402
+from common import seconds_of, write_section  # noqa: E402
 
 import explain  # noqa: E402
 
@@ -121,13 +120,7 @@ def median_times(calls: dict[str, Call], rounds: int, device: torch.device) -> d
         call()
     for _ in range(rounds):
         for name, call in calls.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            call()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - started)
+            times[name].append(seconds_of(call, device))
     return {name: statistics.median(values) for name, values in times.items()}
 
 

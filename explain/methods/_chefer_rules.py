@@ -49,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..attention import _attend_with_heads, calling_module, stepwise_multi_head_attention
 from ..rules import CallRules, Rule, function_name, tensors_in, torch_functions, writes_in_place
 from ..scope import CallScope
+from ._attnlrp_rules import _detached
 from ._lrp_rules import LayerFunction, LinearRule, _terms
 from ._lrp_trace import (
     ACTIVATIONS,
@@ -62,6 +63,7 @@ from ._lrp_trace import (
     _Passes,
     _PassRule,
     _Relevance,
+    mark_on_path,
 )
 
 SAFE_DIVISION_EPSILON = 1e-9
@@ -193,12 +195,7 @@ class CheferRules(Rule):
 
     def follow(self, value: Any) -> bool:
         """Mark the floating-point tensors of ``value`` that require grad as on the path; whether there were any."""
-        found = False
-        for tensor in tensors_in(value):
-            if tensor.is_floating_point() and tensor.requires_grad:
-                self.path[tensor] = True
-                found = True
-        return found
+        return mark_on_path(self.path, value)
 
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         occurrences = [tensor for tensor in tensors_in((args, kwargs)) if tensor in self.path]
@@ -317,14 +314,6 @@ def _is_square_root(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         return False
     exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
     return isinstance(exponent, (int, float)) and abs(exponent) == 0.5
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
-    if type(value) in (list, tuple):
-        return type(value)(_detached(item) for item in value)
-    return value
 
 
 class CheferScope(CallScope[CheferRules]):

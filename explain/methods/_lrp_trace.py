@@ -288,6 +288,17 @@ def _box_bound(bound: Tensor, inputs: Tensor, which: str) -> Tensor:
 # ------------------------------------------------------------------ following the forward pass
 
 
+def mark_on_path(path: Any, value: Any) -> bool:
+    """Mark the floating-point tensors of ``value`` that require grad in ``path`` (a weak tensor-keyed mapping);
+    whether there were any."""
+    found = False
+    for tensor in tensors_in(value):
+        if tensor.is_floating_point() and tensor.requires_grad:
+            path[tensor] = True
+            found = True
+    return found
+
+
 class _Trace(Rule):
     """The LRP rules of one call: follows the tensors that depend on the input through the forward pass and gives
     each torch function called on them its rule. One instance per call; the module names come from hooks."""
@@ -326,12 +337,7 @@ class _Trace(Rule):
 
     def follow(self, value: Any) -> bool:
         """Mark the floating-point tensors of ``value`` that require grad as on the path; whether there were any."""
-        found = False
-        for tensor in tensors_in(value):
-            if tensor.is_floating_point() and tensor.requires_grad:
-                self.path[tensor] = True
-                found = True
-        return found
+        return mark_on_path(self.path, value)
 
     def compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         seen: dict[int, Tensor] = {}

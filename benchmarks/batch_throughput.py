@@ -50,7 +50,7 @@ from common import write_section  # noqa: E402
 
 import explain  # noqa: E402
 from explain.cli import make_explainer  # noqa: E402
-from explain.inputs import load_image  # noqa: E402
+from explain.io.inputs import load_image  # noqa: E402
 
 MODES = ("explain.run", "explain batch", "DataLoader loop", "no-grad forward")
 

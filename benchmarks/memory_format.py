@@ -6,7 +6,7 @@ For each model (random weights, 224×224) and number of rows, one process times,
 round, a no-grad forward and a forward with the gradient of one class score at the input (what the
 gradient methods run per chunk), once with the batch in the usual contiguous layout and once with a
 channels-last copy, and reports the medians' ratio (below 1: channels-last is faster) and the time per
-row. ``explain.memory_format`` chooses the layout from this table. Writes the "Memory layout of the
+row. ``explain.core.memory_format`` chooses the layout from this table. Writes the "Memory layout of the
 model's input (CPU)" section of benchmarks/RESULTS.md.
 """
 

@@ -384,7 +384,7 @@ def main() -> None:
     table = markdown_table(rows, "max abs difference", digits=4)
     note = ("The faithfulness rows (from faithfulness_correlation on) are the faster of two interleaved calls each "
             "side: both sides run the same forward passes, N rows per pass, which take most of the time; ours give "
-            "the model channels-last batches (explain.memory_format).")
+            "the model channels-last batches (explain.core.memory_format).")
     print(f"\n{setting}\n\n{table}\n\n{note}")
     if args.write:
         command = f"python benchmarks/metrics_speed.py --threads {args.threads} --device {args.device}"

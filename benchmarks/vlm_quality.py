@@ -67,7 +67,7 @@ def draw(model: torch.nn.Module, processor: object, scenes: list[Scene], path: P
     import matplotlib.pyplot as plt
     from matplotlib.patches import Ellipse, Rectangle
 
-    from explain import render
+    from explain.io import render
 
     scale = 256 / IMAGE_SIZE
     figure, axes = plt.subplots(len(scenes), len(METHODS) + 1, figsize=(1.9 * (len(METHODS) + 1), 1.9 * len(scenes)),

@@ -3,12 +3,16 @@
     from explain import GradCAM
     e = GradCAM(model, "layer4").explain(img)   # img: path, PIL, ndarray or tensor
     e.show(); e.save("cam.png")
+
+The package's layers, lowest first (each imports only the ones below it; ``tests/test_architecture.py`` checks):
+``core`` (hooks, call-scoped rules, targets), ``io`` (images in; explanations, pixels and figures out),
+``methods``, ``metrics``, ``dataset_tools`` (batch runs, labels, the report, strategies, evaluation), ``data``
+(the demo models, their data and training scripts), ``models`` (loading any model), ``vlm``, ``cli``.
 """
 
-from . import _progress_bars  # noqa: F401  # first: tqdm.auto imported without its notebook warning
-from .attention import AttentionRecord, CapturedAttention, capture_attention
-from .batch import run
-from .capture import (
+from .core import _progress_bars  # noqa: F401, I001  # first: tqdm.auto imported without its notebook warning
+from .core.attention import AttentionRecord, CapturedAttention, capture_attention
+from .core.capture import (
     Call,
     Captured,
     LayerNotFoundError,
@@ -18,13 +22,19 @@ from .capture import (
     capture,
     find_layers,
 )
-from .edit import edit
-from .evaluation import evaluate
-from .explanation import Explanation
-from .figures import compare, figure
-from .html_report import report
-from .inputs import Normalize, load_image
-from .layers import LayerInfo, format_layers, list_layers
+from .core.edit import edit
+from .core.layers import LayerInfo, format_layers, list_layers
+from .core.targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
+from .core.units import Channel, Neuron
+from .dataset_tools.batch import run
+from .dataset_tools.evaluation import evaluate
+from .dataset_tools.html_report import report
+from .dataset_tools.spray import Strategies, strategies
+from .io.explanation import Explanation
+from .io.figures import figure
+from .io.inputs import Normalize, load_image
+from .io.loaded_model import LoadedModel
+from .io.render import colorize, overlay
 from .methods import (
     CAM,
     FEM,
@@ -80,103 +90,40 @@ from .methods import (
     XGradCAM,
     get_method,
 )
-from .models import LoadedModel, load_model
-from .render import colorize, overlay
-from .spray import Strategies, strategies
-from .targets import DetectionTarget, EmbeddingSimilarity, SegmentationTarget, select_output
-from .units import Channel, Neuron
+from .methods.compare import compare
+from .models import load_model
 from .vlm import GenerationExplainer
+from ._moved_modules import keep_earlier_module_paths
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GenerationExplainer",
-    "BlurIG",
-    "Felzenszwalb",
-    "GuidedIG",
-    "LRP",
-    "LayerConductance",
-    "LayerIntegratedGradients",
-    "LoadedModel",
-    "XRAI",
-    "load_model",
-    "AttentionRecord",
-    "AttentionRollout",
-    "AttnLRP",
-    "CapturedAttention",
-    "GradientAttentionRollout",
-    "LeGrad",
-    "TransformerAttribution",
-    "AttnLRPRollout",
-    "capture_attention",
-    "DetectionTarget",
-    "EmbeddingSimilarity",
-    "compare",
-    "figure",
-    "SegmentationTarget",
-    "select_output",
-    "Deconvnet",
-    "DeepLift",
-    "DeepLiftShap",
-    "GradientShap",
-    "GuidedBackprop",
-    "GuidedGradCAM",
-    "InputXGradient",
-    "IntegratedGradients",
-    "Saliency",
-    "SmoothGrad",
-    "SmoothGradSquared",
-    "VarGrad",
-    "AblationCAM",
-    "EigenCAM",
-    "GradCAMPlusPlus",
-    "HiResCAM",
-    "LayerCAM",
-    "ScoreCAM",
-    "XGradCAM",
-    "ClassActivationMapping",
-    "FinerCAM",
-    "ISCAM",
-    "SESS",
-    "SSCAM",
-    "SegEigenCAM",
-    "SmoothGradCAMPlusPlus",
-    "EigenGradCAM",
-    "FEM",
-    "FullGrad",
-    "GradCAMElementWise",
-    "KernelPCACAM",
-    "RandomCAM",
-    "ShapleyCAM",
-    "DeepFeatureFactorization",
-    "Factorization",
-    "Channel",
-    "Neuron",
-    "CAM",
-    "Call",
-    "Captured",
-    "LayerInfo",
-    "LayerRecord",
-    "capture",
-    "run",
-    "report",
-    "evaluate",
-    "strategies",
-    "Strategies",
-    "edit",
-    "format_layers",
-    "list_layers",
-    "REGISTRY",
-    "Explainer",
-    "Explanation",
-    "GradCAM",
-    "LayerNotFoundError",
-    "LayerNotRunError",
-    "ModelInputError",
-    "Normalize",
-    "colorize",
-    "find_layers",
-    "get_method",
-    "load_image",
-    "overlay",
+    # class activation maps: a layer's feature maps weighted by gradients, scores or factorisations
+    "CAM", "GradCAM", "GradCAMPlusPlus", "GradCAMElementWise", "XGradCAM", "HiResCAM", "LayerCAM", "EigenCAM",
+    "EigenGradCAM", "KernelPCACAM", "SegEigenCAM", "ShapleyCAM", "FinerCAM", "FEM", "RandomCAM",
+    "ClassActivationMapping", "ScoreCAM", "AblationCAM", "ISCAM", "SSCAM", "SmoothGradCAMPlusPlus", "SESS",
+    "FullGrad", "DeepFeatureFactorization", "Factorization",
+    # gradients and attributions at the input (or at a layer)
+    "Saliency", "InputXGradient", "IntegratedGradients", "BlurIG", "GuidedIG", "XRAI", "Felzenszwalb",
+    "SmoothGrad", "SmoothGradSquared", "VarGrad", "GradientShap", "DeepLift", "DeepLiftShap", "GuidedBackprop",
+    "Deconvnet", "GuidedGradCAM", "LayerIntegratedGradients", "LayerConductance",
+    # relevance propagation and transformers
+    "LRP", "AttnLRP", "AttentionRollout", "GradientAttentionRollout", "TransformerAttribution", "AttnLRPRollout",
+    "LeGrad", "GenerationExplainer",
+    # every method by name, and what they share
+    "Explainer", "REGISTRY", "get_method",
+    # what to explain: targets and hidden units
+    "select_output", "SegmentationTarget", "DetectionTarget", "EmbeddingSimilarity", "Channel", "Neuron",
+    # images and models in
+    "load_image", "Normalize", "load_model", "LoadedModel",
+    # results and drawing
+    "Explanation", "figure", "compare", "colorize", "overlay",
+    # the hook machinery, for your own methods
+    "capture", "Captured", "Call", "LayerRecord", "find_layers", "list_layers", "format_layers", "LayerInfo",
+    "edit", "capture_attention", "AttentionRecord", "CapturedAttention",
+    "ModelInputError", "LayerNotFoundError", "LayerNotRunError",
+    # datasets: batch runs, evaluation, the report and strategies
+    "run", "evaluate", "report", "strategies", "Strategies",
 ]
+
+keep_earlier_module_paths()

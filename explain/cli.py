@@ -43,15 +43,17 @@ from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 
-from .batch import Shard, merge_shard_indexes, run, write_atomically
-from .capture import LayerNotRunError, ModelInputError
-from .explanation import Explanation
-from .layers import format_layers, list_layers
+from .core.capture import LayerNotRunError, ModelInputError
+from .core.layers import format_layers, list_layers
+from .core.targets import SegmentationTarget, Target, class_index
+from .dataset_tools.batch import merge_shard_indexes, run
+from .dataset_tools.pipeline import default_workers
+from .dataset_tools.run_folder import Shard, write_atomically
+from .io.explanation import Explanation
+from .io.loaded_model import LoadedModel
 from .methods import REGISTRY, Explainer, get_method
-from .methods.base import parameter_docs
-from .models import LoadedModel, WeightsUnavailableError, load_model, names_an_architecture, weights_choices
-from .pipeline import default_workers
-from .targets import SegmentationTarget, Target, class_index
+from .methods.signatures import parameter_docs
+from .models import WeightsUnavailableError, load_model, names_an_architecture, weights_choices
 
 DEMO_SEED = 2024
 
@@ -447,7 +449,7 @@ def run_demo(out: str = "explain-demo.png", count: int = 6, model: str = "demo")
 
 def run_strategies(argv: Sequence[str]) -> int:
     """``explain strategies OUT``: SpRAy over a batch run's maps; writes OUT/strategies.json (shown by the report)."""
-    from .spray import strategies
+    from .dataset_tools.spray import strategies
 
     parser = Parser(prog="explain strategies", description="Cluster each class's maps of a batch run (SpRAy) and "
                     "flag clusters whose relevance sits at a fixed place or the border; writes OUT/strategies.json "
@@ -522,10 +524,10 @@ def evaluation_explainers(methods: Sequence[str], loaded: LoadedModel, layer: Op
 
 
 def evaluation_metrics(names: Sequence[str], options: Sequence[str]) -> list[Any]:
-    """``explain evaluate``'s metrics: names of ``explain.evaluation.METRICS`` (in any case, with or without their
+    """``explain evaluate``'s metrics: names of ``evaluation.METRICS`` (in any case, with or without their
     underscores: pointinggame is pointing_game), those named by a --metric-option METRIC.KEY=VALUE changed with
     ``Metric.with_options`` (VALUE read as ``literal_value``, checked against the setting's default)."""
-    from .evaluation import METRICS
+    from .dataset_tools.evaluation import METRICS
 
     def spelled(name: str) -> str:  # a metric's name as written: pointinggame, pointing-game, Pointing_Game
         return name.lower().replace("_", "").replace("-", "")
@@ -566,7 +568,7 @@ def evaluation_metrics(names: Sequence[str], options: Sequence[str]) -> list[Any
 
 def run_evaluate(argv: Sequence[str]) -> int:
     """``explain evaluate``: a method × metric table over a data set (``explain.evaluate``), resumable."""
-    from .evaluation import METRICS, evaluate, metric_heading
+    from .dataset_tools.evaluation import METRICS, evaluate, metric_heading
 
     parser = Parser(prog="explain evaluate", description="Compare explanation methods with metrics over a data set: "
                     "writes OUT/evaluation.md (mean ± standard error per method and metric, ranks, ≈ where a "
@@ -637,7 +639,7 @@ def run_vlm(argv: Sequence[str]) -> int:
     """``explain vlm IMAGE --model hf:DIR --prompt TEXT``: a vision-language model answers the prompt about the image
     (greedy decoding, or the answer given with --answer) and each answer token gets a map over the image; writes
     OUT/tokens.png (every token's map) and OUT/tokens.html (the answer as text: hover a token to see its map)."""
-    from .inputs import load_image
+    from .io.inputs import load_image
     from .vlm.generation import METHODS, GenerationExplainer
     from .vlm.hf import DTYPES, load_vision_language_model
     from .vlm.view import write_token_files
@@ -746,9 +748,9 @@ def _folder_batches(folder: Path, loaded: LoadedModel, batch_size: int, out: Opt
     started first), or at the end (in the order they were started). The same folder gives the same batches. The
     images are read and preprocessed by ``workers`` worker processes, ahead of the batch being evaluated (0: in this
     process; a preprocess that cannot be sent to them, with a warning)."""
-    from .batch import image_files
-    from .labels import folder_labels
-    from .pipeline import preprocessed_images, usable_workers
+    from .dataset_tools.batch import image_files
+    from .dataset_tools.labels import folder_labels
+    from .dataset_tools.pipeline import preprocessed_images, usable_workers
 
     files = image_files(folder, exclude=out)
     labels = folder_labels(folder, files, "folders", loaded.class_names, exclude=out)
@@ -812,7 +814,7 @@ def describe_method(name: str) -> str:
 
 
 def run_batch(argv: Sequence[str]) -> int:
-    """``explain batch``: every image of a folder, written to OUT (see explain.batch). With the images'
+    """``explain batch``: every image of a folder, written to OUT (see explain.dataset_tools.batch). With the images'
     true labels (--labels folders: DIR/<class>/...; --labels FILE.csv: columns path,label), an image
     the model gets wrong is explained for its label and its predicted class (--target both, the
     default), one it gets right for the predicted class; --target label or predicted explains one
@@ -820,7 +822,7 @@ def run_batch(argv: Sequence[str]) -> int:
     interrupted run; OUT/run.json records the model, its weights, the method's settings and the
     input files, and a rerun into OUT that differs in any of them is refused. One run at a time
     writes to OUT: a second one started meanwhile stops with an error naming the first."""
-    from .batch import TARGET_MODES
+    from .dataset_tools.batch import TARGET_MODES
 
     parser = Parser(prog="explain batch", description=run_batch.__doc__)
     parser.add_argument("folder", help="folder of images (searched recursively)")
@@ -1001,7 +1003,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "explain-debugging), --count the number of images (default 400)")
             arguments = parser.parse_args(argv[1:])
             if arguments.debugging:
-                from .debugging import describe, run_debugging_demo
+                from .data.debugging import describe, run_debugging_demo
 
                 out = "explain-debugging" if arguments.out == "explain-demo.png" else arguments.out
                 count = 400 if "--count" not in argv else arguments.count
@@ -1025,7 +1027,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if argv and argv[0] == "batch":
             return run_batch(argv[1:])
         if argv and argv[0] == "report":
-            from .html_report import main_report  # imports explain.batch: loaded only for this command
+            from .dataset_tools.html_report import main_report  # imports the batch module: loaded for this command only
 
             return main_report(argv[1:])
         if argv and argv[0] == "layers":

@@ -37,7 +37,6 @@ import json
 import pickle
 import zipfile
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -45,13 +44,14 @@ import torch
 import torchvision
 from torch import nn
 
+from .core.targets import OutputSelector, model_class_names
 from .data.demo import DemoNet, load_demo_model
 from .data.demo_vit import DemoViT, load_demo_vit
 from .data.demo_vit2 import DemoViT2, load_demo_vit2
 from .data.demo_watermark import load_watermark_demo
 from .data.synthetic import CLASS_NAMES
-from .inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
-from .targets import OutputSelector, model_class_names
+from .io.inputs import ImageProcessorPreprocess, Normalize, Preprocess, TransformPreprocess, resizing_preprocess
+from .io.loaded_model import LoadedModel
 
 STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module", "net", "ema")
 PREFIXES = ("module.", "model.", "_orig_mod.")
@@ -115,47 +115,6 @@ def hub_offline_when_unreachable() -> Iterator[bool]:
 
 class WeightsUnavailableError(RuntimeError):
     """Pretrained weights that could not be downloaded or read, or a file that cannot be loaded."""
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to explain, in eval mode, with what is known about its inputs and classes.
-
-    preprocess: the model's own preprocessing (PIL image → (C, H, W) tensor), with ``mean``/``std``.
-    class_names: one name per output class, or None. output: which part of the model's output
-        holds the scores (for ``Explainer(output=...)``), or None. input_size: (C, H, W) the model
-        expects, when known. default_layer: the layer CAMs use when none is given (None: chosen
-        automatically on the first call).
-    """
-
-    model: nn.Module
-    preprocess: Preprocess
-    class_names: Optional[list[str]]
-    name: str
-    output: OutputSelector = None
-    input_size: Optional[tuple[int, int, int]] = None
-    default_layer: Optional[str] = None
-    task: str = "classification"
-    """"classification", "segmentation" ((N, classes, H, W) logits), "detection" (a list of
-    dicts per image) or "other" (a backbone or embedding model whose ``output`` is explained)."""
-    random_weights: bool = False
-    """Whether the model's weights are random: an architecture loaded without weights."""
-
-
-ModelSource = Union[nn.Module, LoadedModel]
-"""What an explainer takes as its model: any ``nn.Module``, or what ``explain.load_model`` returns (its module,
-with its preprocessing, class names and output selector as defaults)."""
-
-
-def loaded_model_parts(model: Any, preprocess: Any = None, class_names: Any = None, output: OutputSelector = None
-                       ) -> tuple[Any, Any, Any, OutputSelector]:
-    """What an explainer takes from ``model``: a ``LoadedModel`` gives its module, and its preprocessing, class
-    names and output selector where the caller gave none (``GradCAM(explain.load_model("demo"), "layer4")``);
-    anything else is returned as given (the explainer checks that it is a module)."""
-    if not isinstance(model, LoadedModel):
-        return model, preprocess, class_names, output
-    return (model.model, model.preprocess if preprocess is None else preprocess,
-            model.class_names if class_names is None else class_names, model.output if output is None else output)
 
 
 def load_model(

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import explain
-from explain.attention import attend
-from explain.rules import Rule, call_rules
+from explain.core.attention import attend
+from explain.core.rules import Rule, call_rules
 
 
 def probabilities_by_hand(q, k, mask=None, scale=None, causal=False):
@@ -225,7 +225,7 @@ def test_a_rule_computes_its_functions_during_the_block_only():
     x = torch.randn(4)
     with call_rules(Doubled()) as mode:
         inside = torch.tanh(x), x.tanh(), torch.sigmoid(x)
-    assert isinstance(mode, explain.attention.CallRules)
+    assert isinstance(mode, explain.core.attention.CallRules)
     torch.testing.assert_close(inside[0], 2 * x.tanh())
     torch.testing.assert_close(inside[1], 2 * x.tanh())
     torch.testing.assert_close(inside[2], x.sigmoid())

@@ -15,10 +15,11 @@ import torch
 from PIL import Image
 
 import explain
-from explain.batch import MapReader, item_id, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.stored_maps import load_maps
+from explain.dataset_tools.batch import item_id, run
+from explain.dataset_tools.index import MapReader
+from explain.dataset_tools.stored_maps import load_maps
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,13 @@ from PIL import Image
 from test_batch_robustness import kill_at_random_moments, run_in_fork
 
 import explain
-from explain import render
-from explain.batch import EARLIER_FIELDS, FIELDS, MapReader, Shard, item_id, panel_captions, read_index, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.labels import LabelError
+from explain.dataset_tools.batch import item_id, panel_captions, run
+from explain.dataset_tools.index import EARLIER_FIELDS, FIELDS, MapReader, read_index
+from explain.dataset_tools.labels import LabelError
+from explain.dataset_tools.run_folder import Shard
+from explain.io import render
 
 MODEL = load_demo_model()
 

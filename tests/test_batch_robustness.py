@@ -19,10 +19,11 @@ import torch
 from PIL import Image
 
 import explain
-from explain.batch import FIELDS, MapReader, item_id, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.stored_maps import load_maps
+from explain.dataset_tools.batch import item_id, run
+from explain.dataset_tools.index import FIELDS, MapReader
+from explain.dataset_tools.stored_maps import load_maps
 
 
 def save_images(folder: Path, count: int, seed: int, names=None) -> list[Path]:

@@ -151,13 +151,13 @@ tests/test_metrics_breadth.py). Compared in float64 on both devices, where round
 def metric_values_on(device: str, model: torch.nn.Module, method: str, x: torch.Tensor, y: torch.Tensor,
                      masks: torch.Tensor, cpu_explanation: explain.Explanation,
                      only: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
-    """Every registered metric of ``explain.evaluation`` (or those named in ``only``) for ``method`` on ``device``,
+    """Every registered metric of ``evaluation.METRICS`` (or those named in ``only``) for ``method`` on ``device``,
     each given the CPU's maps (moved there): so that a metric that ranks pixels ranks the same values on both
     devices."""
     import copy
     import dataclasses
 
-    from explain.evaluation import METRICS, MetricInput
+    from explain.dataset_tools.evaluation import METRICS, MetricInput
 
     placed = copy.deepcopy(model).to(device)
     explainer = explain.get_method(method)(placed)

@@ -365,7 +365,7 @@ def test_gradientshap_equals_captum_given_the_same_draws(name, monkeypatch):
                           recorded["normal"][0])
     explainer = explain.GradientShap(model, references, samples=6, normalize=None)
     with torch.no_grad():
-        selected = explain.targets.select_targets(model(x), targets, None, batch_size=3)
+        selected = explain.core.targets.select_targets(model(x), targets, None, batch_size=3)
     ours = explainer.attribute_with(x, selected, samples)
     assert relative_error(ours.attributions[:, 0], theirs.detach()) <= 1e-4
 

@@ -20,7 +20,7 @@ from conftest import gradcam_by_hand
 from torch import nn
 
 import explain
-from explain.layers import default_layer
+from explain.core.layers import default_layer
 
 transformers.logging.set_verbosity_error()
 

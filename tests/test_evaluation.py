@@ -16,7 +16,7 @@ from explain import metrics
 from explain.cli import main
 from explain.data import make_dataset
 from explain.data.train import EVALUATION_SEED, to_model_input
-from explain.evaluation import METRICS, Evaluation, Metric, evaluate
+from explain.dataset_tools.evaluation import METRICS, Evaluation, Metric, evaluate
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from torch import nn
 import explain
 from explain import metrics
 from explain.cli import main
-from explain.evaluation import FIELDS, METRICS, Evaluation, Metric, evaluate
+from explain.dataset_tools.evaluation import FIELDS, METRICS, Evaluation, Metric, evaluate
 
 CHEAP = [METRICS["deletion"].with_options(steps=4), METRICS["sparseness"]]
 """Two metrics that cost almost nothing on 16 px images."""
@@ -130,7 +130,7 @@ def test_every_registered_metric_called_inside_no_grad_or_inference_mode_gives_t
     """Each of the registry's metrics, computed directly (not through evaluate, which leaves inference mode itself)
     in the caller's mode: the same values as outside. The metrics that explain perturbed copies made the copies'
     targets, and the randomisation metrics their model copies, as inference tensors, which autograd refused."""
-    from explain.evaluation import MetricInput
+    from explain.dataset_tools.evaluation import MetricInput
 
     x, y, masks = small_data(2, size=(32, 32))
     for method in ("saliency", "gradcam"):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import explain
-from explain import render
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
+from explain.io import render
 
 matplotlib.use("Agg")
 

@@ -11,7 +11,7 @@ from conftest import ConvGapLinear, SmallCNN, assert_state_equal, model_state
 from PIL import Image
 
 from explain import GradCAM
-from explain.inputs import IMAGENET_MEAN, IMAGENET_STD
+from explain.io.inputs import IMAGENET_MEAN, IMAGENET_STD
 
 
 def by_hand_cam(model: ConvGapLinear, x: torch.Tensor, classes: list[int], relu_after_conv: bool) -> torch.Tensor:

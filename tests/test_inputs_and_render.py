@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from explain.inputs import IMAGENET_MEAN, IMAGENET_STD, Normalize, prepare_inputs
-from explain.render import colorize, overlay, resize_maps, tile
+from explain.io.inputs import IMAGENET_MEAN, IMAGENET_STD, Normalize, prepare_inputs
+from explain.io.render import colorize, overlay, resize_maps, tile
 
 CPU = torch.device("cpu")
 

@@ -36,7 +36,7 @@ import torch
 from conftest import SmallCNN, assert_state_equal, model_state
 
 import explain
-from explain.scope import current_scope
+from explain.core.scope import current_scope
 
 JUMP_BACKWARD = dis.opmap.get("JUMP_BACKWARD", -1)
 CALLS_PER_KIND = int(os.environ.get("EXPLAIN_INTERRUPT_CALLS", "100"))

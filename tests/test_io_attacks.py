@@ -255,7 +255,7 @@ def test_figure_colorbar_covers_signed_and_unsigned_panels(demo, images):
     from −1 to 1: the Grad-CAM panels have no correct scale."""
     cam = explain.GradCAM(demo, "layer4").explain(images[:2])
     signed = explain.IntegratedGradients(demo, steps=4, reduce="sum").explain(images[:2])
-    assert explain.figures.is_signed(signed) and not explain.figures.is_signed(cam)
+    assert explain.io.figures.is_signed(signed) and not explain.io.figures.is_signed(cam)
     fig = explain.figure([cam, signed], colorbar=True)
     assert {"jet", "RdBu_r"} <= _colorbar_cmaps(fig)
 
@@ -352,7 +352,7 @@ def test_an_empty_selection_shows_in_a_notebook_as_a_line(demo, images):
 def test_the_report_draws_a_phone_photo_upright_under_its_maps(tmp_path):
     """The HTML report's thumbnails put each map on its source image: that image must be turned as its EXIF
     orientation says, as the maps were made (load_image), not drawn sideways under them."""
-    from explain.html_report import _panels_from_maps
+    from explain.dataset_tools.html_report import _panels_from_maps
 
     source = phone_photo(tmp_path / "phone.jpg")
     map_file = tmp_path / "maps.npy"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import explain
-from explain.layouts import infer_layout
+from explain.core.layouts import infer_layout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 timm = pytest.importorskip("timm")
@@ -194,7 +194,7 @@ def test_token_layouts_are_read_from_the_model(name):
 
 
 def test_model_tokens_of_models_that_state_nothing_is_none_and_the_count_decides():
-    from explain.layouts import model_tokens
+    from explain.core.layouts import model_tokens
 
     cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     assert model_tokens(cnn) is None

@@ -20,10 +20,12 @@ import transformers
 from PIL import Image
 
 import explain
-import explain.batch as batch
-from explain.batch import FIELDS, image_files, item_id
+import explain.dataset_tools.batch as batch
+import explain.dataset_tools.index as index_module
 from explain.cli import main
 from explain.data import load_demo_model, make_dataset
+from explain.dataset_tools.batch import image_files, item_id
+from explain.dataset_tools.index import FIELDS
 from explain.models import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: models are built from configs
@@ -140,7 +142,7 @@ def test_a_full_disk_stops_the_batch_with_an_error_line_and_a_resume_finishes(fa
     out = tmp_path / "out"
     calls = {"count": 0}
     real_fsync, real_save_maps = os.fsync, batch._save_maps_file
-    real_write_all = getattr(batch, "_write_all", None)
+    real_write_all = index_module._write_all
 
     def sync_fills_the_disk(descriptor):
         calls["count"] += 1
@@ -165,7 +167,7 @@ def test_a_full_disk_stops_the_batch_with_an_error_line_and_a_resume_finishes(fa
     if fails == "index sync":
         monkeypatch.setattr(batch.os, "fsync", sync_fills_the_disk)
     elif fails == "index write":
-        monkeypatch.setattr(batch, "_write_all", write_fills_the_disk)
+        monkeypatch.setattr(index_module, "_write_all", write_fills_the_disk)
     else:
         monkeypatch.setattr(batch, "_save_maps_file", map_fills_the_disk)
     command = ["batch", folder, "--model", "demo", "--out", out, "--batch-size", "1", "--topk", "2", "--no-progress"]

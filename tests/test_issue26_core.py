@@ -140,7 +140,7 @@ def test_a_wrong_input_inside_the_callers_own_out_of_memory_handler_is_reported_
             explainer.explain(torch.randn(1, 3, 9, 9))  # 9×9: the head expects 8×8
     assert explainer.rows_that_fit == {}  # not taken for a pass that ran out of memory
     # no retries in halves: every forward had all 6 rows (the second, if any, is the retry in the batch's usual
-    # layout after the channels-last copy failed: explain.memory_format)
+    # layout after the channels-last copy failed: explain.core.memory_format)
     assert model.batches in ([6], [6, 6])
 
 

@@ -18,7 +18,7 @@ from test_deeplift_and_shap import calibrated
 from torch import Tensor, nn
 
 import explain
-from explain.capture import ModelInputError
+from explain.core.capture import ModelInputError
 
 
 def deeplift(model: nn.Module, x: Tensor, baseline: Tensor, target) -> explain.Explanation:

@@ -17,7 +17,7 @@ from scipy import ndimage
 from torch import nn
 
 from explain import metrics
-from explain.blur import gaussian_blur, reflect_blur
+from explain.io.blur import gaussian_blur, reflect_blur
 from explain.methods.expected_gradients import GradientShap
 from explain.methods.path_methods import BlurIG, GuidedIG, guided_ig_paths
 from explain.methods.xrai import XRAI, Felzenszwalb

@@ -20,9 +20,9 @@ from PIL import Image
 from torch import nn
 
 import explain
-from explain import render
-from explain.figures import CHEAP_METHODS
-from explain.targets import class_index, class_indices_for_names, model_class_names
+from explain.core.targets import class_index, class_indices_for_names, model_class_names
+from explain.io import render
+from explain.methods.compare import CHEAP_METHODS
 
 matplotlib.use("Agg")
 

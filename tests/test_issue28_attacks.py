@@ -24,11 +24,13 @@ from test_batch_labels import by_hand, class_folders, gradcam, rows_by_id
 from test_report import browser_page, chromium, wait_for_render, write_run, write_strategies  # noqa: F401
 
 import explain
-from explain.batch import Shard, item_id, merge_shard_indexes, read_index, run
 from explain.data import CLASS_NAMES, make_dataset
-from explain.debugging import describe, run_debugging_demo
-from explain.html_report import report
-from explain.labels import LabelError
+from explain.data.debugging import describe, run_debugging_demo
+from explain.dataset_tools.batch import item_id, merge_shard_indexes, run
+from explain.dataset_tools.html_report import report
+from explain.dataset_tools.index import read_index
+from explain.dataset_tools.labels import LabelError
+from explain.dataset_tools.run_folder import Shard
 
 # ---------------------------------------------------------------- labels
 

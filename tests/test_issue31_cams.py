@@ -26,7 +26,7 @@ from conftest import ConvGapLinear, assert_state_equal, gradcam_by_hand, model_s
 from torch import nn
 
 import explain
-from explain.blur import gaussian_blur
+from explain.io.blur import gaussian_blur
 
 # ---------------------------------------------------------------- helpers
 

@@ -35,22 +35,16 @@ from torch import nn
 from torchvision.datasets import ImageFolder
 
 import explain
-from explain import batch as batch_module
-from explain.batch import (
-    LOCK_FILE,
-    RUN_RECORD,
-    FolderInUseError,
-    Shard,
-    folder_lock,
-    read_index_contents,
-    run,
-    weights_fingerprint,
-)
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
 from explain.data.demo_watermark import load_watermark_demo
-from explain.html_report import report
-from explain.spray import strategies
+from explain.dataset_tools import batch as batch_module
+from explain.dataset_tools.batch import run
+from explain.dataset_tools.html_report import report
+from explain.dataset_tools.index import read_index_contents
+from explain.dataset_tools.run_folder import LOCK_FILE, FolderInUseError, Shard, folder_lock
+from explain.dataset_tools.run_record import RUN_RECORD, weights_fingerprint
+from explain.dataset_tools.spray import strategies
 
 
 def save_images(folder: Path, count: int, seed: int) -> list[Path]:
@@ -295,7 +289,7 @@ def test_other_settings_on_the_command_line_and_another_dataset_transform_are_re
 SLOW_CHILD = """
 import pathlib, sys, time
 import torch
-import explain.batch as batch
+import explain.dataset_tools.batch as batch
 from explain.cli import main
 
 torch.set_num_threads(1)

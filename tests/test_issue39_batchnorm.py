@@ -91,8 +91,8 @@ def test_the_second_derivative_through_a_batch_norm_is_torchs():
     of a one-row model through a BatchNorm read as tokens equals finite differences of the first (gradgradcheck)."""
     model = randomized_statistics(TokensAfterBatchNorm().double()).eval()
     x = torch.rand(1, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    from explain.core.scope import CallScope
     from explain.methods._eval_batch_norm import contiguous_batch_norm_gradients
-    from explain.scope import CallScope
 
     def first_derivative(inputs: Tensor) -> Tensor:
         with CallScope(model) as scope:

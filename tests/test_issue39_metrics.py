@@ -2,7 +2,7 @@
 
 Point 8: a binary classifier trained with a logit gives one column; a softmax over one column is 1 whatever the
 input, so every "probability" metric scored every map the same. The probability of its class is sigmoid(logit)
-(``explain.targets.class_probabilities``), in the metrics, in an explanation's probabilities and in
+(``explain.core.targets.class_probabilities``), in the metrics, in an explanation's probabilities and in
 `explain batch`'s confidence column; a model with two or more classes keeps its softmax.
 
 Point 12: `explain evaluate --data DIR` stacked images of different sizes into one batch (a raw RuntimeError) and
@@ -23,12 +23,12 @@ from torch import Tensor, nn
 
 import explain
 from explain import metrics
-from explain.batch import run
 from explain.cli import main
+from explain.core.targets import class_probabilities
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.evaluation import METRICS, evaluate
-from explain.inputs import Normalize, load_image
-from explain.targets import class_probabilities
+from explain.dataset_tools.batch import run
+from explain.dataset_tools.evaluation import METRICS, evaluate
+from explain.io.inputs import Normalize, load_image
 
 SIDE = 8
 TOP_LEFT = (slice(None), slice(None, SIDE // 2), slice(None, SIDE // 2))  # (N, H, W) index of the top-left quarter

@@ -23,7 +23,7 @@ from conftest import assert_state_equal, model_state
 from torch import Tensor, nn
 
 import explain
-from explain.layouts import token_layout
+from explain.core.layouts import token_layout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 timm = pytest.importorskip("timm")

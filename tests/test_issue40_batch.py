@@ -1,6 +1,6 @@
 """Issue 40, dataset runs: a pipeline (worker processes decode and preprocess a folder's images, a thread
 writes the results, one synced append to the index per batch) whose maps are stored compactly
-(``explain.stored_maps``: several images per file, at the method's resolution where that gives the maps back
+(``stored_maps``: several images per file, at the method's resolution where that gives the maps back
 exactly) and read back at the input's resolution bit for bit, with every kill -9, Ctrl-C and resume guarantee
 kept."""
 
@@ -25,15 +25,17 @@ from PIL import Image
 from test_batch_robustness import kill_at_random_moments, run_in_fork
 
 import explain
-import explain.batch as batch
-import explain.pipeline as pipeline
-from explain.batch import FIELDS, FolderInUseError, MapReader, item_id, read_index, read_maps, run
+import explain.dataset_tools.batch as batch
+import explain.dataset_tools.pipeline as pipeline
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.explanation import Explanation
-from explain.html_report import report
-from explain.methods.base import normalize_maps, upsample_maps
-from explain.stored_maps import AT_INPUT, LOW_RES, load_maps, stored_form
+from explain.dataset_tools.batch import item_id, run
+from explain.dataset_tools.html_report import report
+from explain.dataset_tools.index import FIELDS, MapReader, read_index, read_maps
+from explain.dataset_tools.run_folder import FolderInUseError
+from explain.dataset_tools.stored_maps import AT_INPUT, LOW_RES, load_maps, stored_form
+from explain.io.explanation import Explanation
+from explain.methods.maps import normalize_maps, upsample_maps
 
 
 def save_images(folder: Path, count: int, seed: int, size: int = 64, start: int = 0) -> list[Path]:

@@ -22,11 +22,12 @@ from test_batch_robustness import join_or_fail
 from test_issue40_batch import gradcam, maps_files, save_images
 
 import explain
-import explain.batch as batch
-import explain.pipeline as pipeline
-from explain.batch import item_id, read_index, read_index_contents, read_maps, run
+import explain.dataset_tools.batch as batch
+import explain.dataset_tools.pipeline as pipeline
 from explain.cli import main
-from explain.stored_maps import load_maps
+from explain.dataset_tools.batch import item_id, run
+from explain.dataset_tools.index import read_index, read_index_contents, read_maps
+from explain.dataset_tools.stored_maps import load_maps
 
 
 def ctrl_c() -> None:

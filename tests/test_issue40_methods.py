@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import explain
-from explain.methods.base import map_extremes, normalize_maps
+from explain.core.targets import select_targets
+from explain.methods.maps import map_extremes, normalize_maps
 from explain.methods.smoothing import noise_source
-from explain.targets import select_targets
 
 
 class CountOperations(TorchDispatchMode):

@@ -17,7 +17,7 @@ from explain import metrics
 from explain.cli import main
 from explain.data import make_dataset
 from explain.data.train import EVALUATION_SEED
-from explain.evaluation import METRICS, Evaluation
+from explain.dataset_tools.evaluation import METRICS, Evaluation
 
 IMAGES = 16
 

@@ -222,7 +222,7 @@ def test_importing_explain_in_a_notebook_without_ipywidgets_prints_no_warning(tm
                             "ipywidgets": None})
         warnings.simplefilter("always")
         import explain
-        from explain.evaluation import tqdm
+        from explain.dataset_tools.evaluation import tqdm
         for _ in tqdm(range(3), desc="bar"):
             pass
         with warnings.catch_warnings(record=True) as caught:

@@ -10,8 +10,8 @@ import torchvision
 from conftest import class_scores, gradcam_by_hand
 
 import explain
-from explain.layers import default_layer
-from explain.layouts import infer_layout, token_grid
+from explain.core.layers import default_layer
+from explain.core.layouts import infer_layout, token_grid
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torchvision
 from conftest import SmallCNN, assert_state_equal, model_state
 from torch import nn
 
-from explain.capture import ModelInputError
+from explain.core.capture import ModelInputError
 from explain.methods.lrp import COMPOSITES, LRP
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406])

@@ -1,4 +1,4 @@
-"""The memory layout in which a batch reaches the model (explain.memory_format): channels-last on the
+"""The memory layout in which a batch reaches the model (explain.core.memory_format): channels-last on the
 CPU for batches of at least 4 rows of a convolutional model, the usual layout otherwise; a model that
 refuses channels-last is run in the usual layout; results as accurate as with the usual layout."""
 
@@ -13,8 +13,8 @@ from conftest import SmallCNN, assert_state_equal, model_state
 from torch import nn
 
 import explain
-from explain.capture import ModelInputError
-from explain.memory_format import CHANNELS_LAST_MIN_ROWS, usual_layout_only
+from explain.core.capture import ModelInputError
+from explain.core.memory_format import CHANNELS_LAST_MIN_ROWS, usual_layout_only
 
 
 def layout_of(tensor: torch.Tensor) -> str:

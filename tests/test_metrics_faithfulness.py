@@ -358,7 +358,7 @@ class ViewsItsFeatures(nn.Module):
 
 
 def test_a_model_that_refuses_the_channels_last_layout_is_run_in_the_usual_one():
-    from explain.memory_format import usual_layout_only
+    from explain.core.memory_format import usual_layout_only
 
     model = ViewsItsFeatures().eval()
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))

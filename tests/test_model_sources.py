@@ -17,7 +17,7 @@ from test_cli_errors import fails_with
 
 import explain
 from explain.cli import main
-from explain.inputs import ImageProcessorPreprocess, TransformPreprocess
+from explain.io.inputs import ImageProcessorPreprocess, TransformPreprocess
 from explain.models import WeightsUnavailableError, load_model
 
 timm = pytest.importorskip("timm")

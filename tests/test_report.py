@@ -1,4 +1,4 @@
-"""The static HTML report of a batch run (explain.html_report): figures checked against counts made by
+"""The static HTML report of a batch run (explain.dataset_tools.html_report): figures checked against counts made by
 hand from the data the test writes, files and escaping checked on disk, and the page checked in
 headless Chromium from a file:// address with the network blocked."""
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from explain import render
-from explain.batch import EARLIER_FIELDS, LABEL_FIELDS
-from explain.html_report import default_order, main_report, read_run_index, report, summarise
+from explain.dataset_tools.html_report import default_order, main_report, read_run_index, report, summarise
+from explain.dataset_tools.index import EARLIER_FIELDS, LABEL_FIELDS
+from explain.io import render
 
 HOSTILE = "<script>window.__pwned = 1</script>"
 QUOTED = 'a "quoted" & <img src=x onerror="window.__pwned = 2">'
@@ -244,7 +244,7 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypat
     report(out, chunk_size=10)
     (old_data,) = (out / "report").glob("data-*")
     old_page = (out / "report.html").read_text()
-    from explain import html_report as report_module
+    from explain.dataset_tools import html_report as report_module
 
     written = []
     original = report_module._write_script

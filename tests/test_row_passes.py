@@ -14,8 +14,8 @@ from conftest import SmallCNN, assert_state_equal, model_state
 from torch import nn
 
 import explain
-from explain.capture import ModelInputError, is_out_of_memory
-from explain.methods import base
+from explain.core.capture import ModelInputError, is_out_of_memory
+from explain.methods import passes
 
 
 class RefuseBackward(torch.autograd.Function):
@@ -72,7 +72,7 @@ METHODS = {
 @pytest.fixture
 def large_passes(monkeypatch):
     """Automatic passes of 64 rows on the CPU, as a GPU's large passes."""
-    monkeypatch.setitem(base.ROWS_PER_PASS, "cpu", 64)
+    monkeypatch.setitem(passes.ROWS_PER_PASS, "cpu", 64)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -172,10 +172,10 @@ def test_what_counts_as_running_out_of_memory():
 
 
 def test_the_rows_per_pass_are_16_on_the_cpu_and_256_on_a_gpu():
-    assert base.rows_per_pass(None, torch.device("cpu")) == 16
-    assert base.rows_per_pass(None, torch.device("cuda", 0)) == 256
-    assert base.rows_per_pass(None, torch.device("mps")) == 256
-    assert base.rows_per_pass(5, torch.device("cuda", 0)) == 5
+    assert passes.rows_per_pass(None, torch.device("cpu")) == 16
+    assert passes.rows_per_pass(None, torch.device("cuda", 0)) == 256
+    assert passes.rows_per_pass(None, torch.device("mps")) == 256
+    assert passes.rows_per_pass(5, torch.device("cuda", 0)) == 5
 
 
 def test_a_copied_explainer_keeps_the_size_that_fitted(large_passes):

@@ -16,11 +16,13 @@ import torch
 from PIL import Image
 
 import explain
-from explain.batch import RUN_RECORD, RunRecord, Shard, read_run_record, run
 from explain.cli import main
 from explain.data import CLASS_NAMES, load_demo_model, make_dataset
-from explain.html_report import main_report, report
-from explain.methods.base import setting_text
+from explain.dataset_tools.batch import run
+from explain.dataset_tools.html_report import main_report, report
+from explain.dataset_tools.run_folder import Shard
+from explain.dataset_tools.run_record import RUN_RECORD, RunRecord, read_run_record
+from explain.methods.signatures import setting_text
 
 MODEL = load_demo_model()
 

@@ -14,7 +14,6 @@ from PIL import Image
 
 import explain
 from explain import spray  # the module (``explain.strategies`` names the function)
-from explain.batch import EARLIER_FIELDS, FIELDS, RunRecord, read_index, read_run_record
 from explain.data.demo_watermark import (
     CORNER,
     SHARE,
@@ -33,7 +32,9 @@ from explain.data.synthetic import (
 )
 from explain.data.train import to_model_input
 from explain.data.train_watermark import measure_watermark_use
-from explain.spray import (
+from explain.dataset_tools.index import EARLIER_FIELDS, FIELDS, read_index
+from explain.dataset_tools.run_record import RunRecord, read_run_record
+from explain.dataset_tools.spray import (
     MEAN_MAP_DECIMALS,
     ClassStrategies,
     Cluster,

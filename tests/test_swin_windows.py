@@ -25,8 +25,8 @@ from test_attnlrp import FAMILIES, HF_SWIN, hf_model
 from torch import Tensor, nn
 
 import explain
-from explain.scope import CallScope
-from explain.windows import watch_windows
+from explain.core.scope import CallScope
+from explain.core.windows import watch_windows
 
 timm = pytest.importorskip("timm")
 torchvision = pytest.importorskip("torchvision")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from explain.targets import select_targets
+from explain.core.targets import select_targets
 
 OUTPUT = torch.tensor([[0.5, 3.0, -1.0, 2.0], [5.0, 0.0, 1.0, 4.0]])
 

@@ -16,8 +16,8 @@ from test_io_attacks import ThreeColumns
 from torch import nn
 
 import explain
-from explain import render
 from explain.data import make_dataset
+from explain.io import render
 
 torch.set_num_threads(1)
 
@@ -51,7 +51,7 @@ def test_batch_overlays_draw_signed_maps_as_the_explanation_does(tmp_path: Path)
 def test_report_thumbnails_draw_negative_evidence_unlike_none(tmp_path: Path):
     """The HTML report's thumbnails of a signed map must not draw −1 (strong negative evidence) in the colour of
     0 (no evidence): they clip the map to [0, 1] with jet."""
-    from explain.html_report import _panels_from_maps
+    from explain.dataset_tools.html_report import _panels_from_maps
 
     maps = np.zeros((1, 8, 8), np.float16)
     maps[0, :, :4] = -1.0
@@ -191,7 +191,7 @@ def test_default_layer_of_a_huggingface_resnet_at_a_small_input():
     """HF's ResNetModel (a non-container wrapping the whole network) outputs the last 1 x 1 map first, so every
     layer inside it is dropped: no layer at all. The last whole stage with a 2 x 2 map is stages.2."""
     transformers = pytest.importorskip("transformers")
-    from explain.layers import default_layer
+    from explain.core.layers import default_layer
 
     config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
                                        num_labels=3)
@@ -222,7 +222,7 @@ class PooledBackbone(nn.Module):
 
 def test_default_layer_inside_a_backbone_that_returns_pooled_maps():
     """A backbone module returning (N, C, 1, 1) pooled features: before today body.c2 (the one path), now none."""
-    from explain.layers import default_layer
+    from explain.core.layers import default_layer
 
     assert default_layer(PooledBackbone().eval(), torch.randn(1, 3, 16, 16)) == "body.c2"
 
@@ -261,7 +261,7 @@ def test_ctrl_c_anywhere_in_shapleycam_leaves_checkpointing_on_and_no_rule_or_ho
     import timm
     from test_interrupts import SignalPointInterrupter, thread_state
 
-    from explain.scope import _checkpointing_off
+    from explain.core.scope import _checkpointing_off
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("needs the main thread")

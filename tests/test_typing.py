@@ -107,6 +107,6 @@ def test_readme_examples_type_check_strictly_with_typed_results(tmp_path):
                 for line, kind, text in messages if kind == "note" and text.startswith("Revealed type is")}
     assert len(revealed) == RESULTS.count("reveal_type("), output
     assert not [(line, kind) for line, kind in revealed.items() if "Any" in kind], revealed
-    assert revealed["reveal_type(explanation)"] == "explain.explanation.Explanation"
+    assert revealed["reveal_type(explanation)"] == "explain.io.explanation.Explanation"
     assert revealed["reveal_type(explanation.maps)"] == "torch._tensor.Tensor"
-    assert revealed['reveal_type(load_model("demo"))'] == "explain.models.LoadedModel"
+    assert revealed['reveal_type(load_model("demo"))'] == "explain.io.loaded_model.LoadedModel"

@@ -30,8 +30,8 @@ import vlm_tiny
 from PIL import Image
 
 from explain.cli import main
-from explain.explanation import Explanation
-from explain.inputs import DisplayImages
+from explain.io.explanation import Explanation
+from explain.io.inputs import DisplayImages
 from explain.models import WeightsUnavailableError
 from explain.vlm.hf import load_vision_language_model
 from explain.vlm.view import token_figure, token_html, visible_token, write_token_html

@@ -21,7 +21,8 @@ from PIL import Image
 from vlm_tiny import CHAT_TEMPLATE, image_token_embeddings, tiny_llava, tiny_llava_next, tiny_paligemma
 
 import explain.vlm.families  # noqa: F401  (registers the layouts)
-from explain.vlm.layout import LAYOUTS, ImageLayout, layout_for, paint
+from explain.vlm.families import layout_for
+from explain.vlm.layout import LAYOUTS, ImageLayout, paint
 
 PATCH = 8
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]

@@ -49,7 +49,7 @@ from vlm_tiny import tiny_llava, tiny_paligemma
 from vlm_tiny_more import tiny_qwen2_vl
 
 import explain
-from explain.scope import CallScope
+from explain.core.scope import CallScope
 
 METHODS = ("input_x_gradient", "attention", "attnlrp")
 FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"llava": tiny_llava, "paligemma": tiny_paligemma}
@@ -354,7 +354,7 @@ class ClosingPoints(FastSignalPointInterrupter):
 
 
 def current_scope_stack() -> list:
-    from explain.scope import _open_scopes
+    from explain.core.scope import _open_scopes
 
     return list(getattr(_open_scopes, "stack", []))
 
@@ -386,7 +386,7 @@ def test_an_interrupt_while_the_methods_scope_closes_leaves_model_and_thread_as_
             assert thread_state() == found, f"{where}: a scope stayed open on the thread"
             assert_as_found(before, model, where)
     finally:  # a scope left open by the bug must not reach the tests that run after this one
-        from explain.scope import _open_scopes
+        from explain.core.scope import _open_scopes
 
         _open_scopes.stack = open_scopes
         torch.set_grad_enabled(True)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..inputs import Normalize
+from ..io.inputs import Normalize
 from .demo import WEIGHTS_PATH, DemoNet
 from .synthetic import make_dataset
 

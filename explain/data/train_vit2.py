@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..inputs import Normalize
+from ..io.inputs import Normalize
 from .demo_vit2 import VIT2_WEIGHTS_PATH, DemoViT2, load_demo_vit2
 from .synthetic import make_dataset
 from .train import accuracy, fit_transformer

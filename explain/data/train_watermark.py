@@ -115,7 +115,7 @@ def strategies_summary(model: torch.nn.Module, count: int = 400, method: str = "
     """SpRAy (``explain.strategies``) over ``method``'s maps ("lrp", or "gradcam" at layer4) of
     ``watermark_held_out(count)``, each explained for its true class, without or with the object masks: one line per
     class, each cluster as size, share of tagged images, peak (y, x) and whether it is flagged."""
-    from .. import spray
+    from ..dataset_tools import spray
     from ..methods import LRP, GradCAM
 
     data = watermark_held_out(count)

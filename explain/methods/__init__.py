@@ -2,7 +2,7 @@
 
 from .attention import AttentionExplainer, AttentionMethod, AttentionRollout, GradientAttentionRollout
 from .attnlrp import AttnLRP
-from .base import REGISTRY, Attribution, Explainer, get_method, normalize_maps, register
+from .base import Explainer
 from .cam import (
     CAM,
     FEM,
@@ -30,8 +30,10 @@ from .guided import Deconvnet, GuidedBackprop, GuidedGradCAM, relu_backward_rule
 from .layer_attribution import LayerConductance, LayerIntegratedGradients, LayerPathExplainer
 from .legrad import LeGrad
 from .lrp import LRP
+from .maps import Attribution, normalize_maps
 from .path_methods import BlurIG, GuidedIG
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
+from .registry import REGISTRY, get_method, register
 from .smooth_cam import SmoothGradCAMPlusPlus
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
 from .transformer_attribution import AttnLRPRollout, TransformerAttribution

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import attend, calling_module, multi_head_attention
-from ..rules import Rule, function_name, tensors_in, torch_functions, writes_in_place
-from ..scope import CallScope
+from ..core.attention import attend, calling_module, multi_head_attention
+from ..core.rules import Rule, function_name, tensors_in, torch_functions, writes_in_place
+from ..core.scope import CallScope
 from ._lrp_rules import Gamma, stabilize
 from ._lrp_trace import ACTIVATIONS, ADDITIONS, ROUTING, SCALINGS, SUMS
 
@@ -567,7 +567,7 @@ class AttnLrpRules(Rule):
 
     def _core(self, on_path: tuple[bool, bool, bool], query: Tensor, key: Tensor, value: Tensor,
               mask: Optional[Tensor], dropout_p: float, needed: bool) -> tuple[Tensor, Optional[Tensor]]:
-        """``nn.MultiheadAttention``'s attention over heads (``explain.attention.AttentionCore``)."""
+        """``nn.MultiheadAttention``'s attention over heads (``explain.core.attention.AttentionCore``)."""
         recorded = self.on_attention is not None
         query, key, value, output_share = self._attention_operands(query, key, value, on_path, recorded)
         if not recorded and not needed:
@@ -679,7 +679,7 @@ class AttnLrpScope(CallScope[AttnLrpRules]):
         self.rules = rules
 
     def setup(self) -> AttnLrpRules:
-        from ..rules import CallRules
+        from ..core.rules import CallRules
 
         for module in self.rules.activations:
             self.forward_pre_hook(module, self.rules.entering)

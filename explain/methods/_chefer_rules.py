@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import _attend_with_heads, calling_module, stepwise_multi_head_attention
-from ..rules import CallRules, Rule, function_name, tensors_in, torch_functions, writes_in_place
-from ..scope import CallScope
+from ..core.attention import _attend_with_heads, calling_module, stepwise_multi_head_attention
+from ..core.rules import CallRules, Rule, function_name, tensors_in, torch_functions, writes_in_place
+from ..core.scope import CallScope
 from ._attnlrp_rules import _detached
 from ._lrp_rules import LayerFunction, LinearRule, _terms
 from ._lrp_trace import (

@@ -4,7 +4,6 @@ that carry the multipliers."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -12,12 +11,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from ..attention import attend, calling_module, stepwise_multi_head_attention
-from ..capture import ModelInputError
-from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
-from ..scope import CallScope
+from ..core.attention import calling_module
+from ..core.capture import ModelInputError
+from ..core.rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
+from ..core.scope import CallScope
+from ._deeplift_backward import Linearized, MaxPoolRule, MaxReductionRule, RescaledNonlinearity
+from ._deeplift_decompositions import (
+    COMPOSITES,
+    scaled,
+)
 from .gradients import detached_output
 
 # ------------------------------------------------------------------ which torch function gets which rule
@@ -107,168 +110,6 @@ VALUE_READS = torch_functions("item", "tolist", "numpy", "__bool__", "__float__"
 
 
 # ------------------------------------------------------------------ the rules' autograd functions
-
-
-class RescaledNonlinearity(torch.autograd.Function):
-    """y = f(z); backward: grad · m with the rescale rule's multiplier m = (f(z) − f(z'))/(z − z')
-    (f'(z) where |Δz| < eps), summed back to z's shape where f broadcasts z against a constant. The
-    multipliers are computed in the forward and kept alone (not the inputs and outputs, which later
-    in-place operations could change).
-
-    function: f, never writing into its argument; in_place: None, or f as the model called it, in place (``relu_``):
-    then z is overwritten with f(z), as that call does, and the reference z' (the rule's own copy) with f(z'),
-    without copies."""
-
-    @staticmethod
-    def forward(ctx: Any, inputs: Tensor, function: Callable[[Tensor], Tensor],
-                in_place: Optional[Callable[[Tensor], Tensor]], reference: Tensor, eps: float) -> Tensor:
-        delta = inputs - reference
-        large = delta.abs() >= eps  # False for NaN differences too, of infinite inputs such as masked scores
-        everywhere = bool(large.all())
-        derivative: Optional[Tensor] = None
-        if in_place is None:
-            outputs, reference_outputs = function(inputs), function(reference)
-            if not everywhere:
-                derivative = _derivative(function, inputs, outputs.shape)
-        else:
-            if not everywhere:  # f'(z) before z is overwritten
-                derivative = _derivative(function, inputs, inputs.shape)
-            ctx.mark_dirty(inputs)
-            outputs, reference_outputs = in_place(inputs), in_place(reference)
-            assert outputs is inputs, "an in-place call returns the tensor it wrote into"
-        rescaled = (outputs - reference_outputs) / delta
-        if derivative is not None:
-            rescaled = torch.where(large, rescaled, derivative)
-        ctx.input_shape = inputs.shape
-        ctx.save_for_backward(rescaled)
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
-        (grad_output,) = grad_outputs  # one output, one gradient
-        (multipliers,) = ctx.saved_tensors
-        # contiguous: the product takes the incoming gradient's strides, which for a feature map read as tokens
-        # (``x.flatten(2).transpose(1, 2)``, as LeViT does) are ones torch 2.14's CPU BatchNorm backward gets wrong
-        return (grad_output * multipliers).sum_to_size(ctx.input_shape).contiguous(), None, None, None, None
-
-
-def _derivative(function: Callable[[Tensor], Tensor], inputs: Tensor, shape: torch.Size) -> Tensor:
-    """f'(z) elementwise, of the shape of f's output, by autograd (zero where f has no derivative)."""
-    with torch.enable_grad():
-        leaf = inputs.detach().expand(shape).clone().requires_grad_(True)
-        outputs = function(leaf)
-        if not outputs.requires_grad:  # a step function (sign, floor): zero almost everywhere
-            return torch.zeros(shape, dtype=outputs.dtype, device=outputs.device)
-        (derivative,) = torch.autograd.grad(outputs.sum(), leaf)
-    return derivative
-
-
-class Linearized(torch.autograd.Function):
-    """A call whose value is computed as it is and whose backward is that of a linear map of its
-    inputs' differences (a rule's multipliers): ``Linearized.apply(compute, linear_map, *inputs)``.
-    The map is evaluated at zero differences, so infinite values (masked scores) do not enter it."""
-
-    @staticmethod
-    def forward(ctx: Any, compute: Callable[..., Tensor], linear_map: Callable[..., Tensor],
-                *inputs: Tensor) -> Tensor:
-        ctx.linear_map = linear_map
-        ctx.inputs = [(tensor.shape, tensor.dtype, tensor.device) for tensor in inputs]
-        return compute(*inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], ...]:
-        (grad_output,) = grad_outputs
-        with torch.enable_grad():
-            points = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
-                      for shape, dtype, device in ctx.inputs]
-            mapped = ctx.linear_map(*points)
-            grads = torch.autograd.grad(mapped, points, grad_output, allow_unused=True)
-        grads = tuple(torch.zeros_like(point) if grad is None else grad for point, grad in zip(points, grads))
-        return (None, None, *grads)
-
-
-class MaxPoolRule(torch.autograd.Function):
-    """Max pooling of z, with the pooling of z' (Shrikumar et al.'s rule): with y = pool(z),
-    y' = pool(z') and u = max(y, y'), grad · (u − y') goes back to the positions of z's maxima and
-    grad · (y − u) to those of z''s maxima, and each position's sum is divided by its Δz. Positions
-    shared by overlapping windows (a 3×3 pool of stride 2) add up their windows' shares, so the
-    multipliers sum exactly to the pooled difference. Where |Δz| < eps, the pooling's ordinary
-    gradient (grad sent to z's maxima)."""
-
-    eps = 1e-10
-
-    @staticmethod
-    def forward(ctx: Any, inputs: Tensor, reference: Tensor, pool: Callable[..., Any], options: dict[str, Any],
-                spatial: int) -> Tensor:
-        outputs, indices = pool(inputs, return_indices=True, **options)
-        reference_outputs, reference_indices = pool(reference, return_indices=True, **options)
-        ctx.input_shape, ctx.spatial = inputs.shape, spatial
-        ctx.save_for_backward(inputs - reference, outputs, reference_outputs, indices, reference_indices)
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
-        (grad_output,) = grad_outputs  # one output, one gradient
-        delta, y, y_ref, indices, reference_indices = ctx.saved_tensors
-        larger = torch.max(y, y_ref)
-        shares = (_to_maxima(grad_output * (larger - y_ref), indices, ctx.input_shape, ctx.spatial)
-                  + _to_maxima(grad_output * (y - larger), reference_indices, ctx.input_shape, ctx.spatial))
-        small = delta.abs() < MaxPoolRule.eps
-        rescaled = shares / torch.where(small, torch.ones_like(delta), delta)
-        ordinary = _to_maxima(grad_output, indices, ctx.input_shape, ctx.spatial)  # max pooling's own backward
-        return torch.where(small, ordinary, rescaled), None, None, None, None
-
-
-def _to_maxima(values: Tensor, indices: Tensor, input_shape: torch.Size, spatial: int) -> Tensor:
-    """(..., *pooled) values added up at the input positions their windows' maxima came from
-    (``indices`` as max pooling returns them, over the last ``spatial`` dimensions): (..., *input spatial)."""
-    leading = input_shape[:len(input_shape) - spatial]
-    spread = torch.zeros(*leading, input_shape[len(leading):].numel(), dtype=values.dtype, device=values.device)
-    spread.scatter_add_(-1, indices.flatten(len(leading)), values.flatten(len(leading)))
-    return spread.view(input_shape)
-
-
-class MaxReductionRule(torch.autograd.Function):
-    """max (``sign`` 1) or min (``sign`` −1) of z over ``dims``: the rule of max pooling with one window
-    covering those dimensions. Returns the values with the reduced dimensions kept (size 1)."""
-
-    eps = 1e-10
-
-    @staticmethod
-    def forward(ctx: Any, inputs: Tensor, reference: Tensor, dims: tuple[int, ...], sign: int) -> Tensor:
-        windows, reference_windows = (_windows(sign * tensor, dims) for tensor in (inputs, reference))
-        y, indices = windows.max(dim=-1, keepdim=True)
-        y_ref, reference_indices = reference_windows.max(dim=-1, keepdim=True)
-        ctx.dims, ctx.sign, ctx.input_shape = dims, sign, inputs.shape
-        ctx.save_for_backward(windows - reference_windows, y, y_ref, indices, reference_indices)
-        return (sign * y).view([1 if dim in dims else size for dim, size in enumerate(inputs.shape)])
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Optional[Tensor], None, None, None]:
-        (grad_output,) = grad_outputs
-        delta, y, y_ref, indices, reference_indices = ctx.saved_tensors
-        grad = ctx.sign * grad_output.reshape(y.shape)  # the gradient of max(sign · z)
-        larger = torch.max(y, y_ref)
-        shares = torch.zeros_like(delta).scatter_add_(-1, indices, grad * (larger - y_ref))
-        shares.scatter_add_(-1, reference_indices, grad * (y - larger))
-        small = delta.abs() < MaxReductionRule.eps
-        ordinary = torch.zeros_like(delta).scatter_add_(-1, indices, grad)
-        windows = torch.where(small, ordinary, shares / torch.where(small, torch.ones_like(delta), delta))
-        return ctx.sign * _unwindowed(windows, ctx.input_shape, ctx.dims), None, None, None
-
-
-def _windows(tensor: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """The reduced dimensions moved to the end and flattened into one: (..., window)."""
-    kept = [dim for dim in range(tensor.dim()) if dim not in dims]
-    return tensor.permute(*kept, *dims).flatten(len(kept))
-
-
-def _unwindowed(windows: Tensor, shape: torch.Size, dims: tuple[int, ...]) -> Tensor:
-    """The inverse of ``_windows``: back to ``shape``."""
-    kept = [dim for dim in range(len(shape)) if dim not in dims]
-    order = kept + list(dims)
-    unflattened = windows.unflatten(-1, [shape[dim] for dim in dims])
-    return unflattened.permute(*sorted(range(len(order)), key=order.__getitem__))
 
 
 # ------------------------------------------------------------------ the record of the baselines' forward
@@ -501,7 +342,7 @@ class DeepLiftRules(Rule):
                 self._no_rule(func, "DeepLIFT has no rule for these arguments")
                 return PLAIN
             return result
-        if func is _scaled:
+        if func is scaled:
             return self._scaled(args, call, values)
         if func in SOFTMAXES:
             return self._softmax(func, args, kwargs, call, values)
@@ -614,7 +455,7 @@ class DeepLiftRules(Rule):
         return target.copy_(result) if target is not None else result
 
     def _scaled(self, args: tuple[Any, ...], call: _Call, values: list[Tensor]) -> Any:
-        """A normalisation's y = c · r, c its centred values, r = 1/σ per token (``_scaled``). The rule of
+        """A normalisation's y = c · r, c its centred values, r = 1/σ per token (``scaled``). The rule of
         products would give Δy = Δc · r̄ + c̄ · Δr, exact but unusable where one side's tokens are (nearly)
         constant across channels, as those of the zero baseline are: there r' = 1/√eps (316 for a LayerNorm's
         eps = 1e-5), so Δc gets the multiplier r̄ ≈ 158/σ's worth of signal and Δr takes it back, two terms
@@ -771,126 +612,6 @@ def _max_reduction(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 
 
 # ------------------------------------------------------------------ functions computed step by step
-
-
-def _float_steps(inputs: Tensor) -> Tensor:
-    """Half-precision inputs normalised in float32, as torch's normalisation kernels do."""
-    return inputs.float() if inputs.dtype in (torch.float16, torch.bfloat16) else inputs
-
-
-def _normalized(inputs: Tensor, dims: tuple[int, ...], eps: float, centred: bool = True) -> Tensor:
-    values = _float_steps(inputs)
-    if centred:
-        values = values - values.mean(dims, keepdim=True)
-    return _scaled(values, torch.rsqrt((values * values).mean(dims, keepdim=True) + eps)).to(inputs.dtype)
-
-
-def _scaled(values: Tensor, scale: Tensor) -> Tensor:
-    """values · scale: a normalisation's last step, its centred values times 1/σ. A function of its own (one
-    that torch function modes see, as ``F.layer_norm``) so that DeepLIFT gives it the rule of normalisations
-    (``DeepLiftRules._scaled``) rather than that of products."""
-    if has_torch_function_variadic(values, scale):
-        return handle_torch_function(_scaled, (values, scale), values, scale)
-    return values * scale
-
-
-def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,
-                bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    result = _normalized(input, tuple(range(-len(shape), 0)), eps)
-    result = result if weight is None else result * weight
-    return result if bias is None else result + bias
-
-
-def _rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,
-              eps: Optional[float] = None) -> Tensor:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
-    result = _normalized(input, tuple(range(-len(shape), 0)), eps, centred=False)
-    return result if weight is None else result * weight
-
-
-def _channel_affine(result: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
-    shape = [1, -1] + [1] * (result.dim() - 2)
-    result = result if weight is None else result * weight.view(shape)
-    return result if bias is None else result + bias.view(shape)
-
-
-def _group_norm(input: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                eps: float = 1e-5) -> Tensor:
-    grouped = input.reshape(input.shape[0], num_groups, -1)
-    return _channel_affine(_normalized(grouped, (-1,), eps).reshape(input.shape), weight, bias)
-
-
-def _instance_norm(input: Tensor, running_mean: Optional[Tensor] = None, running_var: Optional[Tensor] = None,
-                   weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, use_input_stats: bool = True,
-                   momentum: float = 0.1, eps: float = 1e-5) -> Any:
-    if use_input_stats:
-        return _channel_affine(_normalized(input, tuple(range(2, input.dim())), eps), weight, bias)
-    if running_mean is None or running_var is None:
-        return NotImplemented
-    shape = [1, -1] + [1] * (input.dim() - 2)  # running statistics: linear
-    normalized = (input - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
-    return _channel_affine(normalized, weight, bias)
-
-
-def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
-               dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-               enable_gqa: bool = False) -> Tensor:
-    return attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[0]
-
-
-def _glu(input: Tensor, dim: int = -1) -> Tensor:
-    first, second = input.chunk(2, dim)
-    return first * torch.sigmoid(second)
-
-
-def _p_norm(inputs: Tensor, p: Any, dim: Any, keepdim: bool) -> Any:
-    """‖inputs‖_p over ``dim`` (all dimensions for None) in elementwise steps; NotImplemented for
-    p = ±inf, 0 or a matrix norm."""
-    if p is None or p == "fro":
-        p = 2
-    if isinstance(p, str) or not math.isfinite(p) or p <= 0:
-        return NotImplemented
-    dims = tuple(range(inputs.dim())) if dim is None else dim
-    if p == 2:
-        return torch.sqrt((inputs * inputs).sum(dims, keepdim=keepdim))
-    if p == 1:
-        return inputs.abs().sum(dims, keepdim=keepdim)
-    return inputs.abs().pow(p).sum(dims, keepdim=keepdim).pow(1 / p)
-
-
-def _norm(input: Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False, out: Any = None,
-          dtype: Any = None) -> Any:
-    if out is not None:
-        return NotImplemented
-    return _p_norm(input if dtype is None else input.to(dtype), p, dim, keepdim)
-
-
-def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
-                 out: Any = None) -> Any:
-    return _norm(x, ord, dim, keepdim, out, dtype)
-
-
-def _normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Any = None) -> Any:
-    norm = _norm(input, p, dim, True, out)
-    return norm if norm is NotImplemented else input / norm.clamp_min(eps)
-
-
-COMPOSITES: dict[Callable[..., Any], Callable[..., Any]] = {
-    F.layer_norm: _layer_norm,
-    F.group_norm: _group_norm,
-    F.rms_norm: _rms_norm,
-    F.instance_norm: _instance_norm,
-    F.scaled_dot_product_attention: _attention,
-    F.multi_head_attention_forward: stepwise_multi_head_attention,
-    F.glu: _glu,
-    F.normalize: _normalize,
-    torch.norm: _norm,
-    Tensor.norm: _norm,
-    torch.linalg.vector_norm: _vector_norm,
-}
-"""Functions computed step by step, each step by its rule (with the same arguments and result)."""
 
 
 class deeplift_rules(CallScope[DeepLiftRules]):  # noqa: N801 - used like a function, as torch.no_grad is

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from torch import Tensor, nn
 
-from ..scope import CallScope
+from ..core.scope import CallScope
 
 
 def _contiguous(gradient: Optional[Tensor]) -> Optional[Tensor]:

@@ -1,7 +1,7 @@
 """How LRP follows a forward pass: the call-scoped rule that gives every torch function on the input's path its LRP
 rule (see ``explain.methods.lrp`` for what each kind of function gets).
 
-``_Trace`` is a ``Rule`` of ``explain.rules`` whose mode sees every torch function the forward calls (``CallRules``
+``_Trace`` is a ``Rule`` of ``explain.core.rules`` whose mode sees every torch function the forward calls (``CallRules``
 only routes the functions of its table; LRP must also follow the path through the others and notice those it has
 no rule for). It marks the tensors that depend on the input (a weak, identity-keyed table) and turns each call on
 them into ``_Relevance.apply(rule, *path_tensors)``: an autograd function whose forward is the call itself and
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..caller import warn_at_callers_line
-from ..capture import ModelInputError
-from ..rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
-from ..scope import CallScope
+from ..core.caller import warn_at_callers_line
+from ..core.capture import ModelInputError
+from ..core.rules import CallRules, Rule, function_name, signature_of, tensors_in, torch_functions, writes_in_place
+from ..core.scope import CallScope
 from ._lrp_rules import BatchNormStatistics, Composite, Flat, LinearRule, ZBox, fold_batch_norm, proportional
 
 # ------------------------------------------------------------------ which torch function gets which rule

@@ -1,10 +1,10 @@
 """Attention-based methods for vision transformers: attention rollout and gradient-weighted rollout.
 
 Both read each block's attention probabilities A (N, heads, T, T) through
-``explain.attention.capture_attention``, whatever computes them (fused
+``explain.core.attention.capture_attention``, whatever computes them (fused
 ``scaled_dot_product_attention``, ``nn.MultiheadAttention``, eager softmax), roll them out
 across the blocks into a (T, T) relevance matrix R per image, and read one row of R over the
-patch tokens, laid out on the patch grid as the CAMs lay tokens out (``explain.layouts``: the
+patch tokens, laid out on the patch grid as the CAMs lay tokens out (``explain.core.layouts``: the
 class, distillation and register tokens and the patch grid as the model states them, else
 inferred from the token count and the input size).
 
@@ -16,7 +16,7 @@ chooses explicitly.
 
 A ``torch.compile``'d model is explained through the module it wraps (``_orig_mod``, the same
 weights), since compiled code runs no call-scoped rule; a module compiled in place is refused
-(``explain.attention.eager_model``).
+(``explain.core.attention.eager_model``).
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..attention import BlockSpec, CapturedAttention, capture_attention
-from ..layouts import Layout, token_layout
-from ..models import ModelSource
-from ..scope import CallScope
-from ..targets import SelectedTargets, Target, select_targets
-from ..windows import WindowPartition, WindowWatch, watch_windows
-from .base import Attribution, Explainer, ExplainerOptions, register
+from ..core.attention import BlockSpec, CapturedAttention, capture_attention
+from ..core.layouts import Layout, token_layout
+from ..core.scope import CallScope
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.windows import WindowPartition, WindowWatch, watch_windows
+from ..io.loaded_model import ModelSource
+from .base import Explainer
+from .maps import Attribution
+from .registry import register
+from .signatures import ExplainerOptions
 
 HEAD_FUSIONS = ("mean", "max", "min")
 

@@ -17,12 +17,14 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..models import ModelSource
-from ..targets import Target, select_targets
+from ..core.targets import Target, select_targets
+from ..io.loaded_model import ModelSource
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
-from .base import Attribution, ExplainerOptions, register
 from .gradients import GradientExplainer, all_zero
+from .maps import Attribution
 from .options import bool_option, number_option
+from .registry import register
+from .signatures import ExplainerOptions
 
 
 def _gamma_option(value: Any, label: str) -> Optional[float]:

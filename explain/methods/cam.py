@@ -17,27 +17,20 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..attention import StepwiseAttention
-from ..capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
-from ..layers import default_layer
-from ..layouts import Layout, Reshape, infer_layout, model_tokens
-from ..models import ModelSource
-from ..rules import call_rules
-from ..scope import CallScope
-from ..targets import SelectedTargets, Target, select_targets
-from ..units import BoundUnits, UnitTarget
+from ..core.attention import StepwiseAttention
+from ..core.capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
+from ..core.layers import default_layer
+from ..core.layouts import Layout, Reshape, infer_layout, model_tokens
+from ..core.rules import call_rules
+from ..core.scope import CallScope
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.units import BoundUnits, UnitTarget
+from ..io.loaded_model import ModelSource
 from ._eval_batch_norm import contiguous_batch_norm_gradients
-from .base import (
-    Attribution,
-    Explainer,
-    ExplainerOptions,
-    Flags,
-    PerThread,
-    flags_of,
-    normalize_maps,
-    register,
-    upsample_maps,
-)
+from .base import Explainer, PerThread
+from .maps import Attribution, Flags, flags_of, normalize_maps, upsample_maps
+from .registry import register
+from .signatures import ExplainerOptions
 
 COMBINATIONS = ("mean", "max", "sum", "product")
 SMOOTHINGS = (None, "augment", "eigen")
@@ -154,7 +147,7 @@ class CAM(Explainer):
 
     layer: the target layer(s): a ``named_modules()`` name ("layer4"), a module,
         or a list of them (one map per layer, resized to the input and combined);
-        None picks one on the first call (see ``explain.layers.default_layer``) and the
+        None picks one on the first call (see ``explain.core.layers.default_layer``) and the
         Explanation records it.
     relu: keep only positive evidence (the papers' ReLU); False keeps signed maps.
     combine: how maps of several layers are merged, after each is resized to the input:
@@ -166,7 +159,7 @@ class CAM(Explainer):
         input, each mapped back: pytorch-grad-cam's aug_smooth; 6 passes); "eigen" (the first
         principal component of the per-channel terms instead of their sum: eigen_smooth).
     reshape: how the layer's output becomes (N, C, h, w) maps; None guesses channels-first,
-        channels-last or tokens on a patch grid (see ``explain.layouts``).
+        channels-last or tokens on a patch grid (see ``explain.core.layouts``).
     Other keyword arguments: see ``Explainer``.
 
     Targets may be hidden units (``explain.Channel``, ``explain.Neuron``): the graph then starts

@@ -10,13 +10,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..blur import gaussian_blur
-from ..models import ModelSource, loaded_model_parts
-from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Explainer, ExplainerOptions, normalize_maps, register
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..io.blur import gaussian_blur
+from ..io.loaded_model import ModelSource, loaded_model_parts
+from .base import Explainer
 from .cam import CAM, CAMOptions, GradCAM, TargetLayers
+from .maps import Attribution, normalize_maps
 from .options import int_option, number_option
 from .perturbation import PerturbationCAM
+from .registry import register
+from .signatures import ExplainerOptions
 
 CAM_ONLY_OPTIONS = ("relu", "combine", "normalize_layers", "smooth", "reshape")
 

@@ -1,6 +1,6 @@
 """DeepLIFT with the rescale rule (Shrikumar et al. 2017) and DeepLIFT-SHAP.
 
-The model runs twice with the same call-scoped rule (``explain.rules``) active: on the baselines x'
+The model runs twice with the same call-scoped rule (``explain.core.rules``) active: on the baselines x'
 first, then on the images x. The rule follows the tensors that depend on the input through every
 torch function the forward calls and pairs each such call of the images' forward with the same call
 of the baselines' forward (the same function, in the same order, on tensors of the same shapes), so
@@ -41,12 +41,14 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..models import ModelSource
-from ..targets import SelectedTargets, Target, select_targets
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..io.loaded_model import ModelSource
 from ._deeplift_rules import deeplift_rules, detached_output
-from .base import Attribution, checked_batch_size, register
 from .expected_gradients import check_references, references_for
 from .gradients import GradientExplainer, GradientOptions, all_zero, baseline_like
+from .maps import Attribution
+from .passes import checked_batch_size
+from .registry import register
 
 # ------------------------------------------------------------------ the methods
 

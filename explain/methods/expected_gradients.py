@@ -10,10 +10,9 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..checks import check_finite
-from ..models import ModelSource
-from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Flags, checked_batch_size, register
+from ..core.checks import check_finite
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..io.loaded_model import ModelSource
 from .gradients import (
     GradientExplainer,
     GradientOptions,
@@ -23,7 +22,10 @@ from .gradients import (
     fold_leading_rows,
     sum_per_image,
 )
+from .maps import Attribution, Flags
 from .options import bool_option, check_finite_reference, int_option, number_option, random_generator, seed_option
+from .passes import checked_batch_size
+from .registry import register
 
 
 def check_references(baselines: Optional[Tensor]) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..capture import (
+from ..core.capture import (
     LayerOutputError,
     LayerSpec,
     capture,
@@ -35,11 +35,11 @@ from ..capture import (
     model_dtype,
     run_model,
 )
-from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
-from ..layouts import Reshape, infer_layout
-from ..render import image_as_float, label_text
-from ..scope import CallScope
-from .base import upsample_maps
+from ..core.layouts import Reshape, infer_layout
+from ..core.scope import CallScope
+from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
+from ..io.render import image_as_float, label_text
+from .maps import upsample_maps
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -7,7 +7,7 @@ For a network with ReLUs, pooling and biases, the output decomposes exactly (the
     S(x) = ψ(|∇ₓy ⊙ x|) + Σ_{conv, BatchNorm} Σ_c ψ(|b_c ∂y/∂z_c|),
 
 ψ: rescale to [0, 1] (per image; for the bias terms per channel), then upsample bilinearly to
-the input. The layers' outputs are recorded with ``explain.capture`` (the call's scope), no
+the input. The layers' outputs are recorded with ``explain.core.capture`` (the call's scope), no
 module is replaced, and a ReLU applied in place after a layer changes a copy, not the
 recorded output, so ``ReLU(inplace=True)`` and ``F.relu`` both work.
 """
@@ -23,12 +23,15 @@ from torch import Tensor, nn
 from torchvision.ops import FrozenBatchNorm2d
 from typing_extensions import Unpack
 
-from ..capture import LayerRecord, capture
-from ..models import ModelSource
-from ..targets import Target, select_targets
-from ..units import UnitTarget
-from .base import Attribution, Explainer, ExplainerOptions, register
+from ..core.capture import LayerRecord, capture
+from ..core.targets import Target, select_targets
+from ..core.units import UnitTarget
+from ..io.loaded_model import ModelSource
+from .base import Explainer
 from .cam import augmented_attribution
+from .maps import Attribution
+from .registry import register
+from .signatures import ExplainerOptions
 
 
 def effective_bias(module: nn.Module) -> Optional[Tensor]:

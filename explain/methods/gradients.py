@@ -15,22 +15,17 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..blur import reflect_blur
-from ..explanation import Diagnostic
-from ..models import ModelSource
-from ..targets import SelectedTargets, Target, select_targets
-from ..units import BoundUnits
-from .base import (
-    Attribution,
-    Explainer,
-    ExplainerOptions,
-    Flags,
-    PerThread,
-    checked_batch_size,
-    register,
-    rows_per_pass,
-)
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.units import BoundUnits
+from ..io.blur import reflect_blur
+from ..io.explanation import Diagnostic
+from ..io.loaded_model import ModelSource
+from .base import Explainer, PerThread
+from .maps import Attribution, Flags
 from .options import check_finite_reference
+from .passes import checked_batch_size, rows_per_pass
+from .registry import register
+from .signatures import ExplainerOptions
 
 REDUCTIONS = ("maxabs", "sumabs", "sum")
 RULES = ("midpoint", "left", "right", "trapezoid", "gausslegendre")

@@ -1,6 +1,6 @@
 """Guided backpropagation, deconvnet and Guided Grad-CAM: ReLUs with a rewritten backward pass.
 
-During a call only, a call-scoped rule (``explain.rules``) reroutes every ReLU
+During a call only, a call-scoped rule (``explain.core.rules``) reroutes every ReLU
 of the forward pass through an autograd function with the method's backward
 rule. It catches ``nn.ReLU`` modules (in place or not, reused or not) and the
 functional calls ``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place
@@ -19,14 +19,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..capture import LayerSpec
-from ..models import ModelSource
-from ..rules import CallRules, Rule
-from ..scope import CallScope
-from ..targets import Target
-from .base import Attribution, Flags, PerThread, flags_of, register, upsample_maps
+from ..core.capture import LayerSpec
+from ..core.rules import CallRules, Rule
+from ..core.scope import CallScope
+from ..core.targets import Target
+from ..io.loaded_model import ModelSource
+from .base import PerThread
 from .cam import CAM, GradCAM
 from .gradients import GradientExplainer, GradientOptions, all_zero, reduce_channels
+from .maps import Attribution, Flags, flags_of, upsample_maps
+from .registry import register
 
 RULES = ("guided", "deconvnet")
 

@@ -28,16 +28,19 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..capture import ActivationCapture, LayerNotRunError, LayerOutputError, LayerSpec, find_layers
-from ..layers import default_layer
-from ..layouts import Layout, Reshape, infer_layout
-from ..models import ModelSource
-from ..scope import CallScope
-from ..targets import SelectedTargets, Target, select_targets
-from ..units import UnitTarget
-from .base import Attribution, Explainer, Result, checked_batch_size, register
+from ..core.capture import ActivationCapture, LayerNotRunError, LayerOutputError, LayerSpec, find_layers
+from ..core.layers import default_layer
+from ..core.layouts import Layout, Reshape, infer_layout
+from ..core.scope import CallScope
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.units import UnitTarget
+from ..io.loaded_model import ModelSource
+from .base import Explainer, Result
 from .cam import check_batch_dimension, gradients_at
 from .gradients import RULE_ALIASES, baseline_like, integration_nodes
+from .maps import Attribution
+from .passes import checked_batch_size
+from .registry import register
 
 
 class ReplacedOutput(CallScope):
@@ -132,7 +135,7 @@ class LayerPathExplainer(Explainer):
 
     layer: the layer whose output is attributed to: a ``named_modules()`` name, a module, or a
         glob / type matching one layer; None picks one on the first call, as the CAMs do
-        (``explain.layers.default_layer``).
+        (``explain.core.layers.default_layer``).
     baseline: x': "zeros" (default, zero model input), "blur" (the input blurred by a wide
         Gaussian) or a tensor broadcastable to the batch, in the model's input space. The layer's
         baseline is its output for x'.
@@ -145,7 +148,7 @@ class LayerPathExplainer(Explainer):
     relu: keep only positive evidence in the map, as the CAMs do (default); False keeps the signed
         sum over channels. The per-unit attributions are signed either way.
     reshape: how the layer's output becomes (N, C, h, w) maps; None reads channels first, channels
-        last or tokens (N, T, D) on the patch grid, as the CAMs do (``explain.layouts``). With tokens,
+        last or tokens (N, T, D) on the patch grid, as the CAMs do (``explain.core.layouts``). With tokens,
         the maps and per-unit attributions cover the patch tokens; the completeness counts every token.
     Other keyword arguments: see ``Explainer``.
 

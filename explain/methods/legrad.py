@@ -40,15 +40,16 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..attention import AttentionRecord, BlockSpec, CapturedAttention, SkippedSoftmax, capture_attention
-from ..inputs import PreprocessSpec
-from ..layouts import Layout, token_layout
-from ..models import ModelSource
-from ..scope import CallScope
-from ..targets import OutputSelector, SelectedTargets, Target, select_targets
-from ..windows import WindowPartition, is_window_block, watch_windows
+from ..core.attention import AttentionRecord, BlockSpec, CapturedAttention, SkippedSoftmax, capture_attention
+from ..core.layouts import Layout, token_layout
+from ..core.scope import CallScope
+from ..core.targets import OutputSelector, SelectedTargets, Target, select_targets
+from ..core.windows import WindowPartition, is_window_block, watch_windows
+from ..io.inputs import PreprocessSpec
+from ..io.loaded_model import ModelSource
 from .attention import AttentionMethod
-from .base import Attribution, register
+from .maps import Attribution
+from .registry import register
 
 POOLS = ("model", "mean")
 LEGRAD_ROWS = ("all", "auto", "class", "mean")
@@ -142,7 +143,7 @@ class _Layer:
     tokens: Tensor
     batch_dim: int
     windowed: bool = False
-    """Window attention (Swin): the record's rows are the image's windows, laid out by ``explain.windows``."""
+    """Window attention (Swin): the record's rows are the image's windows, laid out by ``explain.core.windows``."""
 
 
 class _ChosenAttention(CapturedAttention):
@@ -406,7 +407,7 @@ class LeGrad(AttentionMethod):
     backward pass each; the forward runs the blocks once and the rest of the model once on the
     L·N stacked rows. Window attention (Swin, Swin v2): only the last stage's tokens fit the head, so
     by default the blocks of the last stage are read (``blocks=`` by position chooses among them);
-    each window's gradient is placed on the stage's token grid (``explain.windows``: shifted windows,
+    each window's gradient is placed on the stage's token grid (``explain.core.windows``: shifted windows,
     padding), a key token's column summed over its window's rows and divided by the grid's tokens
     (the mean over all rows, the other windows' rows having no gradient for it); the map lies on the
     last stage's grid (7 × 7 for Swin-T at 224 px). Other options: see ``AttentionMethod``.

@@ -1,6 +1,6 @@
 """Layer-wise relevance propagation (Bach et al. 2015; Montavon et al. 2019) with zennit's composites.
 
-During the model's forward pass only, a call-scoped rule (``explain.rules``) sees every torch function that the
+During the model's forward pass only, a call-scoped rule (``explain.core.rules``) sees every torch function that the
 forward calls and follows the tensors that depend on the input (the relevance path). Each call on that path is
 computed exactly as the model computes it, through an autograd function whose backward is the call's LRP rule, so
 that ``autograd.grad`` carries relevance instead of gradients:
@@ -37,12 +37,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..models import ModelSource
-from ..targets import Target, select_targets
+from ..core.targets import Target, select_targets
+from ..io.loaded_model import ModelSource
 from ._lrp_rules import COMPOSITES, Composite, make_composite
 from ._lrp_trace import _RelevanceRules, _Trace
-from .base import Attribution, register
 from .gradients import GradientExplainer, all_zero
+from .maps import Attribution
+from .registry import register
 
 __all__ = ["COMPOSITES", "LRP", "Composite", "make_composite"]
 

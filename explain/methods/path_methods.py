@@ -21,12 +21,14 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from ..blur import gaussian_blur
-from ..models import ModelSource
-from ..targets import SelectedTargets, Target, select_targets
-from .base import Attribution, Flags, checked_batch_size, register, rows_per_pass
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..io.blur import gaussian_blur
+from ..io.loaded_model import ModelSource
 from .gradients import GradientExplainer, all_zero, baseline_like, flag_values, input_gradients
+from .maps import Attribution, Flags
 from .options import bool_option, check_finite_reference, int_option, number_option
+from .passes import checked_batch_size, rows_per_pass
+from .registry import register
 
 CLOSE_ENOUGH = 1e-9
 """Relative and absolute tolerance at which a Guided IG step has reached its L1 target (PAIR's EPSILON)."""

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..capture import ModelInputError
-from ..edit import edit
-from ..models import ModelSource
-from ..targets import SelectedTargets
-from .base import register
+from ..core.capture import ModelInputError
+from ..core.edit import edit
+from ..core.targets import SelectedTargets
+from ..io.loaded_model import ModelSource
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
 from .options import NoiseDraws, drawn_noise, int_option, noise_options, normal_draws
+from .registry import register
 
 
 class PerturbationOptions(CAMOptions, total=False):

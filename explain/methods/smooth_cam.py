@@ -10,13 +10,13 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from ..capture import ActivationCapture
-from ..models import ModelSource
-from ..targets import SelectedTargets
-from ..units import BoundUnits
-from .base import register
+from ..core.capture import ActivationCapture
+from ..core.targets import SelectedTargets
+from ..core.units import BoundUnits
+from ..io.loaded_model import ModelSource
 from .cam import CAM, CAMOptions, TargetLayers, gradients_at
 from .options import NoiseDraws, drawn_noise, noise_options, normal_draws
+from .registry import register
 
 
 @register

@@ -9,18 +9,9 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from ..models import LoadedModel
-from ..targets import SelectedTargets, Target, select_targets
-from .base import (
-    Attribution,
-    Explainer,
-    ExplainerOptions,
-    Flags,
-    checked_batch_size,
-    flags_of,
-    register,
-    without_graph,
-)
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..io.loaded_model import LoadedModel
+from .base import Explainer
 from .gradients import (
     GradientExplainer,
     GradientOptions,
@@ -31,7 +22,11 @@ from .gradients import (
     reduce_channels,
     sum_per_image,
 )
+from .maps import Attribution, Flags, flags_of, without_graph
 from .options import int_option, number_option, random_generator, seed_option
+from .passes import checked_batch_size
+from .registry import register
+from .signatures import ExplainerOptions
 
 STATISTICS = ("mean", "mean_square", "variance")
 AVERAGES = ("attributions", "maps")

@@ -13,7 +13,7 @@ identity for softmax, GELU and LayerNorm), as their code (hila-chefer/Transforme
 ``method="transformer_attribution"``) computes it. ``AttnLRPRollout`` is a variant of ours: the same rollout with
 R_b from AttnLRP's rules (Achtibat et al. 2024).
 
-Window attention (Swin, Swin v2) is laid out on each stage's token grid (``explain.windows``): each Ā_b acts within
+Window attention (Swin, Swin v2) is laid out on each stage's token grid (``explain.core.windows``): each Ā_b acts within
 its (shifted) windows, patch merging makes each merged token's row the mean of its tokens' rows, and the map, the
 mean of the last stage's rows, lies on the first stage's grid.
 """
@@ -26,13 +26,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..caller import warn_at_callers_line
-from ..targets import SelectedTargets, Target, select_targets
-from ..windows import WindowPartition, spread_to_grid
+from ..core.caller import warn_at_callers_line
+from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.windows import WindowPartition, spread_to_grid
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from ._chefer_rules import CheferRules, CheferScope, OneImageAtATime
 from .attention import AttentionMethod, Recorded
-from .base import Attribution, register
+from .maps import Attribution
+from .registry import register
 
 
 def widened(tensor: Tensor, at_least: torch.dtype = torch.float32) -> Tensor:

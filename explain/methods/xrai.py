@@ -25,11 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import LoadedModel
-from ..targets import Target, select_targets
-from .base import Attribution, Explainer, checked_batch_size, flags_of, register, rows_per_pass, upsample_maps
+from ..core.targets import Target, select_targets
+from ..io.loaded_model import LoadedModel
+from .base import Explainer
 from .gradients import REDUCTIONS, IntegratedGradients, baseline_like, reduce_channels
+from .maps import Attribution, flags_of, upsample_maps
 from .options import check_finite_reference, int_option, number_option
+from .passes import checked_batch_size, rows_per_pass
+from .registry import register
 
 XRAI_REDUCTIONS = ("max", *REDUCTIONS)
 

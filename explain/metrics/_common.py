@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import model_device, model_dtype, preserved_model_state
-from ..explanation import Explanation
-from ..inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
-from ..targets import OutputSelector, Target, class_probabilities, select_output, select_targets
+from ..core.capture import model_device, model_dtype, preserved_model_state
+from ..core.targets import OutputSelector, Target, class_probabilities, select_output, select_targets
+from ..io.explanation import Explanation
+from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 
 MapsLike = Union[Explanation, Tensor]
 """Maps to evaluate: an Explanation (one target per image) or a (N, H, W) / (H, W) tensor."""
@@ -150,7 +150,7 @@ def run_model(model: nn.Module, inputs: Tensor, options: Mapping[str, Any], coun
     (``forward_args``, ``forward_kwargs``, ``input_position``, ``per_image``: CLIP's prompts). count: the number of
     images explained; images: (R,) which image each row of ``inputs`` is a copy of (None: row n is image n), so
     that per-image inputs follow their image."""
-    from ..methods.base import ForwardCall
+    from ..core.forward_call import ForwardCall
 
     call = ForwardCall.stated(options.get("forward_args", ()), options.get("forward_kwargs") or {},
                               options.get("input_position", 0), count, options.get("per_image"))
@@ -203,7 +203,7 @@ def decisions(scores: Tensor) -> Tensor:
 
 def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, batch_size: int,
                  output_selector: OutputSelector = None) -> Tensor:
-    """(R,) score of ``classes[r]`` on row r of ``batch``: "probability" (``explain.targets.class_probabilities``:
+    """(R,) score of ``classes[r]`` on row r of ``batch``: "probability" (``explain.core.targets.class_probabilities``:
     the softmax over the classes, the sigmoid of a one-column output) or "logit" of the scores ``output_selector``
     picks in the model's output (``model_scores``)."""
     if score not in ("probability", "logit"):

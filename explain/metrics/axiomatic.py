@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import find_layers, model_device, model_dtype, preserved_model_state
-from ..explanation import Explanation
-from ..inputs import Inputs, PreprocessSpec, prepare_inputs
-from ..methods.base import Explainer, autocast_dtype
+from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.targets import OutputSelector, Target, class_probabilities, select_targets
+from ..io.explanation import Explanation
+from ..io.inputs import Inputs, PreprocessSpec, prepare_inputs
+from ..methods.base import Explainer
 from ..methods.options import int_option, number_option
-from ..targets import OutputSelector, Target, class_probabilities, select_targets
+from ..methods.passes import autocast_dtype
 from ._common import (
     MapsLike,
     as_maps,

@@ -21,11 +21,11 @@ from typing import Callable, Iterable, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..blur import reflect_blur
-from ..inputs import Inputs, PreprocessSpec
-from ..memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
+from ..core.memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
+from ..core.targets import OutputSelector, Target
+from ..io.blur import reflect_blur
+from ..io.inputs import Inputs, PreprocessSpec
 from ..methods.options import int_option, number_option
-from ..targets import OutputSelector, Target
 from ._common import MapsLike, as_maps, check_count, class_scores, fixed_classes, model_inputs, ranking, short_repr
 from .axiomatic import BASELINES, baseline_for
 
@@ -62,7 +62,7 @@ def check_substrate(substrate: object) -> None:
 def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     """What removed pixels become, (N, C, H, W) like the batch: "zeros" (zero model input: the mean
     colour under ImageNet normalisation), "blur" (Gaussian, σ = max(H, W) / 16, kernel 2⌈3σ⌉ + 1,
-    reflected at the edges, as RISE's insertion; any image size, see ``explain.blur.reflect_blur``),
+    reflected at the edges, as RISE's insertion; any image size, see ``explain.io.blur.reflect_blur``),
     "noise" (uniform in each image's value range, seeded), "minimum" / "maximum" / "mean" (each
     image's smallest / largest / mean value over its channels and pixels; Quantus's "black" is the
     minimum), a number, a tensor broadcastable to the batch (e.g. a (C, H, W) fill image in
@@ -130,7 +130,7 @@ def perturbed_scores(model: nn.Module, images: Tensor, steps: Tensor, perturbed:
     """(R,) score of ``classes[images[r]]`` on row r's perturbed input, ``perturbed(images, steps)``: the rows
     (R,) are made and scored ``batch_size`` at a time (across images), so memory holds one pass's inputs.
     Each pass goes to the model in the memory layout that runs it fastest (channels-last for a CNN on the
-    CPU, ``explain.memory_format``); a model that refuses that layout is run again in the usual one."""
+    CPU, ``explain.core.memory_format``); a model that refuses that layout is run again in the usual one."""
 
     def scores() -> Tensor:
         results: list[Tensor] = []

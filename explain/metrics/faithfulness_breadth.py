@@ -29,11 +29,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture import preserved_model_state
-from ..explanation import Explanation
-from ..inputs import Inputs, PreprocessSpec
+from ..core.capture import preserved_model_state
+from ..core.targets import OutputSelector, Target
+from ..io.explanation import Explanation
+from ..io.inputs import Inputs, PreprocessSpec
 from ..methods.options import bool_option, int_option, number_option
-from ..targets import OutputSelector, Target
 from ._common import (
     MapsLike,
     as_maps,

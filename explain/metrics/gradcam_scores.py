@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..inputs import Inputs, PreprocessSpec
+from ..core.targets import OutputSelector, Target
+from ..io.inputs import Inputs, PreprocessSpec
 from ..methods.base import Explainer
-from ..targets import OutputSelector, Target
 from ._common import MapsLike, as_maps, check_count, class_scores, fixed_classes, model_inputs
 from .faithfulness import check_score_options, road
 

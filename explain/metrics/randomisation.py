@@ -18,12 +18,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..capture import model_device, model_dtype, preserved_model_state
-from ..explanation import Explanation
-from ..inputs import Inputs, prepare_inputs
+from ..core.capture import model_device, model_dtype, preserved_model_state
+from ..core.targets import Target
+from ..io.explanation import Explanation
+from ..io.inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import int_option, number_option
-from ..targets import Target
 from ._common import as_tensor, check_count, model_scores, run_model, short_repr
 from .complexity import _wide
 from .robustness import NoiseSamples, Perturb, Reference, add_noise, check_noise, explained_reference

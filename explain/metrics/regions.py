@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..inputs import Inputs, PreprocessSpec
+from ..core.targets import OutputSelector, Target
+from ..io.inputs import Inputs, PreprocessSpec
 from ..methods.options import int_option
-from ..targets import OutputSelector, Target
 from ._common import MapsLike, as_tensor, check_count, ranking, short_repr
 from .complexity import _wide
 from .faithfulness import (

@@ -33,12 +33,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..capture import find_layers, model_device, model_dtype, preserved_model_state
-from ..explanation import Explanation
-from ..inputs import Inputs, PreprocessSpec, prepare_inputs
+from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.targets import OutputSelector, Target
+from ..io.explanation import Explanation
+from ..io.inputs import Inputs, PreprocessSpec, prepare_inputs
 from ..methods.base import Explainer
 from ..methods.options import bool_option, int_option, number_option
-from ..targets import OutputSelector, Target
 from ._common import (
     MapsLike,
     as_maps,
@@ -518,7 +518,7 @@ def relative_representation_stability(
 ) -> Tensor:
     """Relative representation stability (Agarwal et al. 2022): the largest, over S noisy copies x' of each
     image, ‖(e_x − e_x') / e_x‖₂ / max(‖(L_x − L_x') / L_x‖₂, ε_min), L the outputs of ``layers`` (a name,
-    glob or list, as ``explain.capture.find_layers``), flattened and concatenated. (N,) in [0, ∞), lower is
+    glob or list, as ``explain.core.capture.find_layers``), flattened and concatenated. (N,) in [0, ∞), lower is
     better. Options as ``relative_input_stability``. Costs one forward without a graph per copy, besides
     its explanation. (Quantus 0.6 records every layer by default, and a layer's output after a following
     in-place ReLU has changed it.)

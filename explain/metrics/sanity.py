@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import find_layers, model_device, model_dtype, preserved_model_state
-from ..inputs import Inputs, prepare_inputs
+from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.targets import Target
+from ..io.inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
-from ..targets import Target
 from ._common import run_model
 
 

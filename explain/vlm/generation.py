@@ -37,13 +37,15 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
-from ..attention import capture_attention
-from ..caller import warn_at_callers_line
-from ..explanation import Explanation
-from ..inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
-from ..methods.base import check_finite_maps, check_parameters_usable, normalize_maps, reduced_precision
-from ..scope import CallScope
-from .layout import ImageLayout, layout_for, paint
+from ..core.attention import capture_attention
+from ..core.caller import warn_at_callers_line
+from ..core.scope import CallScope
+from ..io.explanation import Explanation
+from ..io.inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
+from ..methods.maps import check_finite_maps, normalize_maps
+from ..methods.passes import check_parameters_usable, reduced_precision
+from .families import layout_for
+from .layout import ImageLayout, paint
 
 METHODS = ("input_x_gradient", "attention", "attnlrp")
 DISPLAY_LONGEST_SIDE = 768

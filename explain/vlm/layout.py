@@ -101,18 +101,6 @@ def paint(relevance: Tensor, layout: ImageLayout, size: tuple[int, int]) -> Tens
     return canvas.to(relevance.dtype)
 
 
-def layout_for(model: nn.Module) -> LayoutFunction:
-    """The registered layout function of a model (by ``model.config.model_type``), or a clear error."""
-    from . import families  # noqa: F401  registers the families' layouts
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in LAYOUTS:
-        known = ", ".join(sorted(LAYOUTS))
-        raise ValueError(f"explain does not know where {type(model).__name__}'s image tokens lie "
-                         f"(config.model_type {model_type!r}); models it knows: {known}.")
-    return LAYOUTS[model_type]
-
-
 # ------------------------------------------------------------------ shared by the families' layouts
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from .. import render
-from ..explanation import Explanation
+from ..io import render
+from ..io.explanation import Explanation
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -244,7 +244,7 @@ def _map_pictures(values: Tensor, map_size: int) -> list[Image.Image]:
 
 
 def _json_for_html(value: object) -> str:
-    from ..html_report import _json_for_html as json_for_html
+    from ..dataset_tools.html_report import _json_for_html as json_for_html
 
     return json_for_html(value)
 
@@ -378,7 +378,7 @@ def write_token_html(
     its own size, a JPEG of ``quality``.
     Returns the path.
     """
-    from ..batch import write_atomically
+    from ..dataset_tools.run_folder import write_atomically
 
     path = Path(path)
     page = token_html(explanation, title=title, alpha=alpha, cmap=cmap, signed=signed, map_size=map_size,
@@ -391,7 +391,7 @@ def write_token_files(explanation: Explanation, out: Union[str, Path], *, title:
                       alpha: float = 0.5, cmap: str = "jet", columns: int = 8) -> tuple[Path, Path]:
     """Write OUT/tokens.png (``token_figure``, with its colour bar) and OUT/tokens.html (``write_token_html``);
     returns both paths."""
-    from ..batch import write_atomically
+    from ..dataset_tools.run_folder import write_atomically
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .targets import ClassRef, class_index
+from ..core.targets import ClassRef, class_index
 
 PathLike = Union[str, "os.PathLike[str]"]
 LabelSource = Union[None, PathLike, Mapping[PathLike, ClassRef]]

@@ -7,7 +7,7 @@ import dataclasses
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -181,14 +181,25 @@ class Explanation:
         self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
     ) -> Figure:
         """A matplotlib Figure: each image with its overlays under it, titled with class and score."""
-        return render.explanation_figure(self, alpha=alpha, cmap=cmap, **options)
+        return self._overlay_figure(alpha, cmap, **options)
 
     def show(self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.PanelOptions]) -> None:
         """Draw the figure with matplotlib's pyplot (in a notebook or a window)."""
         import matplotlib.pyplot as plt
 
-        render.explanation_figure(self, alpha=alpha, cmap=cmap, figure=plt.figure(), **options)
+        self._overlay_figure(alpha, cmap, figure=plt.figure(), **options)
         plt.show()
+
+    def _overlay_figure(self, alpha: float, cmap: str, map_titles: Optional[Sequence[Sequence[str]]] = None,
+                        title: Optional[str] = None, **layout: Any) -> Figure:
+        """``render.overlay_figure`` of this explanation: its maps titled with class and score (or ``map_titles``),
+        the figure titled with the method and its layer (or ``title``)."""
+        grid = self.map_grid  # (N, K, H, W)
+        if map_titles is None:
+            map_titles = [[self.title(image, target) for target in range(grid.shape[1])]
+                          for image in range(grid.shape[0])]
+        return render.overlay_figure(self.images, grid, map_titles, self.description() if title is None else title,
+                                     alpha=alpha, cmap=cmap, **layout)
 
     def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: str = "jet", dpi: int = 150) -> Path:
         """Write the overlays to ``path``.

@@ -85,7 +85,7 @@ class CallRules(TorchFunctionMode):
 class call_rules(CallScope[CallRules]):  # noqa: N801 - used like a function, as torch.no_grad is
     """``with call_rules(rule, ...) as mode:`` — within the block, in this thread, every call of a
     rule's functions is computed by the rule. The mode is removed when the block ends, also on an
-    exception or an interrupt (see ``explain.scope``)."""
+    exception or an interrupt (see ``explain.core.scope``)."""
 
     def __init__(self, *rules: Rule):
         super().__init__()

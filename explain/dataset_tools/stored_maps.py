@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .explanation import Explanation
-from .methods.base import NORMALIZATIONS, normalize_maps, upsample_maps
+from ..io.explanation import Explanation
+from ..methods.maps import NORMALIZATIONS, normalize_maps, upsample_maps
 
 LOW_RES = "low-res"
 """The form of maps stored at the method's resolution, before upsampling and normalisation."""

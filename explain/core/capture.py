@@ -292,7 +292,7 @@ def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> CallScope
     updates) its running statistics and dropout is off: a map is then a
     deterministic function of the image. Each module's own flag is restored,
     so models with mixed modes (frozen BatchNorm in a training model) come
-    back exactly as they were (see ``explain.scope.CallScope``).
+    back exactly as they were (see ``explain.core.scope.CallScope``).
     """
     return CallScope(model, eval_mode=eval_mode)
 

@@ -66,9 +66,11 @@ from scipy import sparse
 from scipy.sparse.linalg import eigsh
 from tqdm.auto import tqdm
 
-from . import render
-from .batch import MapReader, RunRecord, display_name, read_index_contents, read_run_record, write_atomically
-from .batch import error_line as first_line
+from ..io import render
+from .index import MapReader, read_index_contents
+from .run_folder import display_name, write_atomically
+from .run_folder import error_line as first_line
+from .run_record import RunRecord, read_run_record
 
 MIN_IMAGES = 20
 """A class with fewer maps is skipped (with a note): too few for a 10-neighbour graph to show groups."""

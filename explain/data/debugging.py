@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from .batch import RunSummary, run, write_atomically
-from .data.demo_watermark import load_watermark_demo, write_watermark_folder
-from .data.synthetic import CLASS_NAMES
-from .html_report import ReportResult, report
-from .methods import LRP
-from .spray import Strategies, strategies
+from ..dataset_tools.batch import RunSummary, run
+from ..dataset_tools.html_report import ReportResult, report
+from ..dataset_tools.run_folder import write_atomically
+from ..dataset_tools.spray import Strategies, strategies
+from ..methods import LRP
+from .demo_watermark import load_watermark_demo, write_watermark_folder
+from .synthetic import CLASS_NAMES
 
 RECORD = "demo.json"
 

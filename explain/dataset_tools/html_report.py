@@ -47,9 +47,11 @@ from urllib.parse import quote
 import numpy as np
 from PIL import Image
 
-from . import render
-from .batch import MapReader, RunRecord, display_name, read_index_contents, read_run_record, write_atomically
-from .inputs import upright
+from ..io import render
+from ..io.inputs import upright
+from .index import MapReader, read_index_contents
+from .run_folder import display_name, write_atomically
+from .run_record import RunRecord, read_run_record
 
 REPORT_PAGE = "report.html"
 REPORT_FOLDER = "report"

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Optional
 
-PACKAGE_FOLDER = str(Path(__file__).resolve().parent) + os.sep
+PACKAGE_FOLDER = str(Path(__file__).resolve().parent.parent) + os.sep  # explain/, not explain/core/
 
 
 def _inside_the_package(filename: str) -> bool:

@@ -498,7 +498,7 @@ def _check_class_range(target: Any, indices: Tensor, num_classes: int) -> None:
 def check_finite_scores(scores: Tensor) -> None:
     """Raise when a score to explain is NaN or inf, naming the images and targets: a map of it
     would be meaningless (all zeros, or a normal-looking map of an overflow). Decided at the end of an explainer
-    call (``explain.checks``)."""
+    call (``explain.core.checks``)."""
     with torch.no_grad():
         values = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     check(values, lambda host: _raise_if_not_finite(host, scores.shape))

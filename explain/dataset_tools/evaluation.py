@@ -39,13 +39,16 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import metrics
-from .batch import append_rows, write_atomically
-from .explanation import Explanation
-from .layers import default_layer
-from .methods.base import Explainer, get_method, progress_shown_by_caller, setting_text
-from .methods.options import int_option
-from .models import LoadedModel, loaded_model_parts
+from .. import metrics
+from ..core.layers import default_layer
+from ..io.explanation import Explanation
+from ..io.loaded_model import LoadedModel, loaded_model_parts
+from ..methods.base import Explainer, progress_shown_by_caller
+from ..methods.options import int_option
+from ..methods.registry import get_method
+from ..methods.signatures import setting_text
+from .index import append_rows
+from .run_folder import write_atomically
 
 FIELDS = ["batch", "method", "metric", "image", "value", "seconds"]
 SETTINGS_FILE = "evaluation.json"
@@ -236,7 +239,7 @@ def _continuity(given: MetricInput, *, shares: Sequence[float]) -> Tensor:
 
 
 def _relative_representation_stability(given: MetricInput, **options: Any) -> Tensor:
-    """The representation is the output of the layer a CAM explains by default (``explain.layers.default_layer``:
+    """The representation is the output of the layer a CAM explains by default (``explain.core.layers.default_layer``:
     the last feature maps of a CNN, the last block's first norm of a transformer)."""
     layer = default_layer(given.model, given.inputs, run=given.explainer.call_model)
     return metrics.relative_representation_stability(given.explainer, given.inputs, layers=layer,
@@ -715,7 +718,7 @@ def _metrics(names: Union[str, Metric, Sequence[Union[str, Metric]]]) -> list[Me
             chosen.append(METRICS[name])
         else:
             raise ValueError(f"unknown metric {name!r}; known: {', '.join(METRICS)} (or pass an "
-                             "explain.evaluation.Metric).")
+                             "explain.dataset_tools.evaluation.Metric).")
     if not chosen:
         raise ValueError("evaluate needs at least one metric.")
     twice = [name for name in dict.fromkeys(metric.name for metric in chosen)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture import ModelInputError, _first_line, model_device, model_dtype, preserved_model_state, run_model
+from .forward_call import ForwardCall
 from .layouts import ModelTokens, infer_layout, model_tokens
 from .scope import CallScope
 
@@ -85,7 +86,6 @@ def list_layers(
     forward_args, forward_kwargs, input_position: the model's other inputs and where the example
     goes among them, as in ``Explainer.explain``. Raises ModelInputError when the model fails.
     """
-    from .methods.base import ForwardCall  # here, not at the top: the methods import this module
 
     if example is None:
         example = torch.zeros(batch_size, *input_size, device=model_device(model), dtype=model_dtype(model))
@@ -165,7 +165,7 @@ class _ModuleRun:
     branch, a shortcut): its maps would show part of the evidence (``_mark_bypassed``)."""
     layout_error: Optional[str] = None
     """For a norm (LayerNorm, RMSNorm) whose (N, T, D) tokens cannot be laid out on the input's patch grid: why
-    (``explain.layouts``' message), so that a transformer given an input of the wrong size is told, not explained
+    (``explain.core.layouts``' message), so that a transformer given an input of the wrong size is told, not explained
     at a layer before its blocks."""
 
     @property
@@ -183,7 +183,7 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     Candidates are the modules that ran once and output a tensor that
     - has N rows, the batch's (not N × windows or N × patch area, not another input's batch),
     - can be drawn as maps with h, w ≥ 2: (N, C, h, w), (N, h, w, C) or tokens (N, T, D) on the
-      input's patch grid, read as ``explain.layouts`` reads them for the CAM,
+      input's patch grid, read as ``explain.core.layouts`` reads them for the CAM,
     - changes when the image does (a second run, on a noisy copy, tells: not a position bias,
       not a text tower), is computed rather than passed through (Identity, eval-mode Dropout),
       and is not a pooling layer,

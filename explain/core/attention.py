@@ -15,7 +15,7 @@ inside the autograd graph, so that both A and ∂y/∂A are available, whatever 
   last dimension of (N, heads, T_q, T_k) scores computed from a product QKᵀ of two activations,
   recorded as computed; a softmax of anything else (a CNN's feature map) is not attention.
 
-The recording is a call-scoped rule (``explain.rules``). The model's output with recording on
+The recording is a call-scoped rule (``explain.core.rules``). The model's output with recording on
 equals its fused output to float rounding. Only
 attention computed inside the model's own forward is recorded: the innermost module of the
 model on the Python call stack names each record (``"blocks.3.attn"``).

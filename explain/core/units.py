@@ -4,7 +4,7 @@
     Saliency(model).explain(img, target=explain.Neuron("layer3", (17, 2, 5)))
 
 A unit's value is read from its layer's output during the forward pass of the call, through a
-forward hook of the call's scope (``explain.scope.CallScope``): it acts on the explaining
+forward hook of the call's scope (``explain.core.scope.CallScope``): it acts on the explaining
 thread only and is removed when the call ends. ``unit.bind(model)`` opens that scope; the bound
 object is a plain target callable ``f(output) -> Tensor[N]`` (or ``[N, K]``) that every method
 understands, so ``with unit.bind(model) as target: Method(model).explain(x, target=target)``

@@ -1,4 +1,4 @@
-"""The stages of a dataset run around explaining (see ``explain.batch``): a folder's images decoded and
+"""The stages of a dataset run around explaining (see ``explain.dataset_tools.batch``): a folder's images decoded and
 preprocessed in worker processes, a batch ahead, into pinned memory for a GPU; and the results written by
 one thread in the background, a bounded number of batches behind, so that the model waits neither for the
 decoder nor for the disk.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Generator, Generic, Iterator, Optional, Sequen
 import torch
 from torch import Tensor
 
-from .inputs import Preprocess, load_image, prepare_inputs
+from ..io.inputs import Preprocess, load_image, prepare_inputs
 
 WRITER_DEPTH = 2
 """How many explained batches may wait for the background writer: more hold more memory, fewer make the

@@ -7,7 +7,7 @@ Output folder layout:
     OUT/index.csv            one row per image and explained target (written by rank 0 when sharded):
                                id, image, target, k, targets, class_name, score, probability, map,
                                label, label_name, predicted, predicted_name, confidence, correct, role
-    OUT/maps/batch-<n>.npz   the maps of a batch's images of one size (``explain.stored_maps``): at the
+    OUT/maps/batch-<n>.npz   the maps of a batch's images of one size (``explain.dataset_tools.stored_maps``): at the
                              method's resolution where the explainer's upsampling and normalisation give
                              the maps at the input's resolution back exactly (Grad-CAM: 7 × 7 float32 for
                              resnet50's layer4, 0.3 KB an image), else at the input's, float16; read them
@@ -33,7 +33,7 @@ maps file that holds the image's maps (map k is row k's; ``read_maps``); ``label
 ``predicted_name`` the model's top-1 class, ``confidence`` its probability in [0, 1] (softmax; sigmoid: one logit),
 ``correct`` "1" or "0" (empty without a label), and ``role``, why the row's class was explained:
 "label" (the true class), "predicted", "given" (``target=``) or "topk". With labels (``labels=``,
-see ``explain.labels``) an image the model gets wrong has two rows, its label's map then its
+see ``explain.dataset_tools.labels``) an image the model gets wrong has two rows, its label's map then its
 predicted class's, and an image it gets right one, the predicted class; ``target="label"`` or
 ``"predicted"`` explains only that one. Without labels the predicted class is explained, as by
 ``explain``. Prediction columns are empty for targets that are not classes (a callable target of a
@@ -45,7 +45,7 @@ rerun skips it, so an interrupted run resumes where it stopped, also after the i
 and saved by another program (CRLF or LF line endings, a UTF-8 byte-order mark: rows are
 appended in the file's own line ending). A full disk stops the run with an ``OSError`` that says
 so; the index then holds exactly the images whose files were written, and the same run after
-freeing space finishes the rest. The run is a pipeline (``explain.pipeline``): worker processes
+freeing space finishes the rest. The run is a pipeline (``explain.dataset_tools.pipeline``): worker processes
 decode and preprocess a folder's next batches while this one is explained, and a thread writes
 the results in the background. Writes are ordered so that a kill at any moment leaves a
 consistent folder: a batch's maps file and its overlays are written to a temporary name and
@@ -79,22 +79,16 @@ import errno
 import functools
 import hashlib
 import io
-import json
 import os
 import re
-import socket
-import sys
 import threading
-import time
 import warnings
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
     Any,
     BinaryIO,
     Callable,
-    Collection,
     Generator,
     Iterable,
     Iterator,
@@ -107,7 +101,7 @@ from typing import (
 import numpy as np
 import torch
 from PIL import Image
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 try:
@@ -115,10 +109,34 @@ try:
 except ImportError:  # Windows: no flock, so runs into one folder are not locked there
     fcntl = None  # type: ignore[assignment]
 
-from . import render
-from .capture import ModelInputError, model_device, model_dtype, preserved_model_state
-from .explanation import Explanation
-from .inputs import prepare_inputs
+from ..core.caller import warn_at_callers_line
+from ..core.capture import ModelInputError, model_device, model_dtype, preserved_model_state
+from ..core.targets import Target, class_index, class_probabilities
+from ..io import render
+from ..io.explanation import Explanation
+from ..io.inputs import prepare_inputs
+from ..methods.base import Explainer, progress_shown_by_caller
+from ..methods.maps import NORMALIZATIONS
+from ..methods.signatures import setting_text
+
+# What readers of a run's folder import from this module (docs/datasets.md), kept here: the index, the maps
+# and the record are read by the modules named here.
+from .index import (
+    FIELDS,
+    SKIPPED_FIELDS,
+    IndexContents,
+    MapReader,
+    _complete_rows,
+    _done_ids,
+    _indexes,
+    _maps_file_prefix,
+    _remove_unlisted_maps,
+    append_rows,
+    index_line_ending,
+    read_index,
+    read_index_contents,
+    read_maps,
+)
 from .labels import (
     DatasetOrder,
     LabelError,
@@ -128,50 +146,35 @@ from .labels import (
     folder_labels,
     split_loader_batch,
 )
-from .methods.base import NORMALIZATIONS, Explainer, progress_shown_by_caller, setting_text
 from .pipeline import BackgroundWriter, LoadedBatch, default_workers, load_batches, usable_workers
-from .stored_maps import AT_INPUT, SUFFIX, StoredMaps, load_maps, normalize_word, save_maps, stored_form
-from .targets import Target, class_index, class_probabilities
+from .run_folder import FolderInUseError, Shard, display_name, error_line, folder_lock, one_line, write_atomically
+from .run_record import (
+    RUN_RECORD,
+    RunRecord,
+    _check_and_record_run,
+    _file_identities,
+    read_run_record,
+    weights_fingerprint,
+)
+from .stored_maps import AT_INPUT, SUFFIX, StoredMaps, normalize_word, save_maps, stored_form
+
+__all__ = ["run", "RunSummary", "Shard", "merge_shard_indexes", "image_files", "item_id", "FIELDS", "IndexContents",
+           "MapReader", "read_index", "read_index_contents", "read_maps", "FolderInUseError", "RUN_RECORD",
+           "RunRecord", "read_run_record"]
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
-EARLIER_FIELDS = ["id", "image", "target", "k", "targets", "class_name", "score", "probability", "map"]
-"""The columns of an index written before the label columns were added."""
-LABEL_FIELDS = ["label", "label_name", "predicted", "predicted_name", "confidence", "correct", "role"]
-FIELDS = EARLIER_FIELDS + LABEL_FIELDS
 TARGET_MODES = ("label", "predicted", "both")
 """The words ``target=`` (``--target``) takes besides classes: explain each image's true class, its
 predicted class, or both where they differ."""
 ROLE_CAPTIONS = {"label": "true", "predicted": "predicted", "given": "target", "topk": "top"}
 """Each role as an overlay caption starts."""
-BYTE_ORDER_MARK = b"\xef\xbb\xbf"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-SKIPPED_FIELDS = ["image", "reason"]
-RUN_RECORD = "run.json"
-"""The file of an output folder that records how its images are explained (see ``RunRecord``)."""
 
-LOCK_FILE = ".explain.lock"
-"""The file of an output folder that a run holds locked while it writes there (see ``folder_lock``)."""
 
 LoaderBatch = Union[Tensor, tuple[Any, ...], list[Any], Mapping[str, Any]]
 """A batch of a DataLoader: (N, C, H, W) model input; a tuple or list whose first item is that,
 with (N,) labels and N file names after it ((images, labels) pairs); or a dict (see
-``explain.labels``)."""
-
-
-@dataclass
-class Shard:
-    """This process's part of the data set: items ``rank``, ``rank + world_size``, …"""
-
-    rank: int = 0
-    world_size: int = 1
-
-    @classmethod
-    def from_environment(cls) -> "Shard":
-        """torch.distributed's rank and world size when initialised, else torchrun's RANK and
-        WORLD_SIZE variables, else a single shard."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return cls(torch.distributed.get_rank(), torch.distributed.get_world_size())
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+``explain.dataset_tools.labels``)."""
 
 
 @dataclass
@@ -252,7 +255,7 @@ class _GroupResult:
     maps K, prediction and confidence (None when unknown); per map (R = the sum of K, an image's maps one
     after the other) its class (None for a callable target), score, probability and role; the maps
     themselves as the maps file stores them (``form``, ``maps`` (R, h, w), the input's ``size``, the
-    explainer's ``normalize``: see ``explain.stored_maps``); for overlays, the maps at the input's
+    explainer's ``normalize``: see ``explain.dataset_tools.stored_maps``); for overlays, the maps at the input's
     resolution (R, H, W) and the display images (M, H, W, 3)."""
 
     ids: list[str]
@@ -272,18 +275,6 @@ class _GroupResult:
     method: str
     overlay_maps: Optional[Tensor] = None
     images: Optional[Tensor] = None
-
-
-def display_name(path: Union[str, Path]) -> str:
-    """A path as one line of text that can always be written: bytes that are not UTF-8, and
-    control characters (a newline in a file name), appear as \\x escapes."""
-    return one_line(os.fsencode(path).decode("utf-8", "backslashreplace"))
-
-
-def one_line(text: str) -> str:
-    """Text with its control characters (a newline, a tab) as \\x escapes: one line of an index
-    row or of a caption."""
-    return re.sub(r"[\x00-\x1f\x7f]", lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def item_id(path: Path, folder: Path) -> str:
@@ -333,290 +324,6 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     return sorted(files)
 
 
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temporary)`` then rename into place: a kill leaves the old file or the new one, a
-    failed write (a full disk) the old one and no temporary file."""
-    temporary = path.with_name(f".{path.name}.part")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-class FolderInUseError(OSError):
-    """Another run is writing to the output folder: a process holds its lock (see ``folder_lock``)."""
-
-
-LOCKS_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
-"""flock's errors on a file system that does not lock files (some network and FUSE file systems)."""
-
-
-@contextlib.contextmanager
-def folder_lock(out: Union[str, Path], shard: Optional[Shard] = None) -> Iterator[None]:
-    """Hold the output folder ``out`` (which must exist) for a run: an exclusive ``fcntl.flock`` on
-    OUT/.explain.lock (``LOCK_FILE``), whose text names this process; under torchrun (a ``shard`` of
-    several processes) a shared lock on it, which the ranks of one run hold together, and an
-    exclusive one on OUT/.explain.rank<R>.lock. Raises FolderInUseError, naming the process that
-    holds it, when another run holds the folder. The kernel releases a lock when its process ends,
-    also by ``kill -9``, so a killed run never blocks the next one; the last process to hold a lock
-    file removes it. Without ``fcntl`` (Windows), or on a file system that cannot lock files (a
-    warning says so), nothing is locked."""
-    out = Path(out)
-    shard = shard or Shard()
-    sharded = shard.world_size > 1
-    held: list[tuple[int, Path, bool]] = []
-    try:
-        if fcntl is not None:
-            holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-            locks = [(out / LOCK_FILE, not sharded, holder)]
-            if sharded:
-                locks.append((out / f".explain.rank{shard.rank}.lock", True,
-                              f"{holder}, rank {shard.rank} of {shard.world_size}"))
-            for path, exclusive, text in locks:
-                descriptor = _lock(path, exclusive, text, out)
-                if descriptor is None:
-                    break
-                held.append((descriptor, path, exclusive))
-                _HELD_LOCKS.add(descriptor)
-        yield
-    finally:
-        for descriptor, path, exclusive in reversed(held):
-            _unlock(descriptor, path, exclusive)
-
-
-def _lock(path: Path, exclusive: bool, holder: str, out: Path) -> Optional[int]:
-    """Lock ``path`` (created if missing) without waiting and return its descriptor; an exclusive
-    holder writes ``holder`` in it. None where the file system cannot lock (after a warning)."""
-    assert fcntl is not None
-    for _ in range(100):  # a lock file removed by a run that just ended is created again: lock the new one
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(descriptor, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            who = _lock_holders(descriptor, out)
-            os.close(descriptor)
-            raise FolderInUseError(
-                f"{display_name(out)} is in use by another run of explain ({who}): two runs writing into one folder "
-                "would both explain every image and write each image's rows twice. Wait until that run ends (a run "
-                "started after it goes on where it stopped), or give another output folder.") from None
-        except OSError as error:
-            os.close(descriptor)
-            if error.errno not in LOCKS_UNSUPPORTED:
-                raise
-            _warn_at_callers_line(
-                f"the file system of {display_name(out)} cannot lock files ({error_line(error)}), so this run does "
-                "not hold the folder: start no other run into it until this one ends (two at once would explain "
-                "every image twice), or write to a folder on a local disk.")
-            return None
-        try:
-            same = os.path.samestat(os.stat(path), os.fstat(descriptor))
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.ftruncate(descriptor, 0)  # a shared holder leaves it empty: no one process holds the folder
-            if exclusive:
-                os.pwrite(descriptor, holder.encode("utf-8", "backslashreplace"), 0)
-            return descriptor
-        os.close(descriptor)
-    raise FolderInUseError(f"{display_name(path)} keeps being removed and made again: another program is using it; "
-                           "give another output folder.")
-
-
-def _lock_holders(descriptor: int, out: Path) -> str:
-    """Who holds a folder's lock, as its lock files say: "pid 123 on host, since ...", one per
-    process of a torchrun run, or "a process that did not say which" (a lock being taken)."""
-    texts = [os.pread(descriptor, 1000, 0).decode("utf-8", "replace").strip()]
-    if not texts[0]:  # held shared: by the ranks of a torchrun run, each named in its own lock file
-        texts = []
-        for path in sorted(out.glob(".explain.rank*.lock")):
-            with contextlib.suppress(OSError):
-                texts.append(path.read_text(encoding="utf-8", errors="replace").strip())
-    texts = [one_line(text) for text in texts if text]
-    return "; ".join(texts) if texts else "a process that did not say which"
-
-
-def _unlock(descriptor: int, path: Path, exclusive: bool) -> None:
-    """Release a lock taken by ``_lock``; the last holder (the only one for an exclusive lock)
-    removes the lock file while it still holds it, so that no run locks a file that is gone."""
-    assert fcntl is not None
-    try:
-        if not exclusive:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another rank holds it
-        if os.path.samestat(os.stat(path), os.fstat(descriptor)):
-            path.unlink()
-    except OSError:
-        pass  # another rank still holds it, or the file is gone: it stays, or was removed, unlocked
-    finally:
-        _HELD_LOCKS.discard(descriptor)
-        os.close(descriptor)
-
-
-_HELD_LOCKS: set[int] = set()
-"""The descriptors of the folder locks this process holds (``folder_lock``)."""
-
-
-def _close_inherited_locks() -> None:
-    """In a process forked while this one holds a folder's lock (a DataLoader's worker): close its copies
-    of the lock's descriptors, without unlocking (that would unlock the parent's). A flock belongs to every
-    process that has the descriptor, so a worker that outlives its run by ``kill -9`` would otherwise keep
-    the folder locked against the next run."""
-    for descriptor in list(_HELD_LOCKS):
-        with contextlib.suppress(OSError):
-            os.close(descriptor)
-    _HELD_LOCKS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def _warn_at_callers_line(message: str) -> None:
-    """A UserWarning attributed to the first line on the call stack outside this package (and
-    outside contextlib): the caller's call of ``run``, or the command line's."""
-    package = str(Path(__file__).parent) + os.sep
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith(package)
-                                        or frame.f_code.co_filename == contextlib.__file__):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, UserWarning, stacklevel=level)
-
-
-def index_line_ending(index: Path) -> str:
-    """The line ending of an index's header ("\r\n", as written by explain, or "\n"), so that rows
-    are appended in the file's own. An index that does not exist yet gets "\r\n"."""
-    if not index.exists():
-        return "\r\n"
-    with open(index, "rb") as file:
-        first = file.readline()
-    return "\r\n" if first.endswith(b"\r\n") or not first.endswith(b"\n") else "\n"
-
-
-def _header_fields(line: bytes) -> list[str]:
-    """The fields of an index's first line, whatever its line ending or byte-order mark."""
-    text = line.removeprefix(BYTE_ORDER_MARK).decode("utf-8", "replace")
-    return next(csv.reader([text]), [])
-
-
-def _is_header(line: bytes) -> bool:
-    """Whether a line is the index header: the FIELDS, whatever the line ending or byte-order mark."""
-    if not line.endswith(b"\n"):
-        return False  # torn, or old Mac "\r" line endings, which would make the whole file one line
-    return _header_fields(line) == FIELDS
-
-
-def _refuse_an_earlier_index(index: Path, first_line: bytes) -> None:
-    """Raise when an index was written by an earlier version of explain (without the label
-    columns): its rows cannot be resumed with them; say how to go on."""
-    if _header_fields(first_line) == EARLIER_FIELDS:
-        raise ValueError(
-            f"{display_name(index)} was written by an earlier version of explain: it lacks the label columns "
-            f"({', '.join(LABEL_FIELDS)}), so this run cannot add to it. Move it out of the way (rename it, e.g. to "
-            "earlier-index.csv, or choose another output folder) and run again: the images are explained anew. "
-            "explain.batch.read_index still reads it, with empty label columns."
-        )
-
-
-def _complete_rows(index: Path, notes: Optional[list[str]] = None) -> list[dict[str, str]]:
-    """The rows of an index that form complete images, after cutting the file back to the end of
-    its last complete image (a kill while appending can leave a torn line or part of an image's
-    rows) and removing the copies of an image's rows after its first (two runs at once into the
-    folder, by a version of explain that did not lock it; a note in ``notes`` says so). Creates the
-    index, with its header, when it does not exist. The header is compared by its fields: CRLF or
-    LF line endings and a UTF-8 byte-order mark are accepted."""
-    header = (",".join(FIELDS) + "\r\n").encode()
-    if not index.exists():
-        write_atomically(index, lambda temporary: temporary.write_bytes(header))
-        return []
-    lines = index.read_bytes().splitlines(keepends=True)
-    if lines and lines[0].endswith(b"\n"):
-        _refuse_an_earlier_index(index, lines[0])
-    if not lines or not _is_header(lines[0]):
-        raise ValueError(
-            f"{display_name(index)} is not an index of this version of explain (its first line is not the "
-            f"header {header.decode().strip()!r}, ending in CRLF or LF); move it away or choose another output folder."
-        )
-    rows: list[dict[str, str]] = []
-    kept_lines = [lines[0]]
-    pending: list[tuple[dict[str, str], bytes]] = []
-    seen: set[str] = set()
-    copies: list[str] = []
-    position = end = len(lines[0])
-    for line in lines[1:]:
-        position += len(line)
-        if not line.endswith(b"\n"):
-            break  # torn by a kill
-        values = next(csv.reader([line.decode("utf-8", "replace")]), [])
-        row = dict(zip(FIELDS, values))
-        if len(values) != len(FIELDS) or not (row["k"].isdigit() and row["targets"].isdigit()):
-            break
-        if int(row["k"]) != len(pending) or (pending and row["id"] != pending[0][0]["id"]):
-            break
-        pending.append((row, line))
-        if len(pending) == int(row["targets"]):
-            if row["id"] in seen:
-                copies.append(row["id"])
-            else:
-                seen.add(row["id"])
-                rows.extend(pending_row for pending_row, _ in pending)
-                kept_lines.extend(pending_line for _, pending_line in pending)
-            pending, end = [], position
-    if copies:
-        write_atomically(index, lambda temporary: temporary.write_bytes(b"".join(kept_lines)))
-        if notes is not None:
-            notes.append(f"{display_name(index)} held the rows of {len(set(copies))} image(s) more than once (two runs "
-                         "at once into the folder, by a version of explain that did not lock it), e.g. "
-                         f"{copies[0]}: the copies were removed, keeping each image's first rows.")
-    elif end < sum(len(line) for line in lines):
-        with open(index, "r+b") as file:
-            file.truncate(end)
-    return rows
-
-
-def _indexes(out: Path) -> list[Path]:
-    """The index files of an output folder: index.csv and the ranks' index.rank<R>.csv."""
-    return sorted(path for path in out.glob("index*.csv") if re.fullmatch(r"index(\.rank\d+)?\.csv", path.name))
-
-
-def _done_ids(out: Path, own_index: Path, notes: list[str]) -> tuple[set[str], set[str]]:
-    """Ids of the images complete in this process's index (cut back to its last complete image,
-    copies of an image's rows removed, with a note in ``notes``) and in the other indexes of the
-    folder (other ranks, the merged index); and the maps files those images' rows name."""
-    others = [index for index in _indexes(out) if index != own_index]
-    for index in others:  # refused before this process's index is created or cut
-        with open(index, "rb") as file:
-            _refuse_an_earlier_index(index, file.readline())
-    rows = _complete_rows(own_index, notes)
-    for index in others:
-        rows += read_index(index)
-    return {row["id"] for row in rows}, {row["map"] for row in rows}
-
-
-def _maps_file_prefix(shard: Shard) -> str:
-    """How this process's maps files are named, before their number: "batch-", "rank<R>-batch-" under torchrun."""
-    return "batch-" if shard.world_size == 1 else f"rank{shard.rank}-batch-"
-
-
-def _remove_unlisted_maps(maps: Path, prefix: str, listed: Collection[str]) -> int:
-    """Remove this process's maps files (``prefix``, see ``_maps_file_prefix``) that no index row names (written
-    by a run killed before it added their rows; their images are explained again) and its temporary files
-    left by a kill; return the number the next maps file takes."""
-    listed_names = {Path(path).name for path in listed}
-    numbers = [0]
-    with os.scandir(maps) as entries:
-        for entry in entries:
-            name = entry.name
-            number = name[len(prefix):-len(SUFFIX)]
-            if name.startswith(prefix) and name.endswith(SUFFIX) and number.isdigit():
-                if name in listed_names:
-                    numbers.append(int(number))
-                else:
-                    Path(entry.path).unlink(missing_ok=True)
-            elif name.startswith(f".{prefix}") and name.endswith(f"{SUFFIX}.part"):
-                Path(entry.path).unlink(missing_ok=True)
-    return max(numbers) + 1
-
-
 def _check_labels_unchanged(out: Path, label_of: Mapping[str, Optional[int]]) -> None:
     """LabelError when an image already in the folder's indexes has another label now (``label_of``:
     each image id's label, None for none): a label file edited between two runs. Those images are
@@ -637,180 +344,6 @@ def _check_labels_unchanged(out: Path, label_of: Mapping[str, Optional[int]]) ->
                          f"{shown}. Images already done are not explained again, so their rows and maps would keep "
                          "the earlier labels: give another output folder to explain them with these labels, or go "
                          "on with the earlier ones.")
-
-
-@dataclass
-class IndexContents:
-    """An index read back. rows: the rows of its complete images in file order, each a dict with
-    every one of FIELDS ("" for a column the index lacks: no label, prediction unknown);
-    has_label_columns: whether it has every one of LABEL_FIELDS (False for an index written before
-    them); incomplete: ids of the images whose rows are not all there, in file order (a run in
-    progress, a line torn by a kill)."""
-
-    rows: list[dict[str, str]]
-    has_label_columns: bool
-    incomplete: list[str]
-    duplicated: list[str] = field(default_factory=list)
-    """Ids of the images whose rows are there more than once, each copy complete (two runs at once
-    into one folder, by a version of explain that did not lock it), in file order: their first rows
-    are in ``rows``."""
-
-
-def read_index_contents(path: Union[str, Path]) -> IndexContents:
-    """Read an index of this version or of an earlier one (without the label columns), keeping the
-    images whose K rows are all there: rows k = 0 … K−1, each saying ``targets`` = K, none cut
-    short; of an image whose K rows are there several times over (``duplicated``), the first K.
-    Raises ValueError for a file that is not an index (it lacks one of EARLIER_FIELDS)."""
-    path = Path(path)
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as file:
-        reader = csv.DictReader(file)
-        columns = list(reader.fieldnames or [])
-        missing = [name for name in EARLIER_FIELDS if name not in columns]
-        if missing:
-            raise ValueError(f"{display_name(path)} is not an index written by explain: it lacks the column(s) "
-                             f"{', '.join(missing)} (its header is {','.join(columns)[:200]!r}; an index's is "
-                             f"{','.join(FIELDS)!r}, or {','.join(EARLIER_FIELDS)!r} before the label columns).")
-        read = list(reader)
-    by_id: dict[str, list[dict[str, Optional[str]]]] = {}
-    for row in read:
-        by_id.setdefault(row["id"] or "", []).append(row)
-    incomplete, duplicated = [], []
-    left_out: set[int] = set()  # the rows left out, by id()
-    for image_id, image_rows in by_id.items():
-        if _is_complete_image(image_id, image_rows):
-            continue
-        copies = _copies(image_id, image_rows)
-        if copies is None:
-            incomplete.append(image_id)
-            left_out.update(id(row) for row in image_rows)
-        else:
-            duplicated.append(image_id)
-            left_out.update(id(row) for row in image_rows[copies:])
-    rows = [{name: row.get(name) or "" for name in FIELDS} for row in read if id(row) not in left_out]
-    return IndexContents(rows, all(name in columns for name in LABEL_FIELDS), incomplete, duplicated)
-
-
-def _copies(image_id: str, rows: list[dict[str, Optional[str]]]) -> Optional[int]:
-    """Where an image's rows are several complete copies of its K rows, one after the other: K (the
-    first copy's length); else None."""
-    count = rows[0]["targets"] or ""
-    if not count.isdigit() or int(count) == 0 or len(rows) % int(count):
-        return None
-    size = int(count)
-    copies = [rows[start:start + size] for start in range(0, len(rows), size)]
-    in_order = all([row["k"] for row in copy] == [str(k) for k in range(size)] for copy in copies)
-    return size if in_order and all(_is_complete_image(image_id, copy) for copy in copies) else None
-
-
-def _is_complete_image(image_id: str, rows: list[dict[str, Optional[str]]]) -> bool:
-    """Whether an image's index rows are its K rows k = 0 … K−1, each saying ``targets`` = K, none cut
-    short or longer than the header (csv.DictReader gives a short row None values, a long one a None key)."""
-    if not image_id or any(None in row or None in row.values() for row in rows):
-        return False
-    count = rows[0]["targets"] or ""
-    if not count.isdigit() or any(row["targets"] != count for row in rows):
-        return False
-    ks = sorted(int(k) if k.isdigit() else -1 for k in (row["k"] or "" for row in rows))
-    return ks == list(range(int(count)))
-
-
-def read_index(path: Union[str, Path]) -> list[dict[str, str]]:
-    """The rows of an index (of this version, or of an earlier one without the label columns) that
-    form complete images, each a dict with every one of FIELDS; a column the index lacks is ""
-    (no label, prediction unknown). Raises ValueError for a file that is not an index. See
-    ``read_index_contents`` for which images are left out and whether the label columns are there."""
-    return read_index_contents(path).rows
-
-
-class MapReader:
-    """Reads the maps of a run's output folder back, at the input's resolution: each image's (K, H, W)
-    float32 maps as ``Explanation.map_grid`` held them (see ``explain.stored_maps``: maps stored at the
-    method's resolution are upsampled and normalised as the explainer did, bit for bit on the CPU; maps
-    stored at the input's resolution are float16), from the maps files of this version and the one .npy
-    per image of earlier ones. Keeps the last few files read (``files_kept``), so that reading the images
-    in index order reads each file once; safe to use from several threads."""
-
-    def __init__(self, out: Union[str, Path], files_kept: int = 4):
-        self.out = Path(out)
-        self.files_kept = files_kept
-        self._files: OrderedDict[str, Union[StoredMaps, np.ndarray]] = OrderedDict()
-        self._map_of: Optional[dict[str, str]] = None
-        self._lock = threading.Lock()
-
-    def read(self, image: Union[str, Mapping[str, str]], raw: bool = False) -> Tensor:
-        """The (K, H, W) float32 maps of one image, given by its id or by one of its index rows (its
-        ``id`` and ``map``): normalised, or with ``raw`` before normalisation (only for maps stored at the
-        method's resolution). ValueError when the maps file is missing, is not one, does not hold the
-        image, or lies outside the folder; KeyError for an id that no index of the folder lists."""
-        if isinstance(image, str):
-            image_id, map_file = image, self._map_file_of(image)
-        else:
-            image_id, map_file = image["id"], image["map"]
-        contents = self._contents(map_file)
-        if isinstance(contents, StoredMaps):
-            try:
-                return contents.image(image_id, raw)
-            except KeyError:
-                raise ValueError(f"{map_file} does not hold the maps of image {image_id} (the file was replaced?)."
-                                 ) from None
-        if raw:
-            raise ValueError(f"{map_file} was written by an earlier version of explain: it holds normalised float16 "
-                             "maps, not their values before normalisation. Read it with raw=False.")
-        maps = torch.from_numpy(np.asarray(contents, dtype=np.float32))
-        return maps[None] if maps.dim() == 2 else maps
-
-    def _map_file_of(self, image_id: str) -> str:
-        with self._lock:
-            if self._map_of is None:
-                self._map_of = {}
-                for index in _indexes(self.out):
-                    for row in read_index(index):
-                        self._map_of.setdefault(row["id"], row["map"])
-            return self._map_of[image_id]
-
-    def _contents(self, map_file: str) -> Union[StoredMaps, np.ndarray]:
-        with self._lock:
-            if map_file in self._files:
-                self._files.move_to_end(map_file)
-                return self._files[map_file]
-            path = self.out / map_file
-            if not path.resolve().is_relative_to(self.out.resolve()):
-                raise ValueError(f"the map file {map_file!r} lies outside {display_name(self.out)}: it is not read.")
-            if path.suffix == SUFFIX:
-                contents: Union[StoredMaps, np.ndarray] = load_maps(path)
-            else:  # an earlier version's (K, H, W) float16 maps of one image
-                try:
-                    array = np.load(path, allow_pickle=False)
-                except (EOFError, ValueError) as error:  # truncated, not an array, a pickled object
-                    raise ValueError(f"{map_file} is not a maps file ({error_line(error)}).") from error
-                if not isinstance(array, np.ndarray) or array.ndim not in (2, 3):
-                    shape = getattr(array, "shape", type(array).__name__)
-                    raise ValueError(f"{map_file} holds an array of shape {shape}, not (K, H, W) maps.")
-                contents = array
-            self._files[map_file] = contents
-            while len(self._files) > self.files_kept:
-                self._files.popitem(last=False)
-            return contents
-
-
-def read_maps(out: Union[str, Path], images: Optional[Iterable[Union[str, Mapping[str, str]]]] = None, *,
-              raw: bool = False) -> Iterator[tuple[str, Tensor]]:
-    """(id, maps) for each image of a run's output folder: its (K, H, W) float32 maps at the input's
-    resolution, row k of them the map of its index row k (see ``MapReader``; ``raw``: before
-    normalisation). images: ids or index rows, in the order wanted; default every complete image of the
-    folder's indexes, in file order."""
-    reader = MapReader(out)
-    if images is None:
-        seen: set[str] = set()
-        rows = []
-        for index in _indexes(Path(out)):
-            for row in read_index(index):
-                if row["id"] not in seen:
-                    seen.add(row["id"])
-                    rows.append(row)
-        images = rows
-    for image in images:
-        yield (image if isinstance(image, str) else image["id"]), reader.read(image, raw)
 
 
 def _folder_groups(loaded_batches: Generator[LoadedBatch, None, None], chunks: Sequence[Sequence[int]],
@@ -871,7 +404,7 @@ def _loader_groups(batches: Iterator[_Batch], done: set[str], device: torch.devi
 def _batches_of_loader(loader: Iterable[LoaderBatch], order: DatasetOrder, shard: Shard, plan: _TargetPlan,
                        summary: RunSummary, class_names: Optional[Sequence[str]]) -> Iterator[_Batch]:
     """The loader's batches, each image named by its file when the batch or the dataset (``order``)
-    says which (see ``explain.labels``), else by its position; this process's share under torchrun.
+    says which (see ``explain.dataset_tools.labels``), else by its position; this process's share under torchrun.
     Labels numbered by the dataset otherwise than by the model (``dataset_label_numbering``, with
     the model's ``class_names``) are renumbered by name."""
     numbering = dataset_label_numbering(order, class_names)
@@ -914,217 +447,6 @@ def _batches_of_loader(loader: Iterable[LoaderBatch], order: DatasetOrder, shard
         if keep:
             images = items.images[keep] if len(keep) < count else items.images
             yield _Batch([ids[i] for i in keep], images, [names[i] for i in keep], [labels[i] for i in keep])
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """How a run explains its images, written to OUT/run.json (``RUN_RECORD``) when it starts, so
-    that a resumed run can be checked against the images already done and the report can name the
-    method.
-
-    method: the method's registry name, as ``--method`` takes it ("gradcam"; "" for a method that
-    is not registered); method_class: its class name ("GradCAM"); class_names: the model's class
-    names by index (None when unknown); target: what each image's maps explain, {"mode": one of
-    "both", "label", "predicted", "given", "topk"}, with "target" (the class(es) given, class names
-    as indices where the names are known; a callable by its name) for "given" and "topk" (K) for
-    "topk"; labels: where the true labels come from ("none", "class folders", "the file NAME",
-    "a mapping", "the DataLoader's batches"); settings: the explainer's options, its layer and
-    preprocessing among them (``setting_text(explainer)``: "GradCAM(layer=..., relu=True, ...,
-    preprocess=...)"; None in a record written before explain recorded them); model: which model,
-    {"class": its class with its module, "name" and "weights": as the caller named them (the
-    command's --model and --weights, a file as its absolute path; None through the Python API),
-    "fingerprint": ``weights_fingerprint``, the SHA-256 of its weights}; data: which images,
-    {"folder": the input folder's absolute path (a DataLoader's dataset's folder; None when it has
-    none), "files": {image id: [size in bytes, modification time in ns]} for the files known when
-    the run starts (None for a DataLoader that does not name its files)}, and for a DataLoader
-    "transform": its dataset's transform (``setting_text``; None without one). model and data are
-    None in a record written before explain recorded them.
-    """
-
-    method: str
-    method_class: str
-    class_names: Optional[list[str]]
-    target: dict[str, Any]
-    labels: str
-    settings: Optional[str] = None
-    model: Optional[dict[str, Any]] = None
-    data: Optional[dict[str, Any]] = None
-
-    def to_text(self) -> str:
-        """The record as run.json holds it: JSON, one setting a line (class names, and the files,
-        on one line)."""
-        fields = asdict(self)
-        lines = [f"  {json.dumps(name)}: {json.dumps(value, ensure_ascii=False)}" for name, value in fields.items()]
-        return "{\n" + ",\n".join(lines) + "\n}\n"
-
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> "RunRecord":
-        """A record from run.json's parsed JSON; ValueError naming ``where`` when a field is missing
-        or of the wrong type (more fields are allowed: a later version's; settings, model and data
-        may be missing: a record of an earlier version)."""
-        checks = {
-            "method": lambda value: isinstance(value, str),
-            "method_class": lambda value: isinstance(value, str),
-            "class_names": lambda value: value is None or (isinstance(value, list)
-                                                           and all(isinstance(name, str) for name in value)),
-            "target": lambda value: isinstance(value, dict) and isinstance(value.get("mode"), str),
-            "labels": lambda value: isinstance(value, str),
-        }
-        optional = {
-            "settings": lambda value: isinstance(value, str),
-            "model": lambda value: isinstance(value, dict) and isinstance(value.get("fingerprint"), str),
-            "data": lambda value: isinstance(value, dict) and isinstance(value.get("files"), (dict, type(None)))
-            and isinstance(value.get("folder"), (str, type(None))),
-        }
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} is not a run record of explain: it holds {type(data).__name__}, not an object.")
-        wrong = [name for name, check in checks.items() if name not in data or not check(data[name])]
-        if wrong:
-            raise ValueError(f"{where} is not a run record of explain: its field(s) {', '.join(wrong)} are missing or "
-                             "of the wrong type.")
-        wrong = [name for name, check in optional.items() if data.get(name) is not None and not check(data[name])]
-        if wrong:
-            raise ValueError(f"{where} is not a run record of explain: its field(s) {', '.join(wrong)} are of the "
-                             "wrong type.")
-        return cls(data["method"], data["method_class"], data["class_names"], data["target"], data["labels"],
-                   data.get("settings"), data.get("model"), data.get("data"))
-
-    def differences(self, earlier: "RunRecord", done: Optional[Collection[str]] = None) -> list[str]:
-        """What this run does otherwise than ``earlier``, one line a setting ("method: 'gradcam'
-        (GradCAM) earlier, 'saliency' (Saliency) now"). The files are compared for the image ids
-        ``done`` (the images already explained; default: every file both records know). A field
-        that either record lacks (a record of an earlier version) is not compared."""
-        found = []
-        if (self.method, self.method_class) != (earlier.method, earlier.method_class):
-            found.append(f"method: {earlier.method!r} ({earlier.method_class}) earlier, {self.method!r} "
-                         f"({self.method_class}) now")
-        elif None not in (self.settings, earlier.settings) and self.settings != earlier.settings:
-            found.append(f"method settings: {earlier.settings} earlier, {self.settings} now")
-        if self.model is not None and earlier.model is not None and _model_identity(self.model) != _model_identity(
-                earlier.model):
-            found.append(f"model: {_model_text(earlier.model)} earlier, {_model_text(self.model)} now")
-        if self.target != earlier.target:
-            found.append(f"target: {_target_text(earlier.target)} earlier, {_target_text(self.target)} now")
-        if self.labels != earlier.labels:
-            found.append(f"labels: {earlier.labels} earlier, {self.labels} now")
-        if self.class_names != earlier.class_names:
-            found.append(f"class names: {_names_text(earlier.class_names, self.class_names)}")
-        if self.data is not None and earlier.data is not None:
-            found.extend(_data_differences(earlier.data, self.data, done))
-        return found
-
-
-def weights_fingerprint(model: nn.Module) -> str:
-    """The SHA-256 (64 hex digits) of a model's weights: of each entry of its state dict, in order,
-    its dtype, shape and bytes (the names are left out, so that a wrapper's prefix, DataParallel's
-    "module.", does not change it). Reads every byte once, on the CPU: about 0.08 s for resnet50's
-    100 MB; a model on a GPU is copied over tensor by tensor."""
-    digest = hashlib.sha256()
-    for value in model.state_dict().values():
-        if not isinstance(value, Tensor):
-            digest.update(f"{setting_text(value)};".encode())
-            continue
-        digest.update(f"{value.dtype} {tuple(value.shape)};".encode())
-        data = value.detach()
-        if data.is_quantized:
-            data = data.dequantize()
-        if data.layout != torch.strided:
-            data = data.to_dense()
-        if data.device.type == "meta":
-            continue  # no values to read
-        digest.update(data.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def _model_identity(model: Mapping[str, Any]) -> tuple[Any, Any]:
-    """What a resumed run's model must share with the earlier one's: its class and its weights."""
-    return model.get("class"), model.get("fingerprint")
-
-
-def _model_text(model: Mapping[str, Any]) -> str:
-    """A recorded model in a few words: "'demo' (DemoNet, weights' fingerprint 1a2b3c4d5e6f)", or
-    "DemoNet (weights' fingerprint 1a2b3c4d5e6f)" where the caller did not name it."""
-    kind = str(model.get("class") or "").rsplit(".", 1)[-1]
-    weights = f" with weights {model['weights']!r}" if model.get("weights") else ""
-    fingerprint = f"weights' fingerprint {str(model.get('fingerprint'))[:12]}"
-    if model.get("name"):
-        return f"{model['name']!r}{weights} ({kind}, {fingerprint})"
-    return f"{kind}{weights} ({fingerprint})"
-
-
-def _file_identities(files: Iterable[tuple[str, Union[str, Path]]]) -> dict[str, list[int]]:
-    """{image id: [size in bytes, modification time in ns]} of each (id, path) whose file can be
-    read (one stat each), sorted by id."""
-    identities = {}
-    for item, path in files:
-        try:
-            status = os.stat(path)
-        except OSError:
-            continue
-        identities[item] = [status.st_size, status.st_mtime_ns]
-    return dict(sorted(identities.items()))
-
-
-def _data_differences(earlier: Mapping[str, Any], now: Mapping[str, Any], done: Optional[Collection[str]]
-                      ) -> list[str]:
-    """How the images of two runs differ: their folder, else a DataLoader's transform and the files
-    of the images ``done`` whose size or modification time changed."""
-    if earlier.get("folder") and now.get("folder") and earlier["folder"] != now["folder"]:
-        return [f"input folder: {earlier['folder']} earlier, {now['folder']} now"]
-    found = []
-    if None not in (earlier.get("transform"), now.get("transform")) and earlier["transform"] != now["transform"]:
-        before_text, after_text = (" ".join(str(text).split()) for text in (earlier["transform"], now["transform"]))
-        found.append(f"the dataset's transform: {before_text} earlier, {after_text} now")
-    before, after = earlier.get("files"), now.get("files")
-    if isinstance(before, dict) and isinstance(after, dict):
-        compared = before.keys() & after.keys() if done is None else [item for item in done if item in before
-                                                                      and item in after]
-        changed = sorted(item for item in compared if list(before[item]) != list(after[item]))
-        if changed:
-            shown = "; ".join(f"{item} ({_file_text(before[item])} earlier, {_file_text(after[item])} now)"
-                              for item in changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
-            found.append(f"images: {len(changed)} of the images already explained changed since (another size or "
-                         f"modification time): {shown}")
-    return found
-
-
-def _file_text(identity: Sequence[int]) -> str:
-    """[size, modification time in ns] as "1234 bytes, modified 2025-01-02 10:11:12.123456"."""
-    size, modified = int(identity[0]), int(identity[1])
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(modified // 10**9))
-    return f"{size} bytes, modified {when}.{modified % 10**9 // 1000:06d}"
-
-
-def _target_text(target: dict[str, Any]) -> str:
-    details = ", ".join(f"{name} {value!r}" for name, value in target.items() if name != "mode")
-    return f"{target.get('mode')!r}" + (f" ({details})" if details else "")
-
-
-def _names_text(earlier: Optional[list[str]], now: Optional[list[str]]) -> str:
-    """How two lists of class names differ, in a few words."""
-    if earlier is None or now is None or len(earlier) != len(now):
-        def count(names: Optional[list[str]]) -> str:
-            return "none" if names is None else f"{len(names)}"
-        return f"{count(earlier)} earlier, {count(now)} now"
-    index = next(index for index, (before, after) in enumerate(zip(earlier, now)) if before != after)
-    return f"class {index} is {earlier[index]!r} earlier, {now[index]!r} now"
-
-
-def read_run_record(out: Union[str, Path]) -> Optional[RunRecord]:
-    """OUT/run.json, or None where there is none (a folder written before explain wrote it).
-    Raises ValueError for a file that is not a run record."""
-    path = Path(out) / RUN_RECORD
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"{display_name(path)} cannot be read ({error_line(error)}).") from error
-    try:
-        data = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"{display_name(path)} is not JSON ({error_line(error)}).") from error
-    return RunRecord.from_json(data, display_name(path))
 
 
 def _run_record(explainer: Explainer, plan: _TargetPlan, data: Union[str, Path, Iterable[LoaderBatch]],
@@ -1171,103 +493,6 @@ def _target_as_json(target: Target, class_names: Optional[Sequence[str]]) -> Any
     return f"callable {getattr(target, '__qualname__', type(target).__qualname__)}"
 
 
-def _check_and_record_run(out: Path, record: RunRecord, shard: Shard, done: Collection[str]) -> list[str]:
-    """Write OUT/run.json (rank 0), unless the folder holds images already explained (``done``, their
-    ids): then check the run against the record there, and write it again only to add what it lacks
-    (the whole record for a folder written before run.json, the model and the input for one written
-    before explain recorded them, the files added to the input folder since). Raises ValueError,
-    saying what differs and what to do, when the images were explained otherwise; returns notes on
-    what could not be checked."""
-    path = out / RUN_RECORD
-    notes = []
-    if done:
-        try:
-            earlier = read_run_record(out)
-        except ValueError as error:
-            raise ValueError(f"{error} It should say how the images already in {display_name(out)} were explained. "
-                             "If this run's settings are those of the earlier run, delete it (it is written anew); "
-                             "else give another output folder.") from error
-        if earlier is not None:
-            differences = record.differences(earlier, done)
-            if differences:
-                raise ValueError(_refusal(out, record, earlier, differences))
-        if earlier is not None:  # (none: a folder written before run.json, or a rank of a run whose rank 0 is late)
-            unchecked = [(what, same) for what, same, value in (
-                ("the model", "by this run's model", earlier.model),
-                ("the input images", "from this run's files", earlier.data)) if value is None]
-            if unchecked:
-                lacks = " and ".join(what for what, _ in unchecked)
-                how = " and ".join(same for _, same in unchecked)
-                notes.append(f"{display_name(path)} was written by an earlier version of explain, which did not record "
-                             f"{lacks}: this run cannot check that the {len(done)} image(s) already done were "
-                             f"explained {how}. It takes them as such and records its own from now on; if they were "
-                             "not, give another output folder.")
-            record = replace(earlier, model=earlier.model or record.model, data=_merged_data(earlier.data, record.data))
-    if shard.rank == 0:
-        text = record.to_text()
-        try:
-            unchanged = path.read_text(encoding="utf-8") == text
-        except (OSError, UnicodeDecodeError):
-            unchanged = False
-        if not unchanged:
-            write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
-    return notes
-
-
-def _refusal(out: Path, record: RunRecord, earlier: RunRecord, differences: list[str]) -> str:
-    """The error of a resumed run that differs from the earlier one: what differs, and what to do."""
-    def differ(*starts: str) -> bool:
-        return any(line.startswith(starts) for line in differences)
-
-    if differ("method:"):
-        mixing, keep = "maps of two methods", "method"
-    elif differ("model:"):
-        mixing, keep = "maps of two models", "model"
-    elif differ("method settings:", "target:", "labels:", "class names:", "the dataset's transform:"):
-        mixing, keep = "maps made two ways", "settings"
-    else:
-        mixing, keep = "maps of other images under the same names", "images"
-    text = (f"{display_name(out)} holds images explained by another run, as {RUN_RECORD} records: "
-            f"{'; '.join(differences)}. Images already done are not explained again, so the folder would mix {mixing} "
-            f"in one index. Resume with the earlier run's {keep}, or give another output folder; to start over in "
-            "this one, delete it first.")
-    if "random" in {str((earlier.model or {}).get("weights")), str((record.model or {}).get("weights"))}:
-        text += (" Random weights (--weights random) are drawn anew by every run, so a run with them cannot be "
-                 "resumed.")
-    if differ("input folder:", "images:"):
-        text += (f" If they are the same images (the folder moved or copied, the files touched), delete the \"data\" "
-                 f"entry of {RUN_RECORD} to resume without this check.")
-    return text
-
-
-def _merged_data(earlier: Optional[dict[str, Any]], now: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The input of a resumed run's record: the earlier one's, with the files known now added (the
-    images already done have not changed: they were checked)."""
-    if earlier is None or now is None:
-        return earlier if now is None else now
-    merged = dict(earlier)
-    before, after = earlier.get("files"), now.get("files")
-    if isinstance(before, dict) and isinstance(after, dict):
-        merged["files"] = dict(sorted({**before, **after}.items()))
-    elif before is None:
-        merged["files"] = after
-    return merged
-
-
-def _dataset_transform(loader: Iterable[LoaderBatch]) -> Optional[str]:
-    """The transform of a DataLoader's dataset (``ImageFolder(transform=...)``), as ``setting_text``;
-    None without one (or for an iterable that is not a DataLoader)."""
-    from torch.utils.data import DataLoader, Subset
-
-    if not isinstance(loader, DataLoader):
-        return None
-    dataset = loader.dataset
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    transform = getattr(dataset, "transform", None)
-    return None if transform is None else setting_text(transform)
-
-
 def _target_plan(target: Target, topk: Optional[int]) -> _TargetPlan:
     """What ``target=`` and ``topk=`` ask to explain (see ``run``)."""
     mode = target if isinstance(target, str) and target in TARGET_MODES else None
@@ -1303,7 +528,7 @@ def run(
     maps, optional overlays and an index to ``out`` (layout and columns in this module's docstring).
 
     data: a folder of images, or an iterable of (N, C, H, W) model-input batches, (images,
-        labels) or (images, labels, paths) tuples, or dicts (see ``explain.labels``), e.g. a
+        labels) or (images, labels, paths) tuples, or dicts (see ``explain.dataset_tools.labels``), e.g. a
         DataLoader without shuffling, so that a rerun sees the same order; the images of an
         ``ImageFolder`` read in order get the ids of their files.
     labels: for a folder, where the true labels come from: "folders" (DIR/<class>/...), a CSV
@@ -1325,8 +550,8 @@ def run(
     written so far, by the thread that writes them; an exception it raises stops the run (nothing
     after that batch is written) and is raised by run. workers: for a folder, the worker processes
     that decode and preprocess its images, the next batches while this one is explained (default
-    ``explain.pipeline.default_workers()``: min(8, CPU cores − 1); 0: in this process); a DataLoader
-    loads with its own. Maps are written as ``explain.stored_maps`` describes (read them back with
+    ``explain.dataset_tools.pipeline.default_workers()``: min(8, CPU cores − 1); 0: in this process); a DataLoader
+    loads with its own. Maps are written as ``explain.dataset_tools.stored_maps`` describes (read them back with
     ``read_maps``). Raises LabelError (a ValueError) for labels that
     cannot be used (an unknown class name, a path that names no image, a duplicated path, a bad
     header, a label out of range), before any image is explained where it can. OUT/run.json
@@ -1414,7 +639,7 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
         workers, reason = usable_workers(workers, explainer.preprocess)
         summary.notes += [reason] if reason else []
     for note in summary.notes:
-        _warn_at_callers_line(note)
+        warn_at_callers_line(note)
     if done and isinstance(data, (str, Path)) and read is not None:
         _check_labels_unchanged(out, {item: read.by_path.get(path.relative_to(folder))
                                       for item, path in zip(all_ids, all_files)})
@@ -1568,7 +793,7 @@ def _group_result(group: _Group, explanations: list[Explanation], picks: list[li
                   predicted: Optional[tuple[list[int], list[float]]], *, normalize: Optional[str],
                   overlays: bool) -> _GroupResult:
     """A group's explanations as one result to write: the maps of every image in order, in the form
-    they are stored (``explain.stored_maps.stored_form``: low-resolution where the explainer's
+    they are stored (``explain.dataset_tools.stored_maps.stored_form``: low-resolution where the explainer's
     upsampling and normalisation, ``normalize``, give its maps back exactly), each tensor gathered on
     its device and copied to the CPU once."""
     forms = [stored_form(explanation, normalize) for explanation in explanations]
@@ -1627,12 +852,6 @@ def _stop_when_disk_full(out: Path, summary: RunSummary) -> Iterator[None]:
         )) from error
 
 
-def error_line(error: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
 def _write_skipped(summary: RunSummary) -> None:
     if summary.skipped_file is None or (not summary.skipped and not summary.skipped_file.exists()):
         return
@@ -1665,7 +884,7 @@ def panel_captions(roles: Sequence[str], targets: Sequence[Optional[int]], score
 
 class _ResultWriter:
     """Writes each explained group (run by ``BackgroundWriter``, a thread): its maps file
-    (``explain.stored_maps``, OUT/maps/<prefix><number>.npz) and its overlays, each renamed into place,
+    (``explain.dataset_tools.stored_maps``, OUT/maps/<prefix><number>.npz) and its overlays, each renamed into place,
     then its index rows in one synced append (``append_rows``); counts the images written in the
     summary. At the end of a batch (``_BatchEnd``) it calls on_batch with that count."""
 
@@ -1757,27 +976,18 @@ def _index_rows(result: _GroupResult, map_file: str, class_names: Optional[Seque
     return buffer.getvalue().encode("utf-8")
 
 
-def append_rows(index_file: BinaryIO, rows: bytes) -> None:
-    """Add rows (some images' K rows each) to the index in one write, and sync; a write that fails (a
-    full disk) or is interrupted is undone, so that the index still ends with a complete image."""
-    descriptor = index_file.fileno()
-    size = os.fstat(descriptor).st_size
-    try:
-        _write_all(descriptor, rows)
-        os.fsync(descriptor)
-    except BaseException:
-        try:
-            os.ftruncate(descriptor, size)
-        except OSError:
-            pass  # a resumed run cuts the index back to its last complete image
-        raise
+def _dataset_transform(loader: Iterable[LoaderBatch]) -> Optional[str]:
+    """The transform of a DataLoader's dataset (``ImageFolder(transform=...)``), as ``setting_text``;
+    None without one (or for an iterable that is not a DataLoader)."""
+    from torch.utils.data import DataLoader, Subset
 
-
-def _write_all(descriptor: int, data: bytes) -> None:
-    """os.write until every byte is written (a write may take part of them)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(descriptor, view):]
+    if not isinstance(loader, DataLoader):
+        return None
+    dataset = loader.dataset
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    transform = getattr(dataset, "transform", None)
+    return None if transform is None else setting_text(transform)
 
 
 def merge_shard_indexes(out: Union[str, Path]) -> Path:
@@ -1804,7 +1014,7 @@ def _merge_shard_indexes(out: Path) -> Path:
         rows.extend(row for row in shard_rows if row["id"] in new_ids)
         present |= new_ids
     for note in notes:
-        _warn_at_callers_line(note)
+        warn_at_callers_line(note)
 
     line_ending = index_line_ending(index_path)
 

@@ -23,13 +23,11 @@ from .inputs import outside_unit_range
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .explanation import Explanation
-
 ArrayLike = Union[np.ndarray, Tensor]
 
 
 class PanelOptions(TypedDict, total=False):
-    """The layout options of ``explanation_figure`` that ``Explanation.figure`` and ``show`` pass on."""
+    """The layout options of ``Explanation.figure`` and ``show`` (``overlay_figure``'s)."""
 
     panel_size: float
     show_original: bool
@@ -229,37 +227,38 @@ def tile(images: np.ndarray) -> np.ndarray:
     return np.concatenate(columns, axis=1)
 
 
-def explanation_figure(
-    explanation: "Explanation",
+def overlay_figure(
+    images: Tensor,
+    maps: Tensor,
+    map_titles: Sequence[Sequence[str]],
+    title: str,
     alpha: float = 0.5,
     cmap: str = "jet",
     panel_size: float = 2.4,
     show_original: bool = True,
     image_titles: Optional[Sequence[str]] = None,
     figure: Optional["Figure"] = None,
-    map_titles: Optional[Sequence[Sequence[str]]] = None,
-    title: Optional[str] = None,
 ) -> "Figure":
-    """A matplotlib figure of an explanation: one column per image, the image on top and
-    one overlay per target under it, titled with the class and the score.
+    """A matplotlib figure of maps over their images: one column per image, the image on top and one overlay per
+    map under it (what ``Explanation.figure`` draws).
 
-    image_titles: one per image (default "image i"); map_titles: one list per image of one text per target
-    (default: the class and the score); title: the figure's title (default: the method and its layer; "" for
-    none). Draws into ``figure`` when given (e.g. one made by pyplot), else into a new Figure.
+    images: (N, H, W, 3) RGB, uint8 or float in [0, 1]; maps: (N, K, H, W) in [0, 1] (or signed, drawn on the
+    diverging colour map). map_titles: one list per image of one text per map; title: the figure's title ("" for
+    none); image_titles: one per image (default "image i"). Draws into ``figure`` when given (e.g. one made by
+    pyplot), else into a new Figure.
     """
     from matplotlib.figure import Figure
 
-    maps = explanation.map_grid  # (N, K, H, W)
     count, targets_per_image = maps.shape[:2]
     if count == 0:
         raise ValueError("this explanation holds no image (an empty selection): there is nothing to draw.")
     if image_titles is not None and len(image_titles) != count:
         raise ValueError(f"image_titles holds {len(image_titles)} title(s) for {count} image(s): give one per image.")
-    if map_titles is not None and (len(map_titles) != count or any(
-            isinstance(texts, str) or len(texts) != targets_per_image for texts in map_titles)):
+    if len(map_titles) != count or any(isinstance(texts, str) or len(texts) != targets_per_image
+                                       for texts in map_titles):
         raise ValueError(f"map_titles takes one list per image ({count}) of one text per target "
                          f"({targets_per_image}).")
-    overlays = overlay_explained(explanation.images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
+    overlays = overlay_explained(images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
     if figure is None:
@@ -270,19 +269,17 @@ def explanation_figure(
     axes = figure.subplots(rows, count, squeeze=False)
     for image_index in range(count):
         if show_original:
-            axes[0, image_index].imshow(explanation.images[image_index].numpy(), interpolation="nearest")
+            axes[0, image_index].imshow(np.asarray(images[image_index]), interpolation="nearest")
             heading = image_titles[image_index] if image_titles is not None else f"image {image_index}"
             axes[0, image_index].set_title(heading, fontsize=9, parse_math=False)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
             axis.imshow(overlays[image_index, target_index], interpolation="nearest")
-            text = (explanation.title(image_index, target_index) if map_titles is None
-                    else map_titles[image_index][target_index])
-            axis.set_title(text, fontsize=9, parse_math=False)
+            axis.set_title(map_titles[image_index][target_index], fontsize=9, parse_math=False)
     for axis in axes.flat:
         axis.set_axis_off()
     if title != "":
-        figure.suptitle(explanation.description() if title is None else title, fontsize=10, parse_math=False)
+        figure.suptitle(title, fontsize=10, parse_math=False)
     return figure
 
 

@@ -21,7 +21,7 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
-from .checks import check_finite
+from ..core.checks import check_finite
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -481,7 +481,7 @@ def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> Prepa
     if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
         batch = batch.clone()
     batch = batch.to(dtype)
-    check_finite(batch, _non_finite_input)  # decided at the end of an explainer call (explain.checks)
+    check_finite(batch, _non_finite_input)  # decided at the end of an explainer call (explain.core.checks)
     return PreparedInputs(batch=batch, display=display)
 
 

@@ -1,0 +1,100 @@
+"""Passes through the model: how many rows each takes, what to say when one runs out of memory, and the precision it
+runs in."""
+
+from __future__ import annotations
+
+import numbers
+from typing import (
+    Optional,
+)
+
+import torch
+from torch import Tensor, nn
+
+ROWS_PER_PASS = {"cpu": 16}
+"""Rows (path points, noisy or reference copies of the images) per forward/backward pass when a
+method's ``batch_size`` is None, by device type; 256 on other devices (GPUs). On the CPU, passes of
+16 rows cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the time of 32-row
+passes on resnet18, 0.63× on resnet50; per-row costs by pass size in benchmarks/RESULTS.md, "Memory
+layout of the model's input"). On a GPU each pass has a fixed cost (kernel launches, Python) that
+small passes do not spread: on an H200, Captum's single 256-row pass of Integrated Gradients took
+0.62× the time of eight 32-row passes (benchmarks/RESULTS.md, "Attribution methods next to their
+peers (CUDA)"). A pass that runs out of memory is run again in halves (``Explainer.row_passes``)."""
+
+
+def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
+    """``batch_size`` as a method takes it: None (automatic, see ``rows_per_pass``) or an int ≥ 1."""
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be None (chosen for the device) or an int of at least 1; "
+                         f"got {batch_size!r}.")
+    return int(batch_size)
+
+
+def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
+    """The rows per forward/backward pass: ``batch_size`` if given, else ``ROWS_PER_PASS`` for the device."""
+    return batch_size if batch_size is not None else ROWS_PER_PASS.get(device.type, 256)
+
+
+PROGRESS_THRESHOLD = 8
+"""With ``progress=None`` a bar is shown when a call needs more passes through the model than this."""
+
+
+def out_of_memory_error(error: BaseException, method: str, device: torch.device, rows: int,
+                        batch_size: Optional[int]) -> BaseException:
+    """The error to raise when a pass of ``rows`` rows ran out of memory and cannot be made smaller:
+    ``error`` with what was tried and what to do, as torch's OutOfMemoryError or a RuntimeError as it
+    was (an error of the model's own type is returned as it is, with the advice as a note on Python 3.11+)."""
+    if batch_size is not None and batch_size > 1:
+        hint = f"batch_size={batch_size} was given: pass a smaller one"
+    else:
+        hint = "even one row at a time: explain fewer images per call, use smaller inputs, or another device"
+    advice = f"{method} ran out of memory on {device} at {rows} row{'s' if rows > 1 else ''} per pass ({hint})."
+    if type(error) in (torch.cuda.OutOfMemoryError, RuntimeError):
+        return type(error)(f"{error}\n{advice}")
+    if hasattr(error, "add_note"):
+        error.add_note(advice)
+    return error
+
+
+def check_parameters_usable(model: nn.Module, cause: Optional[BaseException] = None) -> None:
+    """Refuse a model whose parameters were created inside ``torch.inference_mode()``: autograd
+    cannot record operations on them, so no gradient-based map can be computed. cause: the error autograd raised
+    (explainer calls check when one is raised; a method that needs no gradient works with such parameters)."""
+    if any(parameter.is_inference() for parameter in model.parameters()):
+        raise RuntimeError(
+            "the model's parameters were created inside torch.inference_mode() (inference tensors), which "
+            "autograd cannot use. Build or load the model outside inference_mode (calling explain inside "
+            "inference_mode is fine), or clone its parameters: model.load_state_dict({k: v.clone() for k, v "
+            "in model.state_dict().items()}) outside it."
+        ) from cause
+
+
+REDUCED_PRECISIONS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` computes in on this device type in this thread, or None when it is off."""
+    try:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return dtype if enabled else None
+
+
+def reduced_precision(model: nn.Module, batch: Tensor) -> Optional[str]:
+    """How the model computes when it is not float32/float64: "bfloat16 (torch.autocast)", "float16 (the
+    model's dtype)", ...; None when it computes in full precision."""
+    autocast = autocast_dtype(batch.device.type)
+    if autocast in REDUCED_PRECISIONS:
+        return f"{REDUCED_PRECISIONS[autocast]} (torch.autocast)"
+    for parameter in model.parameters():
+        if parameter.dtype in REDUCED_PRECISIONS:
+            return f"{REDUCED_PRECISIONS[parameter.dtype]} (the model's dtype)"
+    if batch.dtype in REDUCED_PRECISIONS:
+        return f"{REDUCED_PRECISIONS[batch.dtype]} (the input's dtype)"
+    return None

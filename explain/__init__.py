@@ -37,6 +37,7 @@ from .io.loaded_model import LoadedModel
 from .io.render import colorize, overlay
 from .methods import (
     CAM,
+    DRISE,
     FEM,
     ISCAM,
     LRP,
@@ -77,6 +78,7 @@ from .methods import (
     LayerConductance,
     LayerIntegratedGradients,
     LeGrad,
+    ODAM,
     RandomCAM,
     Saliency,
     ScoreCAM,
@@ -110,6 +112,8 @@ __all__ = [
     # relevance propagation and transformers
     "LRP", "AttnLRP", "AttentionRollout", "GradientAttentionRollout", "TransformerAttribution", "AttnLRPRollout",
     "LeGrad", "GenerationExplainer",
+    # object detectors, one map per detected instance (every method takes explain(image, instances=...))
+    "ODAM", "DRISE",
     # every method by name, and what they share
     "Explainer", "REGISTRY", "get_method",
     # what to explain: targets and hidden units

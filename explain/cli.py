@@ -49,7 +49,9 @@ from .core.targets import SegmentationTarget, Target, class_index
 from .dataset_tools.batch import merge_shard_indexes, run
 from .dataset_tools.pipeline import default_workers
 from .dataset_tools.run_folder import Shard, write_atomically
+from .detection.instances import InstanceSpec
 from .io.explanation import Explanation
+from .io.inputs import open_image
 from .io.loaded_model import LoadedModel
 from .methods import REGISTRY, Explainer, get_method
 from .methods.signatures import parameter_docs
@@ -226,11 +228,16 @@ def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]) -> O
 def command_line_target(arguments: argparse.Namespace, loaded: LoadedModel) -> Target:
     """--target / --topk for the loaded model: a class index for a classifier; for a segmentation
     model, a SegmentationTarget (the class's logits summed over the pixels predicted as it)."""
-    index = parse_target(arguments.target, loaded.class_names)
     if loaded.task == "detection":
-        raise ValueError(f"{loaded.name} is a detection model: the command line explains classes and segmentation "
-                         "classes only. Explain a detection in Python with explain.DetectionTarget(box, class_index) "
-                         "(see 'Detection, segmentation and embeddings' in the docs).")
+        if arguments.target is not None or arguments.topk is not None:
+            raise ValueError(f"{loaded.name} is a detection model: it explains detected instances, one map each; "
+                             "choose them with --instances (all, K for the K highest-scoring, a score threshold in "
+                             "(0, 1), or boxes x0,y0,x1,y1;...), not --target / --topk.")
+        return None
+    if arguments.instances is not None:
+        raise ValueError(f"--instances explains the detections of a detector; {loaded.name} is a {loaded.task} model: "
+                         "give --target CLASS or --topk K.")
+    index = parse_target(arguments.target, loaded.class_names)
     if loaded.task == "segmentation":
         if arguments.topk is not None:
             raise ValueError(f"--topk ranks the classes of a classifier; {loaded.name} is a segmentation model: give "
@@ -240,6 +247,33 @@ def command_line_target(arguments: argparse.Namespace, loaded: LoadedModel) -> T
                              "map explains that class's logits summed over the pixels predicted as it.")
         return SegmentationTarget(index)
     return index
+
+
+def parse_instances(text: Optional[str], loaded: LoadedModel) -> Optional[InstanceSpec]:
+    """--instances for a detector ("all" when not given): all, K, a score threshold in (0, 1), or boxes
+    "x0,y0,x1,y1;x0,y0,x1,y1" in the model input's pixels. None for other models."""
+    if loaded.task != "detection":
+        return None
+    if text is None or text == "all":
+        return "all"
+    if ";" in text or text.count(",") == 3:
+        try:
+            boxes = [[float(value) for value in box.split(",")] for box in text.split(";") if box.strip()]
+        except ValueError:
+            boxes = []
+        if not boxes or any(len(box) != 4 for box in boxes):
+            raise ValueError(f"--instances {text!r}: boxes are four numbers x0,y0,x1,y1 each, separated by ';'.")
+        return torch.tensor(boxes)
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"--instances takes all, K (the K highest-scoring detections), a score threshold in (0, 1) "
+                         f"or boxes x0,y0,x1,y1;...; got {text!r}.") from None
+    if number.is_integer() and number >= 1:
+        return int(number)
+    if 0 < number < 1:
+        return number
+    raise ValueError(f"--instances {text!r}: K must be a whole number ≥ 1, a threshold in (0, 1).")
 
 
 def check_takes_images_alone(loaded: LoadedModel) -> None:
@@ -309,7 +343,8 @@ def run_settings(arguments: argparse.Namespace, image: str) -> dict[str, Any]:
             "output": arguments.output, "class_names": _resolved(arguments.class_names),
             "size": arguments.size, "mean": arguments.mean, "std": arguments.std,
             "method": get_method(arguments.method).name, "layer": arguments.layer, "target": arguments.target,
-            "topk": arguments.topk, "options": sorted(arguments.option), "alpha": arguments.alpha,
+            "topk": arguments.topk, "instances": arguments.instances, "options": sorted(arguments.option),
+            "alpha": arguments.alpha,
             "cmap": arguments.cmap}
 
 
@@ -327,6 +362,8 @@ def output_file_name(arguments: argparse.Namespace, stem: str) -> str:
         parts.append("t" + _slug(arguments.target))
     if arguments.topk is not None:
         parts.append(f"top{arguments.topk}")
+    if arguments.instances is not None:
+        parts.append("i" + _slug(arguments.instances))
     options = _slug("_".join(sorted(arguments.option)))
     readable_options = len(options) <= 40
     if readable_options:
@@ -346,10 +383,9 @@ SETTINGS_KEY = "explain-settings"
 
 
 def _recorded_settings(path: Path) -> Optional[str]:
-    from PIL import Image
 
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             return getattr(image, "text", {}).get(SETTINGS_KEY)
     except Exception:  # not an image, unreadable: not ours
         return None
@@ -395,12 +431,13 @@ def run_images(arguments: argparse.Namespace) -> int:
     loaded.model.to(device)
     explainer = make_explainer(arguments.method, loaded, arguments.layer, arguments.option)
     target = command_line_target(arguments, loaded)
+    instances = parse_instances(arguments.instances, loaded)
     mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for path, stem in zip(arguments.images, output_names(arguments.images)):
         try:  # an image that cannot be read or explained is reported, and the others are explained
-            explanation = explainer.explain(path, target=target, topk=arguments.topk)
+            explanation = explainer.explain(path, target=target, topk=arguments.topk, instances=instances)
             destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
                                                run_settings(arguments, path), arguments.alpha, arguments.cmap)
         except (ValueError, TypeError, LayerNotRunError, ModelInputError, OSError) as error:
@@ -940,6 +977,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     method.add_argument("--layer", help="target layer for CAM methods, e.g. layer4 (default: chosen automatically)")
     method.add_argument("--target", help="class index or name to explain (default: the top class)")
     method.add_argument("--topk", type=positive_int, help="explain the k top classes of each image")
+    method.add_argument("--instances", metavar="SPEC",
+                        help="for a detector: the detected instances to explain, one map each: all (the default), "
+                        "K (the K highest-scoring), a score threshold in (0, 1), or boxes x0,y0,x1,y1;...")
     method.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a method option, e.g. --option steps=64 --option baseline=blur (repeatable; "
                         "`explain methods NAME` lists a method's options)")

@@ -46,6 +46,7 @@ from torch import nn
 
 from .core.targets import OutputSelector, model_class_names
 from .data.demo import DemoNet, load_demo_model
+from .data.demo_detector import DETECTOR_CAM_LAYER, DemoDetector, load_demo_detector
 from .data.demo_vit import DemoViT, load_demo_vit
 from .data.demo_vit2 import DemoViT2, load_demo_vit2
 from .data.demo_watermark import load_watermark_demo
@@ -63,11 +64,13 @@ HF_TASK_HEADS = {"ForImageClassification": "classification", "ForSemanticSegment
 """The endings of HuggingFace task model class names, and the task each names."""
 DEMO_MODELS: dict[str, tuple[type[nn.Module], Callable[[], nn.Module]]] = {
     "demo": (DemoNet, load_demo_model), "demo-vit": (DemoViT, load_demo_vit), "demo-vit2": (DemoViT2, load_demo_vit2),
-    "demo-watermark": (DemoNet, load_watermark_demo)}
+    "demo-watermark": (DemoNet, load_watermark_demo), "demo-detector": (DemoDetector, load_demo_detector)}
 """The shipped models: name → (architecture, loader of the trained weights)."""
-SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', 'demo-watermark', a torchvision model name (resnet50), 'timm:NAME' "
-                "(timm:vit_small_patch16_224), 'hf:ID_OR_DIRECTORY' (a HuggingFace model) or a file holding a "
-                "whole model")
+SOURCES_TEXT = ("'demo', 'demo-vit', 'demo-vit2', 'demo-watermark', 'demo-detector', a torchvision model name "
+                "(resnet50), 'timm:NAME' (timm:vit_small_patch16_224), 'hf:ID_OR_DIRECTORY' (a HuggingFace model), "
+                "'yolo:FILE' (an Ultralytics YOLO .yaml or .pt) or a file holding a whole model")
+YOLO_INPUT_SIZE = 640
+"""The input size of the Ultralytics YOLO models: images resized to 640 × 640, RGB in [0, 1] (no mean or std)."""
 
 
 HUB_PROBE_SECONDS = 3.0
@@ -147,7 +150,7 @@ def load_model(
     if weights == RANDOM_WEIGHTS and source.startswith("hf:"):
         raise ValueError(f"weights={RANDOM_WEIGHTS!r} is for an architecture (a torchvision or timm name); "
                          f"{source!r} brings its own weights.")
-    if num_classes is not None and not (source.startswith(("timm:", "torchvision:"))
+    if num_classes is not None and not (source.startswith(("timm:", "torchvision:", "yolo:"))
                                         or source in torchvision.models.list_models() or source in DEMO_MODELS):
         raise ValueError(f"num_classes goes with an architecture (a torchvision or timm name, or a shipped model with "
                          f"a weights file); {source!r} brings its own classifier.")
@@ -155,6 +158,8 @@ def load_model(
         loaded = _load_demo(source, weights, num_classes, allow_pickle)
     elif source.startswith("timm:"):
         loaded = _load_timm(source.removeprefix("timm:"), weights, num_classes, allow_pickle)
+    elif source.startswith("yolo:"):
+        loaded = _load_ultralytics(source.removeprefix("yolo:"), weights, num_classes, allow_pickle)
     elif source.startswith("hf:"):
         loaded = _load_huggingface(source.removeprefix("hf:"), weights, output, allow_pickle)
     elif source.startswith("torchvision:") or source in torchvision.models.list_models():
@@ -229,6 +234,9 @@ def _load_demo(name: str, weights: Optional[str], num_classes: Optional[int] = N
         model = architecture(**head)
         load_state_dict(model, read_state_dict(Path(weights).expanduser(), allow_pickle), weights, name)
     names = list(CLASS_NAMES) if num_classes in (None, len(CLASS_NAMES)) else None
+    if name == "demo-detector":  # synthetic scenes of 96 px (explain.data.detection_scenes)
+        return LoadedModel(model, Normalize(), names, name, input_size=(3, 96, 96), default_layer=DETECTOR_CAM_LAYER,
+                           task="detection", random_weights=weights == RANDOM_WEIGHTS)
     return LoadedModel(model, Normalize(), names, name, input_size=(3, 64, 64),
                        default_layer="layer4" if name == "demo" else None, random_weights=weights == RANDOM_WEIGHTS)
 
@@ -491,6 +499,45 @@ def _load_whole_model(path: Path, allow_pickle: bool) -> LoadedModel:
             "more than tensors)."
         )
     return LoadedModel(loaded, Normalize(), None, path.name)
+
+
+def _load_ultralytics(spec: str, weights: Optional[str], num_classes: Optional[int], allow_pickle: bool
+                      ) -> LoadedModel:
+    """An Ultralytics YOLOv8 / YOLO11 detector: built from its .yaml with random weights (``num_classes`` classes,
+    80 by default), or its network read from a .pt checkpoint (a pickle: with allow_pickle only)."""
+    try:
+        from ultralytics.nn.tasks import DetectionModel
+    except ImportError as error:
+        raise ImportError("'yolo:' models need the ultralytics package. It declares the non-headless opencv-python, "
+                          "so install it without its dependencies: pip install --no-deps ultralytics && pip install "
+                          "pyyaml requests psutil polars ultralytics-thop") from error
+    if weights is not None:
+        raise ValueError(f"'yolo:{spec}' brings its own weights (a .pt) or none (a .yaml: random weights); leave out "
+                         "weights (--weights).")
+    random_weights = spec.endswith((".yaml", ".yml"))
+    if random_weights:
+        model: nn.Module = DetectionModel(spec, nc=num_classes or 80, verbose=False)
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"no YOLO checkpoint at {spec!r}: give a .pt file, or a model .yaml (e.g. "
+                                    "yolo:yolov8n.yaml) for random weights.")
+        if not allow_pickle:
+            raise ValueError(f"{spec} is a pickled Ultralytics checkpoint: loading it can run code from the file. If "
+                             "you trust it, pass allow_pickle=True (--allow-pickle).")
+        from ultralytics import YOLO
+
+        checkpoint: Any = YOLO(str(path))
+        model = checkpoint.model
+        if num_classes is not None:
+            raise ValueError("num_classes goes with a .yaml (random weights); a checkpoint has its own classes.")
+    names = getattr(model, "names", None)
+    class_names = [str(names[index]) for index in sorted(names)] if isinstance(names, dict) else None
+    preprocess = resizing_preprocess(Normalize(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)),
+                                     (YOLO_INPUT_SIZE, YOLO_INPUT_SIZE), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    return LoadedModel(model.float().eval(), preprocess, class_names, f"yolo:{spec}",
+                       input_size=(3, YOLO_INPUT_SIZE, YOLO_INPUT_SIZE), default_layer=None, task="detection",
+                       random_weights=random_weights)
 
 
 def _unknown_source_message(source: str) -> str:

@@ -320,16 +320,24 @@ def test_every_registered_method_runs_from_the_command_line(name, tmp_path, caps
     from PIL import Image
 
     from explain.data import make_dataset
+    from explain.data.detection_scenes import make_detection_scenes
 
     image = tmp_path / "shape.png"
-    Image.fromarray(make_dataset(1, seed=5).images[0]).save(image)
+    method = explain.get_method(name)
+    if method.explains_instances:  # a detector's method: the demo detector's two best detections in a scene
+        Image.fromarray(make_detection_scenes(1, seed=5).images[0]).save(image)
+        model, extra, size = "demo-detector", ["--instances", "2"], (192, 96, 3)
+    else:
+        Image.fromarray(make_dataset(1, seed=5).images[0]).save(image)
+        model, extra, size = ("demo-vit" if getattr(method, "needs_attention", False) else "demo"), [], (64, 64, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, no zero-gradient warning on the demo model
-        model = "demo-vit" if getattr(explain.get_method(name), "needs_attention", False) else "demo"
-        assert main([str(image), "--model", model, "--method", name, "--out", str(tmp_path)]) == 0
-    written = np.asarray(Image.open(tmp_path / f"shape_{name}_{model}.png"))
-    assert written.shape == (64, 64, 3) and written.std() > 1
-    assert "p=" in capsys.readouterr().out
+        options = ["--option", "masks=64"] if name == "drise" else []
+        assert main([str(image), "--model", model, "--method", name, "--out", str(tmp_path), *extra, *options]) == 0
+    written = np.asarray(Image.open(next(tmp_path.glob(f"shape_{name}_{model}*.png"))))
+    assert written.shape == size and written.std() > 1
+    printed = capsys.readouterr().out
+    assert ("#1 " in printed) if method.explains_instances else ("p=" in printed)
 
 
 def test_method_names_are_forgiving_and_unknown_names_are_explained():

@@ -8,7 +8,7 @@ import torchvision
 
 import explain
 
-CAMS = [cls for cls in explain.REGISTRY.values() if issubclass(cls, explain.CAM)]
+CAMS = [cls for cls in explain.REGISTRY.values() if issubclass(cls, explain.CAM) and not cls.explains_instances]
 FEW = {"sscam": {"samples": 2}, "iscam": {"steps": 2}, "sess": {"num_scales": 2}}
 
 

@@ -20,7 +20,8 @@ from torch import nn
 import explain
 from explain.methods.perturbation import PerturbationCAM
 
-ALL_METHODS = sorted(explain.REGISTRY)
+ALL_METHODS = sorted(name for name, cls in explain.REGISTRY.items() if not cls.explains_instances)
+"""The methods of classifiers; those made for detectors (ODAM, D-RISE) are checked in test_detection_reliability.py."""
 ATTENTION_METHODS = [name for name in ALL_METHODS if getattr(explain.get_method(name), "needs_attention", False)]
 CNN_METHODS = [name for name in ALL_METHODS if name not in ATTENTION_METHODS]
 

@@ -41,13 +41,23 @@ OutputSelector = Union[None, str, int, Callable[[Any], Any]]
 an index, or a callable output → scores."""
 
 
+def is_detector_output(output: Any) -> bool:
+    """Whether ``output`` holds detections' boxes with their class scores, as a whole: a transformers detector's
+    output (``logits`` and ``pred_boxes``) or a {"boxes": (N, P, 4), "scores": (N, P, C)} dict."""
+    if isinstance(getattr(output, "pred_boxes", None), Tensor) and isinstance(getattr(output, "logits", None), Tensor):
+        return True
+    return isinstance(output, Mapping) and all(isinstance(output.get(key), Tensor) and output[key].dim() == 3
+                                               for key in ("boxes", "scores"))
+
+
 def select_output(output: Any, selector: OutputSelector = None) -> Any:
     """The part of a model's output that targets are read from.
 
     Automatic (selector None): a tensor as it is; a dict's "out" (torchvision segmentation) or
     "logits" entry, or its only tensor; an object's ``.logits`` (HuggingFace ModelOutput); a
-    tuple's or list's first tensor; a list of dicts (torchvision detection) as it is, for a
-    callable target. A key, attribute name, index or callable picks explicitly.
+    tuple's or list's first tensor; a list of dicts (torchvision detection) and detectors' outputs
+    (``is_detector_output``) as they are, for a callable target. A key, attribute name, index or callable picks
+    explicitly.
     """
     if callable(selector):
         return selector(output)
@@ -61,6 +71,8 @@ def select_output(output: Any, selector: OutputSelector = None) -> Any:
         return output[selector]
     if isinstance(output, Tensor):
         return output
+    if is_detector_output(output):
+        return output  # boxes with their class scores: for an instance target (explain.detection)
     if isinstance(output, Mapping):
         for key in ("out", "logits"):
             if key in output:
@@ -113,6 +125,9 @@ class SelectedTargets:
         Returns (R, K). A callable target is applied to the rows as they are, so it must
         score each row on its own.
         """
+        rows_target = getattr(self.target_function, "scores_for_rows", None)
+        if rows_target is not None:  # a target whose scalar depends on the image each row is a copy of
+            return rows_target(output, image_index)
         if self.target_function is not None:
             scores = self.target_function(output)
             return scores.reshape(scores.shape[0], -1)
@@ -447,7 +462,10 @@ def select_targets(
         returned = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
         raise ValueError(
             f"class targets need a model output of shape (N, num_classes); this model returns {returned}. "
-            "Pass a callable target, f(output) -> Tensor[N], that selects the score to explain."
+            "Pass a callable target, f(output) -> Tensor[N], that selects the score to explain"
+            + (". For a detector, explain its detections: explain(image, instances='all' | k | a score threshold | "
+               "boxes)." if is_detector_output(output) or (isinstance(output, (list, tuple)) and output
+                                                           and isinstance(output[0], Mapping)) else ".")
         )
     count, num_classes = output.shape
     if batch_size is not None and count != batch_size:

@@ -21,6 +21,7 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
+from ..io.inputs import open_image
 from .demo import DemoNet, load_weights
 from .synthetic import CLASS_NAMES, WatermarkedData, make_watermark_dataset
 
@@ -72,7 +73,7 @@ def write_watermark_folder(folder: Union[str, Path], count: int = 400, seed: int
 def _holds(path: Path, image: np.ndarray) -> bool:
     """Whether ``path`` is a readable image of exactly these (H, W, 3) uint8 pixels."""
     try:
-        with Image.open(path) as existing:
+        with open_image(path) as existing:
             return existing.mode == "RGB" and np.array_equal(np.asarray(existing), image)
     except (OSError, ValueError):
         return False

@@ -48,7 +48,7 @@ import numpy as np
 from PIL import Image
 
 from ..io import render
-from ..io.inputs import upright
+from ..io.inputs import open_image, upright
 from .index import MapReader, read_index_contents
 from .run_folder import display_name, write_atomically
 from .run_record import RunRecord, read_run_record
@@ -399,7 +399,7 @@ def _make_thumbnails(job: _ThumbnailJob, size: int) -> bool:
     panels: Optional[list[Image.Image]] = None
     if job.overlay is not None:
         try:
-            with Image.open(job.overlay) as opened:
+            with open_image(job.overlay) as opened:
                 overlay = opened.convert("RGB")
             if overlay.width % count == 0:
                 width = overlay.width // count
@@ -456,7 +456,7 @@ def _panels_from_maps(maps: Optional[np.ndarray], source: Optional[Path], count:
     background: Optional[np.ndarray] = None
     if source is not None:
         try:
-            with Image.open(source) as opened:
+            with open_image(source) as opened:
                 side = 2 * max(shape)  # the stored picture may be turned: at least twice the thumbnail either way
                 opened.draft("RGB", (side, side))
                 shown = upright(opened).convert("RGB")  # as the maps were made (load_image turns it upright)

@@ -53,6 +53,8 @@ class Explanation:
         channels are reduced to one map (gradient and guided methods), else None.
     diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients
         (tensors; a few are lists of names, e.g. the "attention_blocks" of attention methods).
+    boxes: (N, K, 4) for detection explanations (``instances=``): the box of each explained instance, x0, y0, x1,
+        y1 in the input's pixels, NaN where an image has fewer instances than K; drawn over its map. Else None.
     """
 
     map_grid: Tensor
@@ -68,6 +70,7 @@ class Explanation:
     attributions: Optional[Tensor] = None
     diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     class_names: Optional[Sequence[str]] = field(default=None, repr=False)
+    boxes: Optional[Tensor] = None
 
     @property
     def images(self) -> Tensor:
@@ -119,6 +122,7 @@ class Explanation:
             probabilities=None if self.probabilities is None else pick(self.probabilities),
             attributions=None if self.attributions is None else pick(self.attributions),
             diagnostics={name: pick_diagnostic(value) for name, value in self.diagnostics.items()},
+            boxes=None if self.boxes is None else pick(self.boxes),
         )
 
     def __iter__(self) -> Iterator[Explanation]:
@@ -158,10 +162,13 @@ class Explanation:
         return selected.long().cpu() % max(count, 1)
 
     def title(self, image_index: int, target_index: int = 0) -> str:
-        """'class name (index): score' for one map."""
+        """'class name (index): score' for one map ('#k class name (index): score' for a detected instance)."""
+        if self.boxes is not None and bool(self.boxes[image_index, target_index].isnan().any()):
+            return "no instance"
+        prefix = f"#{target_index} " if self.boxes is not None else ""
         index = None if self.class_indices is None else int(self.class_indices[image_index, target_index])
         score = float(self.scores[image_index, target_index])
-        return f"{render.label_text(index, self.class_names)}: {score:.3g}"
+        return f"{prefix}{render.label_text(index, self.class_names)}: {score:.3g}"
 
     def description(self) -> str:
         """'method @ layer'."""
@@ -175,7 +182,18 @@ class Explanation:
         colours maps in [0, 1]; an image's signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle
         (``render.as_drawn``), here and in ``save``, ``figure``, ``show`` and the notebook display."""
         self._check_not_empty()
-        return render.overlay_explained(self.images, self.maps, alpha=alpha, cmap=cmap)
+        return self._overlays(self.maps, alpha, cmap)
+
+    def _overlays(self, maps: Tensor, alpha: float, cmap: str) -> np.ndarray:
+        """``render.overlay_explained`` of ``maps`` (the maps, or the map grid), with each explained instance's box
+        outlined on its own map where the explanation has boxes."""
+        overlays = render.overlay_explained(self.images, maps, alpha=alpha, cmap=cmap)
+        if self.boxes is None:
+            return overlays
+        boxes = self.boxes if maps.dim() == 4 else self.boxes[:, 0]
+        return np.stack([np.stack([render.draw_boxes(picture, box) for picture, box in zip(pictures, image_boxes)])
+                         if maps.dim() == 4 else render.draw_boxes(pictures, image_boxes)
+                         for pictures, image_boxes in zip(overlays, boxes)])
 
     def figure(
         self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
@@ -199,7 +217,7 @@ class Explanation:
             map_titles = [[self.title(image, target) for target in range(grid.shape[1])]
                           for image in range(grid.shape[0])]
         return render.overlay_figure(self.images, grid, map_titles, self.description() if title is None else title,
-                                     alpha=alpha, cmap=cmap, **layout)
+                                     alpha=alpha, cmap=cmap, boxes=self.boxes, **layout)
 
     def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: str = "jet", dpi: int = 150) -> Path:
         """Write the overlays to ``path``.
@@ -231,7 +249,7 @@ class Explanation:
         """The overlays as one RGB image at the input's resolution: images side by side, one row per
         target (what ``save`` writes to a raster file)."""
         self._check_not_empty()
-        overlays = render.overlay_explained(self.images, self.map_grid, alpha=alpha, cmap=cmap)
+        overlays = self._overlays(self.map_grid, alpha, cmap)
         return Image.fromarray(render.tile(overlays))
 
     def png(self, dpi: int = 80) -> bytes:

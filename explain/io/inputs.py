@@ -12,6 +12,7 @@ ndarrays, and go through the preprocess. For every input the toolkit keeps a dis
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -223,6 +224,18 @@ def resizing_preprocess(base: Preprocess, size: Optional[Sequence[int]], mean: O
     return TransformPreprocess(transforms.Compose(steps), mean, std)
 
 
+def open_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
+    """``PIL.Image.open``, as Pillow defines it. Importing Ultralytics replaces ``PIL.Image.open`` in the whole
+    process with a function that, on a file Pillow cannot identify, installs and imports the pi-heif package instead
+    of raising ``PIL.UnidentifiedImageError`` (a ModuleNotFoundError offline, a pip install online): a broken file is
+    then not reported as one. This calls Pillow's own function, which Ultralytics keeps as ``_image_open``."""
+    opener = Image.open
+    module = sys.modules.get(getattr(opener, "__module__", "") or "")
+    if module is not None and module.__name__.startswith("ultralytics"):
+        opener = getattr(module, "_image_open", opener)
+    return opener(path)
+
+
 def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     """Open an image file as an RGB PIL image, turned as viewers show it (its EXIF orientation applied: a phone
     photo stored sideways is explained upright); palette, grayscale and CMYK files are converted. The file is
@@ -231,7 +244,7 @@ def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {str(path)!r}.")
     try:
-        with Image.open(path) as opened:
+        with open_image(path) as opened:
             opened.load()
             image = upright(opened)
     except Image.DecompressionBombError as error:

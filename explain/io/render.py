@@ -78,6 +78,11 @@ def image_as_float(images: ArrayLike) -> Tensor:
     return tensor.clamp(0.0, 1.0)
 
 
+def as_uint8(images: ArrayLike) -> np.ndarray:
+    """RGB images, uint8 or float in [0, 1], → a uint8 ndarray of the same shape."""
+    return (image_as_float(images).numpy() * 255).round().astype(np.uint8)
+
+
 def map_as_float(maps: ArrayLike) -> Tensor:
     """Maps as a float tensor (CPU): uint8 maps (a heatmap read from an image file) are read as 0-255."""
     tensor = _as_float_tensor(maps)
@@ -145,6 +150,30 @@ def overlay_explained(images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cm
     if not pictures:
         raise ValueError("there is no image to draw.")
     return np.stack(pictures)
+
+
+BOX_COLOUR = (255, 255, 255)
+"""The outline of an explained instance's box drawn over its map (and on the image, with its label)."""
+
+
+def draw_boxes(pictures: np.ndarray, boxes: ArrayLike, labels: Optional[Sequence[str]] = None) -> np.ndarray:
+    """``pictures`` (H, W, 3) uint8 with each box of ``boxes`` (B, 4) x0, y0, x1, y1 in the picture's pixels outlined
+    (1 px, white on a dark edge); a box with a NaN coordinate is skipped. labels: one text per box, written above
+    it. Returns a new array."""
+    import cv2
+
+    drawn = np.ascontiguousarray(pictures.copy())
+    values = torch.as_tensor(boxes).detach().float().cpu().reshape(-1, 4)
+    for index, box in enumerate(values):
+        if bool(box.isnan().any()):
+            continue
+        x0, y0, x1, y1 = (int(round(float(value))) for value in box)
+        cv2.rectangle(drawn, (x0, y0), (x1 - 1, y1 - 1), (0, 0, 0), 3)
+        cv2.rectangle(drawn, (x0, y0), (x1 - 1, y1 - 1), BOX_COLOUR, 1)
+        if labels is not None and labels[index]:
+            cv2.putText(drawn, labels[index], (x0 + 1, max(y0 - 3, 8)), cv2.FONT_HERSHEY_PLAIN, 0.7, BOX_COLOUR, 1,
+                        cv2.LINE_AA)
+    return drawn
 
 
 def overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
@@ -238,9 +267,11 @@ def overlay_figure(
     show_original: bool = True,
     image_titles: Optional[Sequence[str]] = None,
     figure: Optional["Figure"] = None,
+    boxes: Optional[Tensor] = None,
 ) -> "Figure":
     """A matplotlib figure of maps over their images: one column per image, the image on top and one overlay per
-    map under it (what ``Explanation.figure`` draws).
+    map under it (what ``Explanation.figure`` draws). boxes: (N, K, 4) the box each map explains (detection):
+    outlined on its overlay, and all of an image's boxes, with the map titles, on the image.
 
     images: (N, H, W, 3) RGB, uint8 or float in [0, 1]; maps: (N, K, H, W) in [0, 1] (or signed, drawn on the
     diverging colour map). map_titles: one list per image of one text per map; title: the figure's title ("" for
@@ -259,6 +290,12 @@ def overlay_figure(
         raise ValueError(f"map_titles takes one list per image ({count}) of one text per target "
                          f"({targets_per_image}).")
     overlays = overlay_explained(images, maps, alpha=alpha, cmap=cmap)  # (N, K, H, W, 3)
+    pictures = [np.asarray(image) for image in images]
+    if boxes is not None:
+        overlays = np.stack([np.stack([draw_boxes(overlays[image, target], boxes[image, target])
+                                       for target in range(targets_per_image)]) for image in range(count)])
+        pictures = [draw_boxes(as_uint8(images[image]), boxes[image], [str(index) for index in range(
+            targets_per_image)]) for image in range(count)]
     rows = targets_per_image + int(show_original)
     size = (panel_size * count, panel_size * rows + 0.3)
     if figure is None:
@@ -269,7 +306,7 @@ def overlay_figure(
     axes = figure.subplots(rows, count, squeeze=False)
     for image_index in range(count):
         if show_original:
-            axes[0, image_index].imshow(np.asarray(images[image_index]), interpolation="nearest")
+            axes[0, image_index].imshow(pictures[image_index], interpolation="nearest")
             heading = image_titles[image_index] if image_titles is not None else f"image {image_index}"
             axes[0, image_index].set_title(heading, fontsize=9, parse_math=False)
         for target_index in range(targets_per_image):

@@ -22,6 +22,7 @@ from .cam import (
 )
 from .cam_wrappers import SESS, FinerCAM
 from .deeplift import DeepLift, DeepLiftShap
+from .detection import DRISE, ODAM
 from .expected_gradients import GradientShap
 from .factorization import DeepFeatureFactorization, Factorization
 from .fullgrad import FullGrad
@@ -40,6 +41,8 @@ from .transformer_attribution import AttnLRPRollout, TransformerAttribution
 from .xrai import XRAI, Felzenszwalb
 
 __all__ = [
+    "DRISE",
+    "ODAM",
     "XRAI",
     "LayerPathExplainer",
     "LayerIntegratedGradients",

@@ -44,6 +44,8 @@ from ..core.targets import (
     select_output,
 )
 from ..core.units import bind_units
+from ..detection.candidates import check_detector
+from ..detection.instances import InstanceSpec, InstanceTarget, detect
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
@@ -68,19 +70,27 @@ _progress_bars = threading.local()
 """``open``: how many explainers' progress bars this thread has open (an inner call shows none)."""
 
 
-def warn_about_precision(explainer: "Explainer", precision: Optional[str]) -> None:
+def warn_about_precision(explainer: "Explainer", precision: Optional[str], instances: bool = False) -> None:
     """One RuntimeWarning when a method whose maps are made of per-pixel gradients
     (``reads_pixel_gradients``) ran in reduced precision: those gradients carry its rounding, which no sum
-    in float32 can take back (CAMs average gradients over a layer and change by ≤ 0.02: no warning)."""
-    if precision is None or not explainer.reads_pixel_gradients():
+    in float32 can take back (CAMs average gradients over a layer and change by ≤ 0.02: no warning). instances:
+    the call differentiated detected instances' class scores, probabilities that round to 1 (so their gradient
+    to 0) in reduced precision: any gradient method warns."""
+    if precision is None or not (explainer.reads_pixel_gradients() or instances):
         return
     method = explainer.method_name
+    bits = 8 if precision.startswith('bfloat16') else 11
+    if instances and not explainer.reads_pixel_gradients():
+        reason = (f"a detected instance's class score is a probability, and one above 1 − 2^-{bits} rounds to 1, "
+                  "whose gradient is 0: its map can be empty or change entirely (by up to its maximum on a small "
+                  "test detector)")
+    else:
+        reason = ("per-pixel gradients, and maps made of them, differ from the float32 model's (on the shipped demo "
+                  "CNN by up to 0.2 of the map's maximum for saliency and guided backprop, 0.1 for Integrated "
+                  "Gradients and SmoothGrad, against ≤ 0.02 for Grad-CAM)")
     warnings.warn(
-        f"{method} ran in {precision}: the model's forward and backward passes round to "
-        f"{8 if precision.startswith('bfloat16') else 11} significant bits, so per-pixel gradients, and maps "
-        "made of them, differ from the float32 model's (on the shipped demo CNN by up to 0.2 of the map's maximum "
-        "for saliency and guided backprop, 0.1 for Integrated Gradients and SmoothGrad, against ≤ 0.02 for "
-        "Grad-CAM). The sums over steps and samples are kept in float64 and the maps returned in float32. For "
+        f"{method} ran in {precision}: the model's forward and backward passes round to {bits} significant bits, so "
+        f"{reason}. The sums over steps and samples are kept in float64 and the maps returned in float32. For "
         "float32 maps, call explain outside torch.autocast, or on a float32 copy of the model (model.float()).",
         RuntimeWarning, stacklevel=3)
 
@@ -135,6 +145,11 @@ class Explainer(ABC):
     """Registry name, as the command line's ``--method`` takes it."""
     needs_layer: ClassVar[bool] = False
     """Whether the constructor takes a target layer after the model (CAM methods)."""
+    uses_gradients: ClassVar[bool] = True
+    """Whether the method differentiates the model's scores (False: perturbations, attention, D-RISE)."""
+    explains_instances: ClassVar[bool] = False
+    """Whether the method explains detected instances only (``explain(image, instances=...)`` on a detector: ODAM,
+    D-RISE); the others explain classes and, on detectors, instances too."""
     scores_are_outputs: ClassVar[bool] = True
     """Whether ``Explanation.scores`` are the model's (selected) outputs for the classes explained (Finer-CAM's are
     its contrastive scores)."""
@@ -300,6 +315,7 @@ class Explainer(ABC):
         forward_kwargs: Optional[dict[str, Any]] = None,
         input_position: int | str = 0,
         per_image: Optional[PerImage] = None,
+        instances: Optional[InstanceSpec] = None,
     ) -> Explanation:
         """Explain N images for one or K targets each.
 
@@ -316,8 +332,16 @@ class Explainer(ABC):
             names in ``forward_kwargs``): a method that runs copies of the images gives each copy
             its image's row of these, and the whole of the others. ``[]``: all shared (CLIP's
             prompts). Needed by such methods when a tensor input has N rows, where it could be either.
+        instances: for a detector (torchvision, a transformers DETR-style model, an Ultralytics YOLO DetectionModel,
+            or a model returning {"boxes", "scores"}): explain detected instances, one map each: "all", an int k
+            (the k highest-scoring), a score threshold in (0, 1), boxes, or ``explain.detection.Instances`` (see
+            ``explain.detection.InstanceSpec``). Each instance is found again in every forward pass the method
+            makes (``explain.detection.InstanceTarget``); the Explanation's ``boxes`` hold their boxes. Not with
+            ``target`` or ``topk``.
         Returns an Explanation whose maps are (N, H, W), or (N, K, H, W) for K targets per image.
         """
+        if instances is not None:
+            check_detector(self.model)  # before the scope changes anything (the YOLO wrapper's train() trains)
         scope = CallScope(self.model)
         with scope, deferred_checks() as checks:  # the checks of values: one host sync, at the end of the call
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
@@ -333,6 +357,12 @@ class Explainer(ABC):
             scope.without_gradient_checkpointing(self.model, modules)
             if device.type == "cpu":  # torch's CPU BatchNorm backward (see _eval_batch_norm)
                 self.guard_batch_norm_gradients(scope, modules)
+            if instances is not None:
+                if target is not None or topk is not None:
+                    raise ValueError("give instances= (detected instances) or target= / topk=, not both.")
+                target = self.instance_target(prepared.batch, instances)
+            elif isinstance(target, InstanceTarget):
+                target = target.for_call()  # its counts of missing instances are this call's
             target = class_indices_for_names(target, self.class_names)
             target = bind_units(target, self.model, scope)  # a Channel / Neuron: its layer recorded for the call
             try:
@@ -350,14 +380,19 @@ class Explainer(ABC):
             checks.run()
             if any(empty):
                 warn_about_empty_maps(torch.tensor(empty).view(raw.shape[:2]), attribution, self.method_name)
-            if self.reads_pixel_gradients():
-                warn_about_precision(self, reduced_precision(self.model, prepared.batch))
+            if self.reads_pixel_gradients() or (isinstance(target, InstanceTarget) and self.uses_gradients):
+                warn_about_precision(self, reduced_precision(self.model, prepared.batch),
+                                     instances=isinstance(target, InstanceTarget))
             selected = attribution.selected
+            boxes, class_indices = None, selected.class_indices
+            if isinstance(target, InstanceTarget):
+                target.warn_about_missing(self.method_name)
+                boxes, class_indices = target.explained_boxes(), target.instances.classes
             return Explanation(
                 map_grid=normalize_maps(raw, self.normalize, extremes),
                 raw_map_grid=raw,
                 scores=without_graph(selected.scores).float(),
-                class_indices=selected.class_indices,
+                class_indices=class_indices,
                 display=prepared.display,
                 method=self.method_name,
                 layer=attribution.layer,
@@ -368,7 +403,15 @@ class Explainer(ABC):
                               else without_graph(attribution.attributions).contiguous()),
                 diagnostics=attribution.diagnostics,
                 class_names=self.class_names,
+                boxes=boxes,
             )
+
+    def instance_target(self, batch: Tensor, instances: InstanceSpec) -> InstanceTarget:
+        """The target of ``explain(..., instances=...)``: the instances found in ``batch`` (one forward pass without
+        a graph), each scored by its class score in every forward pass of the call."""
+        with torch.no_grad():
+            output = self.call_model(batch)
+        return InstanceTarget(detect(self.model, batch, instances, output), self.model, batch.shape[-2:])
 
     def guard_batch_norm_gradients(self, scope: CallScope, modules: list[nn.Module]) -> None:
         """On the CPU, for the call (``scope``): every BatchNorm module among ``modules`` (the model's) that the call

@@ -25,7 +25,7 @@ from ..core.rules import call_rules
 from ..core.scope import CallScope
 from ..core.targets import SelectedTargets, Target, select_targets
 from ..core.units import BoundUnits, UnitTarget
-from ..io.loaded_model import ModelSource
+from ..io.loaded_model import LoadedModel, ModelSource
 from ._eval_batch_norm import contiguous_batch_norm_gradients
 from .base import Explainer, PerThread
 from .maps import Attribution, Flags, flags_of, normalize_maps, upsample_maps
@@ -201,6 +201,8 @@ class CAM(Explainer):
         reshape: Reshape = None,
         **options: Unpack[ExplainerOptions],
     ):
+        if layer is None and isinstance(model, LoadedModel):
+            layer = model.default_layer  # the loaded model's own (the demos'), else chosen on the first call
         super().__init__(model, **options)
         if combine not in COMBINATIONS:
             raise ValueError(f"combine must be one of {COMBINATIONS}; got {combine!r}.")

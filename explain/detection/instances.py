@@ -1,0 +1,308 @@
+"""Detected instances and the scalar explained for each: found again in every forward a method makes.
+
+A detection is (box, class, score). A method explaining it runs the detector on the image, and often on perturbed,
+masked or interpolated copies, where boxes move. In every forward, an instance's scalar is the class score of the
+candidate most similar to it (D-RISE's similarity of Petsiuk et al. 2021: IoU of the boxes × cosine of the class
+vectors × objectness), among the candidates whose box overlaps the instance's by at least ``min_iou``. Where none
+does, the instance has disappeared from that forward: it is scored 0 there and the call says so (``missing``),
+never silently.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+from torchvision.ops import batched_nms, box_iou
+
+from ..core.caller import warn_at_callers_line
+from .candidates import Candidates, candidates_of, detector_family
+
+DEFAULT_SCORE_THRESHOLD = 0.3
+"""``instances="all"``: the detections whose score reaches this."""
+
+NMS_IOU = 0.5
+"""Detections of one class overlapping by more than this IoU are one instance (the higher score kept), for the
+families whose output is before non-maximum suppression (YOLO, the {"boxes", "scores"} models)."""
+
+QUANTITIES = ("score", "x0", "y0", "x1", "y1")
+"""What an ``InstanceTarget`` explains of its instance: its class score, or one coordinate of its box (ODAM's
+box maps)."""
+
+
+@dataclass
+class Instances:
+    """K instances per image of N images (padded where an image has fewer).
+
+    boxes: (N, K, 4) x0, y0, x1, y1 in the input's pixels; classes: (N, K) long; scores: (N, K) the detector's
+    scores (NaN where given by the caller); present: (N, K) bool, False for padding.
+    """
+
+    boxes: Tensor
+    classes: Tensor
+    scores: Tensor
+    present: Tensor
+
+    @property
+    def count(self) -> int:
+        """K, the instances per image (with padding)."""
+        return self.boxes.shape[1]
+
+
+InstanceSpec = Union[str, int, float, Tensor, Instances]
+"""What ``explain(..., instances=...)`` takes: "all" (every detection scoring at least
+``DEFAULT_SCORE_THRESHOLD``), an int k (each image's k highest-scoring detections, whatever their score), a float in
+(0, 1) (the detections scoring at least that), boxes ((K, 4) for every image or (N, K, 4), x0, y0, x1, y1 in the
+input's pixels: each explained as the class of the detection that overlaps it most), or ``Instances``."""
+
+
+def final_detections(candidates: Candidates, family: Optional[str], iou_threshold: float = NMS_IOU
+                     ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per image, the detector's final detections (boxes (D, 4), classes (D,), scores (D,)), highest score first: its
+    own output for torchvision (already after NMS and its score threshold), each query's best class for DETR-style
+    models (which need no NMS), each candidate's best class after per-class NMS for the others."""
+    found = []
+    with torch.no_grad():
+        for boxes, scores, valid in zip(candidates.boxes, candidates.scores, candidates.valid):
+            best, classes = scores[valid].max(dim=-1)
+            boxes = boxes[valid]
+            if family not in ("torchvision", "huggingface"):
+                kept = batched_nms(boxes.float(), best.float(), classes, iou_threshold)
+                boxes, best, classes = boxes[kept], best[kept], classes[kept]
+            order = best.argsort(descending=True)
+            found.append((boxes[order].detach(), classes[order], best[order].detach()))
+    return found
+
+
+def _padded(rows: list[tuple[Tensor, Tensor, Tensor]], device: torch.device) -> Instances:
+    count = max((len(classes) for _, classes, _ in rows), default=0)
+    images = len(rows)
+    boxes = torch.zeros(images, count, 4, device=device)
+    classes = torch.zeros(images, count, dtype=torch.long, device=device)
+    scores = torch.full((images, count), float("nan"), device=device)
+    present = torch.zeros(images, count, dtype=torch.bool, device=device)
+    for image, (image_boxes, image_classes, image_scores) in enumerate(rows):
+        found = len(image_classes)
+        boxes[image, :found] = image_boxes.float()
+        classes[image, :found] = image_classes
+        scores[image, :found] = image_scores.float()
+        present[image, :found] = True
+    return Instances(boxes, classes, scores, present)
+
+
+def select_instances(candidates: Candidates, family: Optional[str], spec: InstanceSpec) -> Instances:
+    """The instances ``spec`` names (see ``InstanceSpec``) among the detections of each image."""
+    device = candidates.boxes.device
+    if isinstance(spec, Instances):
+        return spec
+    if isinstance(spec, Tensor) or (isinstance(spec, (list, tuple)) and spec and not isinstance(spec, str)):
+        return _instances_at_boxes(candidates, torch.as_tensor(spec, dtype=torch.float32, device=device))
+    final = final_detections(candidates, family)
+    if isinstance(spec, str):
+        if spec != "all":
+            raise ValueError(f"instances must be 'all', an int k (top k), a score threshold in (0, 1), boxes or "
+                             f"Instances; got {spec!r}.")
+        threshold = DEFAULT_SCORE_THRESHOLD
+        return _padded([(b[s >= threshold], c[s >= threshold], s[s >= threshold]) for b, c, s in final], device)
+    if isinstance(spec, bool) or not isinstance(spec, numbers.Real):
+        raise TypeError(f"instances must be 'all', an int k, a score threshold, boxes or Instances; got "
+                        f"{type(spec).__name__}.")
+    if isinstance(spec, numbers.Integral):
+        if spec < 1:
+            raise ValueError(f"instances=k takes each image's k highest-scoring detections: k must be ≥ 1; got {spec}.")
+        return _padded([(b[:spec], c[:spec], s[:spec]) for b, c, s in final], device)
+    if not 0 < spec < 1:
+        raise ValueError(f"a score threshold for instances must be in (0, 1); got {spec}.")
+    return _padded([(b[s >= spec], c[s >= spec], s[s >= spec]) for b, c, s in final], device)
+
+
+def _instances_at_boxes(candidates: Candidates, boxes: Tensor) -> Instances:
+    """Boxes given by the caller, each with the class of the candidate that overlaps it most (score × IoU)."""
+    images = candidates.boxes.shape[0]
+    if boxes.dim() == 1:
+        boxes = boxes[None]
+    if boxes.dim() == 2:
+        boxes = boxes.expand(images, *boxes.shape)
+    if boxes.dim() != 3 or boxes.shape[-1] != 4 or boxes.shape[0] != images:
+        raise ValueError(f"boxes for instances must be (4,), (K, 4) for every image or (N, K, 4) with N = {images}, "
+                         f"x0, y0, x1, y1 in the input's pixels; got {tuple(boxes.shape)}.")
+    bad = ~torch.isfinite(boxes).all(dim=-1) | (boxes[..., 2] <= boxes[..., 0]) | (boxes[..., 3] <= boxes[..., 1])
+    if bad.any():
+        index = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"box {index} for instances is {boxes[index].tolist()}: a box must be finite x0, y0, x1, y1 "
+                         "in the input's pixels with x1 > x0 and y1 > y0.")
+    with torch.no_grad():
+        overlaps = torch.stack([box_iou(given, found.float()) for given, found in zip(boxes, candidates.boxes)])
+        agreement = overlaps[..., None] * candidates.scores.float()[:, None] * candidates.valid[:, None, :, None]
+        best = agreement.flatten(2).max(dim=-1)
+        classes = best.indices % candidates.classes
+    return Instances(boxes.clone(), classes, torch.full(classes.shape, float("nan"), device=boxes.device),
+                     best.values > 0)
+
+
+def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: Any = None) -> Instances:
+    """The instances ``spec`` names (``InstanceSpec``) in a prepared (N, C, H, W) batch, found with one forward pass
+    without a graph (or in ``output``, the model's output for ``batch``, when given)."""
+    if output is None:
+        with torch.no_grad():
+            output = model(batch)
+    family = detector_family(model)
+    candidates = candidates_of(output, model, batch.shape[-2:], family)
+    instances = select_instances(candidates, family, spec)
+    if instances.count == 0:
+        best = float(candidates.scores.max()) if candidates.scores.numel() else float("nan")
+        raise ValueError(f"no instance selected by instances={spec!r} in any image (no detection reaches the score "
+                         f"threshold, or no box was given; the highest score is {best:.3g}): give a lower threshold, "
+                         "or instances=k for each image's k highest-scoring detections.")
+    return instances
+
+
+class InstanceTarget:
+    """Target of an explanation: K detected instances per image, each scored in every forward by the candidate most
+    similar to it (see the module's docstring).
+
+    instances: the reference instances (``Instances``, in the input's pixels). model: the detector (its family says
+    how to read its output). input_size: (H, W) of the input. quantity: "score" (the matched candidate's class score)
+    or a box coordinate "x0", "y0", "x1", "y1" (ODAM's box maps). weight_by_iou: the class score times the IoU of
+    the matched box with the instance's (the box's agreement; in the graph through the box). min_iou: the overlap
+    below which a candidate is not the instance.
+    Called on the model's output for the N images, returns (N, K) scores; ``scores_for_rows`` scores copies.
+    """
+
+    def __init__(self, instances: Instances, model: nn.Module, input_size: Sequence[int], quantity: str = "score",
+                 weight_by_iou: bool = False, min_iou: float = 0.5):
+        if quantity not in QUANTITIES:
+            raise ValueError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}.")
+        if not 0 <= min_iou < 1:
+            raise ValueError(f"min_iou must be in [0, 1); got {min_iou!r}.")
+        self.instances = instances
+        self.model = model
+        self.family = detector_family(model)
+        self.input_size = tuple(int(size) for size in input_size)
+        self.quantity = quantity
+        self.weight_by_iou = bool(weight_by_iou)
+        self.min_iou = float(min_iou)
+        self.missing = torch.zeros(instances.present.shape, dtype=torch.long)
+        self.scored = torch.zeros(instances.present.shape, dtype=torch.long)
+
+    def for_call(self) -> InstanceTarget:
+        """A copy for one call: the same instances and settings, its own counts of missing instances (a target
+        given to several calls, or threads, counts each call alone)."""
+        return InstanceTarget(self.instances, self.model, self.input_size, self.quantity, self.weight_by_iou,
+                              self.min_iou)
+
+    def candidates(self, output: Any) -> Candidates:
+        """The candidates of the model's output (for rows of the input's size)."""
+        return candidates_of(output, self.model, self.input_size, self.family)
+
+    def similarity(self, candidates: Candidates, image_index: Tensor, gated: bool = True) -> tuple[Tensor, Tensor]:
+        """D-RISE's similarity of each candidate of each row to each instance of the row's image, (R, K, P):
+        IoU × cos(one-hot class, class vector) × objectness, 0 for padding and (``gated``) for candidates
+        overlapping less than ``min_iou`` (D-RISE's own weights are not gated); and the IoUs (R, K, P), in the
+        graph."""
+        references = self.instances.boxes[image_index.to(self.instances.boxes.device)]  # (R, K, 4)
+        boxes = candidates.boxes
+        overlaps = _pairwise_iou(references.to(boxes), boxes)  # (R, K, P)
+        classes = self.instances.classes[image_index.to(self.instances.classes.device)].to(boxes.device)
+        with torch.no_grad():
+            probabilities = candidates.probabilities.detach().float()
+            norms = probabilities.norm(dim=-1).clamp_min(1e-12)  # (R, P)
+            of_class = candidates.probabilities.detach().float().gather(
+                2, classes[:, None, :].expand(-1, probabilities.shape[1], -1).clamp(max=probabilities.shape[-1] - 1)
+            ).transpose(1, 2)  # (R, K, P)
+            similarity = overlaps.detach().float() * of_class / norms[:, None] * candidates.objectness.detach()[:, None]
+            least = max(self.min_iou, 1e-12) if gated else 1e-12
+            usable = (overlaps.detach() >= least) & candidates.valid[:, None]
+            similarity = torch.where(usable, similarity, torch.zeros_like(similarity))
+        return similarity, overlaps
+
+    def scores_for_rows(self, output: Any, image_index: Tensor) -> Tensor:
+        """(R, K) the instances' scalars on the model's output for R rows, row r a copy of image ``image_index[r]``;
+        0 (in the graph) where an instance is not found, counted in ``missing``."""
+        candidates = self.candidates(output)
+        similarity, overlaps = self.similarity(candidates, image_index)
+        rows, count = similarity.shape[:2]
+        if similarity.shape[-1] == 0:
+            matched = torch.zeros(rows, count, dtype=torch.long, device=similarity.device)
+            found = torch.zeros(rows, count, dtype=torch.bool, device=similarity.device)
+        else:
+            best = similarity.max(dim=-1)
+            matched, found = best.indices, best.values > 0
+        classes = self.instances.classes[image_index.to(self.instances.classes.device)].to(matched.device)
+        if similarity.shape[-1] == 0:
+            values = candidates.scores.sum() * torch.zeros(rows, count, device=similarity.device)
+        elif self.quantity == "score":
+            scores = candidates.scores.gather(1, matched[..., None].expand(-1, -1, candidates.classes))  # (R, K, C)
+            values = scores.gather(2, classes[..., None].clamp(max=candidates.classes - 1))[..., 0]
+            if self.weight_by_iou:
+                values = values * overlaps.gather(2, matched[..., None])[..., 0].to(values.dtype)
+        else:
+            coordinate = QUANTITIES.index(self.quantity) - 1
+            values = candidates.boxes.gather(1, matched[..., None].expand(-1, -1, 4))[..., coordinate]
+        present = self.instances.present[image_index.to(self.instances.present.device)].to(found.device)
+        values = torch.where(found & present, values, values * 0)
+        with torch.no_grad():
+            index = image_index.cpu()
+            self.scored.index_add_(0, index, present.cpu().long())
+            self.missing.index_add_(0, index, (present & ~found).cpu().long())
+        return values
+
+    def __call__(self, output: Any) -> Tensor:
+        first = output[0] if isinstance(output, (list, tuple)) and self.family == "torchvision" else None
+        device = first["boxes"].device if isinstance(first, dict) else self.instances.boxes.device
+        return self.scores_for_rows(output, torch.arange(self.instances.present.shape[0], device=device))
+
+    def empty_regions(self, output: Any) -> Tensor:
+        """(N, K) bool: padding (an image with fewer instances than K) and instances not found in ``output``."""
+        with torch.no_grad():
+            candidates = self.candidates(output)
+            similarity, _ = self.similarity(candidates, torch.arange(candidates.boxes.shape[0],
+                                                                    device=candidates.boxes.device))
+            found = similarity.amax(dim=-1) > 0 if similarity.shape[-1] else torch.zeros(
+                similarity.shape[:2], dtype=torch.bool, device=similarity.device)
+        return ~(found & self.instances.present.to(found.device))
+
+    def empty_region_advice(self) -> str:
+        return ("no detection of the instance's class overlaps its box by the IoU min_iou="
+                f"{self.min_iou} (or the image has fewer instances than the others, padding its maps). Give the "
+                "instances the model detects (instances='all', a number, a score threshold), or lower min_iou")
+
+    def explained_boxes(self) -> Tensor:
+        """(N, K, 4) the instances' boxes, NaN for padding (``Explanation.boxes``)."""
+        boxes = self.instances.boxes.float().clone()
+        boxes[~self.instances.present] = float("nan")
+        return boxes
+
+    def warn_about_missing(self, method: str) -> None:
+        """One warning when instances disappeared from some of the forwards of the call (perturbed copies)."""
+        missing = (self.missing > 0) & (self.scored > self.missing)
+        if not missing.any():
+            return
+        pairs = missing.nonzero().tolist()
+        shown = ", ".join(f"({image}, {instance}): {int(self.missing[image, instance])} of "
+                          f"{int(self.scored[image, instance])}" for image, instance in pairs[:6])
+        warn_at_callers_line(
+            f"{method}: instances disappeared from some of the forward passes it made (perturbed or interpolated "
+            f"copies of the image: no candidate of the instance's class overlapped its box by IoU ≥ "
+            f"{self.min_iou}), and were scored 0 there. (image, instance): passes without it: {shown}"
+            f"{' …' if len(pairs) > 6 else ''}.", RuntimeWarning)
+
+    def __repr__(self) -> str:
+        return (f"InstanceTarget({self.instances.count} instance(s) per image, quantity={self.quantity!r}, "
+                f"weight_by_iou={self.weight_by_iou}, min_iou={self.min_iou})")
+
+
+def _pairwise_iou(references: Tensor, boxes: Tensor) -> Tensor:
+    """(R, K, 4) and (R, P, 4) x0, y0, x1, y1 → (R, K, P) IoU, differentiable in both."""
+    left_top = torch.maximum(references[:, :, None, :2], boxes[:, None, :, :2])
+    right_bottom = torch.minimum(references[:, :, None, 2:], boxes[:, None, :, 2:])
+    sides = (right_bottom - left_top).clamp(min=0)
+    intersection = sides[..., 0] * sides[..., 1]
+    area_references = ((references[..., 2] - references[..., 0]).clamp(min=0)
+                       * (references[..., 3] - references[..., 1]).clamp(min=0))
+    area_boxes = (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(min=0)
+    union = area_references[:, :, None] + area_boxes[:, None, :] - intersection
+    return intersection / union.clamp_min(1e-12)

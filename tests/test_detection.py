@@ -314,3 +314,34 @@ def test_a_broken_image_is_reported_as_one_after_ultralytics_replaced_pil_open(t
     broken.write_bytes(b"not an image")
     with pytest.raises(ValueError, match="could not be read as an image"):
         explain.load_image(broken)
+
+
+def test_each_instances_map_is_scored_against_its_own_box(images):
+    """``instance_boxes``: one row per present instance (padding left out), its box as the pixels it covers; the
+    localisation metrics then score each instance's map against its own box, as computed by hand."""
+    from explain.metrics import energy_pointing_game, instance_boxes, pointing_game
+
+    model = SmallDetector().eval()
+    found = detect(model, images, 2)
+    found.present[1, 1] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the padding's empty map is said
+        explanation = explain.ODAM(model, "features.4").explain(images, instances=found)
+    maps, boxes = instance_boxes(explanation)
+    assert maps.shape == (3, *SIZE) and boxes.shape == (3, 4)
+    rows = [(0, 0), (0, 1), (1, 0)]
+    for row, (image, instance) in enumerate(rows):
+        x0, y0, x1, y1 = explanation.boxes[image, instance].tolist()
+        inside = torch.zeros(SIZE, dtype=torch.bool)
+        top, bottom = max(int(np.floor(y0)), 0), min(int(np.ceil(y1)), 64)
+        left, right = max(int(np.floor(x0)), 0), min(int(np.ceil(x1)), 64)
+        inside[top:bottom, left:right] = True
+        mine = explanation.maps[image, instance]
+        assert torch.equal(maps[row], mine)
+        hit = inside.flatten()[mine.flatten().argmax()]
+        assert float(pointing_game(maps, boxes)[row]) == float(hit)
+        mass = float(mine.clamp_min(0)[inside].sum() / mine.clamp_min(0).sum())
+        assert float(energy_pointing_game(maps, boxes)[row]) == pytest.approx(mass, abs=1e-6)
+    with pytest.raises(ValueError, match="instances="):
+        plain = explain.Saliency(torch.nn.Conv2d(3, 2, 1)).explain(images, target=lambda out: out.mean((1, 2, 3)))
+        instance_boxes(plain)

@@ -182,8 +182,9 @@ SMALL = {
 LEFT_OUT = {"focus", "consistency"}
 """The metrics of explain.metrics that evaluate cannot run per image (the registry's docstring and
 docs/evaluation.md say why)."""
-HELPERS = {"boxes_to_masks", "make_mosaics", "noisy_linear_imputation", "patch_grid", "slic_segments", "spearman",
-           "ssim", "substrate_for", "confidence_change"}  # confidence_change is confidence_drop and _increase
+# confidence_change is confidence_drop and _increase
+HELPERS = {"boxes_to_masks", "instance_boxes", "make_mosaics", "noisy_linear_imputation", "patch_grid",
+           "slic_segments", "spearman", "ssim", "substrate_for", "confidence_change"}
 
 
 class Batch:

@@ -40,7 +40,7 @@
 | smooth_mprt (per stage) | [-1, 1] | lower after randomisation |
 """
 
-from ._common import boxes_to_masks
+from ._common import boxes_to_masks, instance_boxes
 from .axiomatic import Completeness, InputInvariance, completeness, input_invariance, non_sensitivity
 from .complexity import complexity, effective_complexity, sparseness
 from .faithfulness import (
@@ -116,6 +116,7 @@ __all__ = [
     "relative_output_stability",
     "relative_representation_stability",
     "boxes_to_masks",
+    "instance_boxes",
     "Completeness",
     "ConfidenceChange",
     "Curve",

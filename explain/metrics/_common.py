@@ -113,6 +113,28 @@ def boxes_to_masks(boxes: Tensor, size: Sequence[int]) -> Tensor:
     return (columns >= x0) & (columns <= x1) & (rows >= y0) & (rows <= y1)
 
 
+def instance_boxes(explanation: Explanation) -> tuple[Tensor, Tensor]:
+    """A detection explanation's maps and boxes, one row per explained instance, for the localisation metrics
+    (``pointing_game(*instance_boxes(e))``: each instance's map scored against its own box).
+
+    Returns (maps (M, H, W), boxes (M, 4)): the M instances present (padding left out), their boxes as the metrics
+    take them, whole inclusive pixel coordinates inside the image (the pixels the box covers: x0, y0 rounded down,
+    x1, y1 rounded up minus one, clipped to the image)."""
+    if explanation.boxes is None:
+        raise ValueError("instance_boxes takes the explanation of detected instances (explain(image, instances=...)); "
+                         "this explanation has no boxes. For a class's map, give the object's boxes or masks.")
+    maps = explanation.map_grid.flatten(0, 1)
+    boxes = explanation.boxes.flatten(0, 1).to(maps.device)
+    present = ~boxes.isnan().any(dim=-1)
+    maps, boxes = maps[present], boxes[present]
+    height, width = maps.shape[-2:]
+    limits = boxes.new_tensor([width - 1, height - 1, width - 1, height - 1])
+    covered = torch.cat([boxes[:, :2].floor(), boxes[:, 2:].ceil() - 1], dim=1)
+    covered = torch.minimum(covered.clamp(min=0), limits)
+    covered[:, 2:] = torch.maximum(covered[:, 2:], covered[:, :2])  # a box thinner than a pixel covers one pixel
+    return maps, covered.long()
+
+
 def as_masks(masks_or_boxes: Tensor, size: Sequence[int], count: int) -> Tensor:
     """(N, H, W) masks (any dtype, non-zero = inside) or (N, 4) boxes (``check_boxes``) → (N, H, W)
     bool masks, one for each of ``count`` maps. Refused, with what was wrong: another number of

@@ -49,6 +49,12 @@ class DemoNet(nn.Module):
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
+def save_half_weights(model: nn.Module, path: Path | str) -> None:
+    """Write ``model``'s state dict with its floating-point tensors in float16 (the shipped weights' format)."""
+    torch.save({name: value.half() if value.is_floating_point() else value
+                for name, value in model.state_dict().items()}, path)
+
+
 def load_weights(model: ModuleT, path: Path | str, what: str, script: str) -> ModuleT:
     """``model`` with the shipped weights at ``path`` (float16 ones read as float32), in eval mode, on the CPU; a
     missing file is a FileNotFoundError naming ``what`` and the ``python -m`` ``script`` that recreates it."""

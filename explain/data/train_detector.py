@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torchvision.ops import batched_nms, box_iou, generalized_box_iou_loss, sigmoid_focal_loss
 
+from .demo import save_half_weights
 from .demo_detector import DETECTOR_STRIDE, DETECTOR_WEIGHTS_PATH, DemoDetector, cell_centres, load_demo_detector
 from .detection_scenes import DETECTION_CLASS_NAMES, make_detection_scenes
 from .train import EVALUATION_SEED, fit_transformer, to_model_input
@@ -154,8 +155,7 @@ def main() -> None:
     started = time.perf_counter()
     model = train(arguments.samples, arguments.epochs, seed=arguments.seed)
     seconds = time.perf_counter() - started
-    torch.save({name: value.half() if value.is_floating_point() else value
-                for name, value in model.state_dict().items()}, arguments.out)
+    save_half_weights(model, arguments.out)
     recall, precision = evaluate(load_demo_detector(arguments.out))
     print(f"trained in {seconds:.0f} s; held-out recall@0.5 {recall:.3f}, precision@0.5 {precision:.3f} "
           f"(200 scenes of seed {EVALUATION_SEED}, score ≥ 0.3, NMS at IoU 0.5, float16 weights; classes "

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .demo import save_half_weights
 from .demo_vit import VIT_WEIGHTS_PATH, DemoViT, load_demo_vit
 from .synthetic import make_dataset
 from .train import TRAINING_SEED, accuracy, fit_transformer, to_model_input
@@ -60,8 +61,7 @@ def main() -> None:
     started = time.perf_counter()
     model = train(arguments.samples, arguments.epochs)
     seconds = time.perf_counter() - started
-    torch.save({name: value.half() if value.is_floating_point() else value
-                for name, value in model.state_dict().items()}, arguments.out)
+    save_half_weights(model, arguments.out)
     reloaded = load_demo_vit(arguments.out)
     print(f"trained in {seconds:.0f} s; held-out accuracy {accuracy(reloaded):.3f} (float16 weights); "
           f"weights written to {arguments.out}")

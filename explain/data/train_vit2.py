@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..io.inputs import Normalize
+from .demo import save_half_weights
 from .demo_vit2 import VIT2_WEIGHTS_PATH, DemoViT2, load_demo_vit2
 from .synthetic import make_dataset
 from .train import accuracy, fit_transformer
@@ -105,8 +106,7 @@ def main() -> None:
     started = time.perf_counter()
     model = train(arguments.samples, arguments.epochs, seed=arguments.seed)
     seconds = time.perf_counter() - started
-    torch.save({name: value.half() if value.is_floating_point() else value
-                for name, value in model.state_dict().items()}, arguments.out)
+    save_half_weights(model, arguments.out)
     reloaded = load_demo_vit2(arguments.out)
     print(f"trained in {seconds:.0f} s; held-out accuracy {accuracy(reloaded):.3f} (float16 weights); "
           f"weights written to {arguments.out}")

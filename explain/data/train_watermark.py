@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .demo import DemoNet
+from .demo import DemoNet, save_half_weights
 from .demo_watermark import (
     CORNER,
     SHARE,
@@ -152,8 +152,7 @@ def main(arguments: Optional[list[str]] = None) -> None:
         model = train(options.samples, options.epochs, seed=seed)
         seconds = time.perf_counter() - started
         if position == 0 and not options.no_save:
-            torch.save({name: value.half() if value.is_floating_point() else value
-                        for name, value in model.state_dict().items()}, options.out)
+            save_half_weights(model, options.out)
             model = load_watermark_demo(options.out)
             print(f"weights (float16) written to {options.out}")
         print(f"seed {seed}: trained in {seconds:.0f} s; {measure_watermark_use(model)}", flush=True)

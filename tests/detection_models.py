@@ -73,8 +73,17 @@ def rt_detr() -> nn.Module:
     config = transformers.RTDetrConfig(
         backbone_config=backbone, encoder_in_channels=[32, 64, 128], encoder_hidden_dim=32, d_model=32,
         encoder_ffn_dim=32, decoder_ffn_dim=32, decoder_layers=1, encoder_layers=1, num_queries=10, num_labels=3,
-        decoder_in_channels=[32, 32, 32], encoder_attention_heads=2, decoder_attention_heads=2, num_denoising=0)
-    return transformers.RTDetrForObjectDetection(config).eval()
+        decoder_in_channels=[32, 32, 32], encoder_attention_heads=2, decoder_attention_heads=2, num_denoising=0,
+        initializer_range=0.1)
+    model = transformers.RTDetrForObjectDetection(config).eval()
+    # transformers draws batch-norm scales from N(0, initializer_range) (0.01 by default) and so does every
+    # convolution: a dozen such layers leave the scores depending on the image by gradients of ~1e-8, rounding's
+    # size. Wider weights and unit scales, as a trained model has, give gradients a by-hand check can see.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.BatchNorm2d, nn.LayerNorm)) and module.weight is not None:
+                module.weight.fill_(1.0)
+    return model
 
 
 def yolo(version: str = "yolov8n") -> nn.Module:

@@ -34,10 +34,9 @@ def detector(request):
     return request.param, build(), layer
 
 
-GRADIENT_FAMILIES = sorted(set(DETECTORS) - {"rt_detr"})
-"""The detectors whose random-weight scores have gradients to compare: RT-DETR's depend on the image by gradients of
-about 1e-8 at any layer (its decoder reads the image through queries chosen by top-k and detached, and computes its
-anchors in float32), the size of rounding, even in float64; it is checked by its scores and D-RISE instead."""
+GRADIENT_FAMILIES = sorted(DETECTORS)
+"""Every family: RT-DETR is built with weights wide enough for its gradients to rise above rounding
+(tests/detection_models.py)."""
 
 
 @pytest.fixture(scope="module", params=GRADIENT_FAMILIES)
@@ -74,7 +73,9 @@ def cam_by_hand(name, model, layer, image, box, label, element_wise: bool, relu:
     recorded = {}
     handle = module_named(model, layer).register_forward_hook(lambda module, args, out: recorded.update(a=out))
     try:
-        output = model(image[None].clone().requires_grad_())  # a graph also where the layer's parameters are frozen
+        # two rows of the image, row 0 read: torch 2.14's CPU BatchNorm backward is wrong for one row whose gradient
+        # arrives as tokens' (RT-DETR's decoder input projection; tests/test_issue39_batchnorm.py)
+        output = model(image[None].repeat(2, 1, 1, 1).requires_grad_())  # a graph also where parameters are frozen
     finally:
         handle.remove()
     activations = recorded["a"]
@@ -96,9 +97,9 @@ def test_per_instance_gradcam_equals_hooks_and_autograd_of_the_matched_instance(
         for instance in range(2):
             box, label = explanation.boxes[image, instance], int(explanation.class_indices[image, instance])
             expected = cam_by_hand(name, model, layer, images[image], box, label, element_wise=False)
-            scale = float(expected.abs().max()) or 1.0  # random weights: some detectors' maps are tiny
+            scale = float(expected.abs().max()) or 1.0  # maps of random weights are tiny; 5e-5: batch rounding
             torch.testing.assert_close(explanation.raw_maps[image, instance] / scale, expected / scale,
-                                       atol=1e-5, rtol=1e-4)
+                                       atol=5e-5, rtol=1e-4)
 
 
 def test_odam_equals_the_element_wise_map_of_the_matched_instance_min_max_normalised(gradient_detector, images):
@@ -108,7 +109,7 @@ def test_odam_equals_the_element_wise_map_of_the_matched_instance_min_max_normal
         box, label = explanation.boxes[0, instance], int(explanation.class_indices[0, instance])
         expected = cam_by_hand(name, model, layer, images[0], box, label, element_wise=True)
         scale = float(expected.abs().max()) or 1.0  # random weights: some detectors' maps are tiny
-        torch.testing.assert_close(explanation.raw_maps[0, instance] / scale, expected / scale, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(explanation.raw_maps[0, instance] / scale, expected / scale, atol=5e-5, rtol=1e-4)
         raw = explanation.raw_maps[0, instance]
         if raw.max() > raw.min():  # the authors' normalisation: min-max per map
             torch.testing.assert_close(explanation.maps[0, instance], (raw - raw.min()) / (raw.max() - raw.min()))

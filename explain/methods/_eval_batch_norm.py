@@ -8,7 +8,8 @@ contiguous gradient come out right. Every gradient method then gave an image exp
 image in a batch.
 
 ``contiguous_batch_norm_gradients`` gives every BatchNorm module of the model (``nn.BatchNorm1d/2d/3d`` and their
-subclasses, timm's ``BatchNormAct2d`` included) a forward hook for the call: on a one-row output that is in the graph
+subclasses, timm's ``BatchNormAct2d`` included, and InstanceNorm, which torch computes with the same kernel and
+gets wrong the same way) a forward hook for the call: on a one-row output that is in the graph
 it registers a tensor hook that makes the gradient arriving there contiguous before BatchNorm's own backward reads it.
 The output is the module's own tensor (rules that follow tensors, LRP's and DeepLIFT's, see nothing new), the backward
 is torch's (also twice differentiable, as Shapley-CAM needs), and a gradient that is already contiguous is passed on
@@ -34,8 +35,8 @@ def _contiguous_gradient_at_output(module: nn.Module, args: tuple[Any, ...], out
 
 
 def contiguous_batch_norm_gradients(scope: CallScope, modules: Iterable[nn.Module]) -> None:
-    """For the scope, each BatchNorm module's (of ``modules``) one-row output hands its backward a contiguous
-    gradient."""
+    """For the scope, each BatchNorm and InstanceNorm module's (of ``modules``) one-row output hands its backward a
+    contiguous gradient."""
     for module in modules:
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
             scope.forward_hook(module, _contiguous_gradient_at_output)

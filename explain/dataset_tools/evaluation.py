@@ -40,7 +40,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import metrics
+from ..core.capture import preserved_model_state
 from ..core.layers import default_layer
+from ..detection import Instances, InstanceSpec, detect
+from ..detection.candidates import check_detector
 from ..io.explanation import Explanation
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from ..methods.base import Explainer, progress_shown_by_caller
@@ -51,10 +54,13 @@ from .index import append_rows
 from .run_folder import write_atomically
 
 FIELDS = ["batch", "method", "metric", "image", "value", "seconds"]
+"""The values file's columns; "image" is the position in the batch (of the instance slot, image × K + instance, when
+a detector is evaluated per instance)."""
 SETTINGS_FILE = "evaluation.json"
 VALUES_FILE = "evaluation.csv"
-EvaluationBatch = Union[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
-"""(inputs (N, C, H, W) model input, labels (N,) class indices[, masks (N, H, W) bool of the objects or None])."""
+EvaluationBatch = Union[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor], Optional[Tensor]]]
+"""(inputs (N, C, H, W) model input, labels (N,) class indices (None for a detector's instances)[, masks (N, H, W)
+bool of the objects or None])."""
 
 
 @dataclass
@@ -78,6 +84,11 @@ class MetricInput:
         return torch.Generator().manual_seed(self.batch)
 
 
+DEFAULT_METRICS = ("deletion", "insertion", "road", "pointing_game", "sparseness")
+"""What ``evaluate`` computes when no metrics are named."""
+DEFAULT_INSTANCE_METRICS = ("instance_deletion", "instance_insertion", "instance_pointing_game", "instance_energy")
+"""What ``evaluate(..., instances=...)`` computes for a detector when no metrics are named."""
+
 Compute = Callable[[MetricInput], Tensor]
 """A metric's values for a batch: MetricInput → (N,) one value per image."""
 Adapter = Callable[..., Tensor]
@@ -91,7 +102,8 @@ class Metric:
     method's explanation (completeness needs input attributions: a CAM's values are NaN there, shown as "–").
 
     The registry's metrics also hold their ``options`` (the settings their ``adapter`` calls the function of
-    ``explain.metrics`` with), which ``with_options`` changes."""
+    ``explain.metrics`` with), which ``with_options`` changes. ``per_instance`` metrics score the instances of a
+    detector (``evaluate(..., instances=...)``): one value per explained instance, not per image."""
 
     name: str
     better: str
@@ -101,6 +113,7 @@ class Metric:
     applies: Callable[[Explanation], bool] = lambda explanation: True
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     adapter: Optional[Adapter] = None
+    per_instance: bool = False
 
     def with_options(self, **changes: Any) -> Metric:
         """This metric with other settings, e.g. ``METRICS["faithfulness_correlation"].with_options(runs=200)``.
@@ -138,10 +151,36 @@ def _bound(adapter: Adapter, options: Mapping[str, Any]) -> Compute:
 
 
 def _entry(name: str, better: str, measures: str, adapter: Adapter, *, needs_masks: bool = False,
-           applies: Optional[Callable[[Explanation], bool]] = None, **options: Any) -> Metric:
+           applies: Optional[Callable[[Explanation], bool]] = None, per_instance: bool = False,
+           **options: Any) -> Metric:
     """A registry entry: ``adapter`` called with ``options``."""
     return Metric(name, better, measures, _bound(adapter, options), needs_masks,
-                  applies if applies is not None else (lambda explanation: True), options=options, adapter=adapter)
+                  applies if applies is not None else (lambda explanation: True), options=options, adapter=adapter,
+                  per_instance=per_instance)
+
+
+def _per_instance(function: Callable[..., Tensor]) -> Adapter:
+    """For the detection metrics, whose M values are the instances present (``explain.metrics.instance_boxes``'
+    order): (N · K,) values, one per instance slot of the explanation (image-major), NaN for padding."""
+
+    def adapter(given: MetricInput, **options: Any) -> Tensor:
+        boxes = given.explanation.boxes
+        assert boxes is not None, "per-instance metrics run on explanations of instances"
+        present = ~boxes.isnan().any(dim=-1).flatten().cpu()
+        slots = torch.full((present.shape[0],), math.nan, dtype=torch.float64)
+        if bool(present.any()):
+            slots[present] = function(given, **options).detach().double().cpu().reshape(-1)
+        return slots
+
+    return adapter
+
+
+def _instance_curve(function: Callable[..., Any]) -> Callable[..., Tensor]:
+    return lambda given, **options: function(given.model, given.inputs, given.explanation, **options).area
+
+
+def _instance_localisation(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    return lambda given, **options: function(*metrics.instance_boxes(given.explanation), **options)
 
 
 def _scored(function: Callable[..., Any], pick: Optional[Callable[[Any], Tensor]] = None, *,
@@ -381,6 +420,17 @@ METRICS: dict[str, Metric] = {metric.name: metric for metric in [
            _localisation(metrics.top_k_intersection), needs_masks=True, k=1000),
     _entry("auc", "higher", "localisation: ROC AUC of the map as a detector of the object's pixels",
            _localisation(metrics.auc), needs_masks=True),
+    # detection: one value per explained instance (evaluate(..., instances=...))
+    _entry("instance_deletion", "lower", "detection: D-RISE's deletion, the instance's best similarity (IoU × class "
+           "cosine × objectness) to the detections as its most relevant pixels are zeroed (area, 16 steps)",
+           _per_instance(_instance_curve(metrics.instance_deletion)), per_instance=True, steps=16),
+    _entry("instance_insertion", "higher", "detection: D-RISE's insertion, the instance's best similarity to the "
+           "detections as its most relevant pixels are put back into a blurred image (area, 16 steps)",
+           _per_instance(_instance_curve(metrics.instance_insertion)), per_instance=True, steps=16),
+    _entry("instance_pointing_game", "higher", "detection: 1 where the instance's map peaks inside its own box",
+           _per_instance(_instance_localisation(metrics.pointing_game)), per_instance=True),
+    _entry("instance_energy", "higher", "detection: share of the instance map's positive relevance inside its own box",
+           _per_instance(_instance_localisation(metrics.energy_pointing_game)), per_instance=True),
     # complexity: how concentrated the map is
     _entry("sparseness", "higher", "complexity: Gini index of |map| (1: all relevance on one pixel)",
            _of_maps(metrics.sparseness)),
@@ -595,11 +645,25 @@ def _class_indices(labels: Any) -> Tensor:
     return tensor.long()
 
 
-def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int
-             ) -> Iterator[tuple[Tensor, Tensor, Optional[Tensor]]]:
+def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int, labels_needed: bool = True
+             ) -> Iterator[tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
     """The data as (inputs, labels, masks or None) batches: a single (inputs, labels[, masks]) tuple is cut into
     batches of ``batch_size``; an iterable (a DataLoader) gives its own batches. Masks may be numpy arrays; tensors
-    made inside the caller's ``torch.inference_mode()`` are copied into ordinary ones (autograd refuses them)."""
+    made inside the caller's ``torch.inference_mode()`` are copied into ordinary ones (autograd refuses them).
+    Without ``labels_needed`` (detectors' instances), the labels are not read: None is yielded."""
+    if not labels_needed:
+        if isinstance(data, Tensor):
+            data = (data, None)
+        if isinstance(data, tuple) and len(data) in (2, 3) and isinstance(data[0], Tensor):
+            data = [(data[0][start:start + batch_size], None) for start in range(0, data[0].shape[0], batch_size)]
+        for position, batch in enumerate(data):
+            inputs = batch if isinstance(batch, Tensor) else batch[0] if isinstance(batch, (tuple, list)) and batch \
+                else None
+            if not isinstance(inputs, Tensor) or inputs.dim() != 4:
+                raise ValueError(f"batch {position} of the data holds no (N, C, H, W) images: give images, "
+                                 "(images, None) or a DataLoader of (images, anything).")
+            yield _ordinary(inputs, None, None)
+        return
     if isinstance(data, tuple) and len(data) in (2, 3) and isinstance(data[0], Tensor):
         inputs, labels = data[0], _class_indices(data[1])
         masks = None if len(data) == 2 or data[2] is None else torch.as_tensor(data[2])
@@ -619,6 +683,65 @@ def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size
                              "image's class to explain and score.")
         masks = None if len(batch) == 2 or batch[2] is None else torch.as_tensor(batch[2])
         yield _ordinary(batch[0], torch.as_tensor(batch[1]), masks)
+
+
+def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Instances:
+    """The batch's instances (one forward pass without a graph, the model left as found); none (K = 0) where
+    nothing in the batch is selected."""
+    batch = inputs.to(_device_of(model))
+    with torch.no_grad(), preserved_model_state(model):
+        output = model(batch)
+    try:
+        return detect(model, batch, instances, output)
+    except ValueError as error:
+        if not str(error).startswith("no instance selected"):
+            raise
+    empty = torch.zeros(batch.shape[0], 0)
+    return Instances(empty[..., None].expand(-1, -1, 4), empty.long(), empty, empty.bool())
+
+
+def _check_kinds(model: nn.Module, chosen: list[Metric], instances: Optional[InstanceSpec]) -> None:
+    """Per-instance metrics with instances, per-image metrics without; a clear error for a mix, a classifier given
+    instances, or instances the evaluation cannot hold for every batch."""
+    if instances is None:
+        wrong = [metric.name for metric in chosen if metric.per_instance]
+        if wrong:
+            raise ValueError(f"the metrics {wrong} score detected instances: give instances= (\"all\", k, a score "
+                             "threshold) to evaluate a detector per instance.")
+        return
+    check_detector(model)
+    if isinstance(instances, Instances) or (isinstance(instances, Tensor) and instances.dim() != 2):
+        raise ValueError("evaluate takes instances as \"all\", k, a score threshold or (K, 4) boxes for every image "
+                         "(each batch's own are detected); Instances or (N, K, 4) boxes belong to one batch: explain "
+                         "it with explainer.explain(images, instances=...) and use explain.metrics directly.")
+    wrong = [metric.name for metric in chosen if not metric.per_instance]
+    if wrong:
+        per_instance = [name for name, metric in METRICS.items() if metric.per_instance]
+        raise ValueError(f"the metrics {wrong} score a class per image, not a detected instance; with instances= "
+                         f"use the per-instance metrics: {', '.join(per_instance)}.")
+
+
+def _instances_text(instances: InstanceSpec) -> str:
+    """How the record names the instances (boxes by their fingerprint)."""
+    if isinstance(instances, Tensor):
+        return f"boxes {_fingerprint([instances])}"
+    return repr(instances)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+
+
+def _named_method(name: str, module: nn.Module, parts: dict[str, Any], model: Union[nn.Module, LoadedModel]
+                  ) -> Explainer:
+    """The method ``name`` with its defaults on ``module``, with a loaded model's parts, and its CAM layer where the
+    loaded model names one (the demos' own: the demo detector's heads would otherwise be taken for the layer)."""
+    make = get_method(name)
+    options = dict(parts)
+    layer = model.default_layer if isinstance(model, LoadedModel) else None
+    if layer is not None and getattr(make, "needs_layer", False):
+        options["layer"] = layer
+    return make(module, **options)
 
 
 def _image_count(data: Union[EvaluationBatch, Iterable[EvaluationBatch]]) -> Optional[int]:
@@ -692,7 +815,7 @@ def _explainers(model: Union[nn.Module, LoadedModel],
             explainers[name] = explainer
     else:
         for method in methods:
-            explainer = get_method(method)(module, **parts) if isinstance(method, str) else method
+            explainer = _named_method(method, module, parts, model) if isinstance(method, str) else method
             if not isinstance(explainer, Explainer):
                 raise ValueError(f"method {method!r} is neither a method's name nor an explainer.")
             name = method if isinstance(method, str) else explainer.name
@@ -813,10 +936,10 @@ def _done(out: Path, settings: dict[str, Any], metric_names: Sequence[str]
 def evaluate(
     model: Union[nn.Module, LoadedModel],
     methods: Union[str, Explainer, Sequence[Union[str, Explainer]], Mapping[str, Explainer]],
-    data: Union[EvaluationBatch, Iterable[EvaluationBatch]],
-    metrics: Union[str, Metric, Sequence[Union[str, Metric]]] = ("deletion", "insertion", "road", "pointing_game",
-                                                                 "sparseness"),
+    data: Union[EvaluationBatch, Iterable[EvaluationBatch], Tensor],
+    metrics: Union[str, Metric, Sequence[Union[str, Metric]], None] = None,
     *,
+    instances: Optional[InstanceSpec] = None,
     out: Union[str, Path, None] = None,
     batch_size: int = 8,
     progress: bool = True,
@@ -825,11 +948,19 @@ def evaluate(
 
     model: a module, or what ``explain.load_model`` returns (the methods named then take its preprocessing, class
         names and output selector; the metrics score its module).
-    methods: registry names ("gradcam", ...; built with their defaults on ``model``), explainers, or a mapping
+    methods: registry names ("gradcam", ...; built with their defaults on ``model``, at a loaded model's own CAM
+        layer where it names one), explainers, or a mapping
         name → explainer. data: (inputs (N, C, H, W) model input, labels (N,)[, masks (N, H, W) bool]) or a
-        DataLoader of such batches, in a fixed order (resuming relies on it). metrics: names of ``METRICS`` or
-        ``Metric`` objects; localisation metrics need masks. out: a folder for the resumable record, the table
-        and the figure. batch_size: images per batch when ``data`` is one tuple.
+        DataLoader of such batches, in a fixed order (resuming relies on it); with ``instances``, also the images
+        alone, (images, None) or a DataLoader of (images, anything). metrics: names of ``METRICS`` or
+        ``Metric`` objects; localisation metrics need masks; None: ``DEFAULT_METRICS`` (``DEFAULT_INSTANCE_METRICS``
+        with ``instances``). out: a folder for the resumable record, the table and the figure. batch_size: images
+        per batch when ``data`` is one tuple.
+    instances: a detector evaluated per detected instance: "all", k, a score threshold or (K, 4) boxes for every
+        image (``explain.detection.InstanceSpec``). Each batch's instances are detected once and every method
+        explains those same instances; the labels may be None; the metrics are the per-instance ones
+        (``Metric.per_instance``), and a value is kept per instance slot (image × K + instance; NaN for an image
+        with fewer instances than K).
 
     A resumed run checks that it has the earlier run's methods (their names, explainer classes and settings),
     metrics, batch size, model (its parameters' fingerprint) and data (each batch's fingerprint, recorded before it
@@ -837,12 +968,16 @@ def evaluate(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
-    explainers, chosen = _explainers(model, methods), _metrics(metrics)
+    default = DEFAULT_METRICS if instances is None else DEFAULT_INSTANCE_METRICS
+    explainers, chosen = _explainers(model, methods), _metrics(default if metrics is None else metrics)
     if isinstance(model, LoadedModel):  # the explainers built on it hold its parts; the metrics need the module
         model = model.model
+    _check_kinds(model, chosen, instances)
     names = [metric.name for metric in chosen]
     settings: dict[str, Any] = {"methods": list(explainers), "metrics": names, "batch_size": batch_size,
                                 "explainers": [setting_text(explainer) for explainer in explainers.values()]}
+    if instances is not None:
+        settings["instances"] = _instances_text(instances)
     folder = None if out is None else Path(out)
     done: dict[tuple[int, str], list[dict[str, str]]] = {}
     record: Optional[dict[str, Any]] = None
@@ -858,9 +993,12 @@ def evaluate(
     seconds: dict[str, dict[str, float]] = {method: dict.fromkeys(names, 0.0) for method in explainers}
     with torch.inference_mode(False), progress_shown_by_caller(), \
             tqdm(desc="evaluate", unit="image", total=_image_count(data), disable=not progress) as bar:
-        _run(model, explainers, chosen, data, batch_size, done, per_batch, seconds, folder, record, bar)
+        _run(model, explainers, chosen, data, batch_size, done, per_batch, seconds, folder, record, bar, instances)
     if not per_batch:
         raise ValueError("the data holds no images.")
+    if instances is not None and not any(len(next(iter(batch.values()))) for batch in per_batch.values()):
+        raise ValueError(f"instances={instances!r} selects no instance in any image of the data: give a lower score "
+                         "threshold, or k for each image's k highest-scoring detections.")
     values = {method: {name: torch.cat([per_batch[key][name] for key in sorted(per_batch) if key[1] == method])
                        for name in names} for method in explainers}
     result = Evaluation(list(explainers), chosen, values, seconds)
@@ -877,10 +1015,13 @@ def _run(model: nn.Module, explainers: dict[str, Explainer], chosen: list[Metric
          data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size: int,
          done: dict[tuple[int, str], list[dict[str, str]]], per_batch: dict[tuple[int, str], dict[str, Tensor]],
          seconds: dict[str, dict[str, float]], folder: Optional[Path], record: Optional[dict[str, Any]],
-         bar: Any) -> None:
-    """Every batch × method: taken from an earlier run's rows, or explained and measured (``_evaluate_batch``)."""
+         bar: Any, instances: Optional[InstanceSpec] = None) -> None:
+    """Every batch × method: taken from an earlier run's rows, or explained and measured (``_evaluate_batch``).
+    With ``instances``, each batch's instances are detected first, and the values are per instance slot."""
     names = [metric.name for metric in chosen]
-    for index, (inputs, labels, masks) in enumerate(_batches(data, batch_size)):
+    for index, (inputs, labels, masks) in enumerate(_batches(data, batch_size, labels_needed=instances is None)):
+        found = None if instances is None else _detected(model, inputs, instances)
+        slots = len(inputs) if found is None else found.present.numel()
         if masks is None and any(metric.needs_masks for metric in chosen):
             needing = [metric.name for metric in chosen if metric.needs_masks]
             raise ValueError(f"the metrics {needing} need the objects' masks: give data as (inputs, labels, masks).")
@@ -888,7 +1029,7 @@ def _run(model: nn.Module, explainers: dict[str, Explainer], chosen: list[Metric
             assert folder is not None, "a record is kept with a folder"
             fingerprint, recorded = _fingerprint((inputs, labels, masks)), record["batches"].get(str(index))
             stored = [len(done[(index, method)]) // len(names) for method in explainers if (index, method) in done]
-            if (recorded is not None and recorded != fingerprint) or any(count != len(inputs) for count in stored):
+            if (recorded is not None and recorded != fingerprint) or any(count != slots for count in stored):
                 raise ValueError(f"batch {index} of the data differs from the one the evaluation in {folder} holds "
                                  f"(other images, labels or masks, another order, or {len(inputs)} images instead "
                                  "of the earlier run's); give the earlier data to resume it, or another folder.")
@@ -902,37 +1043,49 @@ def _run(model: nn.Module, explainers: dict[str, Explainer], chosen: list[Metric
                     name: torch.tensor([float(row["value"]) for row in rows if row["metric"] == name],
                                        dtype=torch.float64) for name in names}
                 for row in rows:
-                    seconds[method][row["metric"]] += float(row["seconds"]) / max(1, len(inputs))
+                    seconds[method][row["metric"]] += float(row["seconds"]) / max(1, slots)
+                continue
+            if slots == 0:  # no instance detected in the batch: nothing to explain or score
+                per_batch[(index, method)] = {name: torch.zeros(0, dtype=torch.float64) for name in names}
                 continue
             per_batch[(index, method)] = _evaluate_batch(model, explainer, chosen, inputs, labels, masks,
-                                                        seconds[method], folder, index, method)
+                                                        seconds[method], folder, index, method, found)
         bar.update(len(inputs))
 
 
-def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric], inputs: Tensor, labels: Tensor,
-                    masks: Optional[Tensor], seconds: dict[str, float], folder: Optional[Path], index: int,
-                    method: str) -> dict[str, Tensor]:
-    """One batch explained by one method and every metric computed on its maps; their rows appended in one write.
-    The batch goes to the model's device first (the first parameter's or buffer's; data are read on the CPU)."""
-    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
-    inputs, labels = inputs.to(device), labels.to(device)
+def _evaluate_batch(model: nn.Module, explainer: Explainer, chosen: list[Metric], inputs: Tensor,
+                    labels: Optional[Tensor], masks: Optional[Tensor], seconds: dict[str, float],
+                    folder: Optional[Path], index: int, method: str, found: Optional[Instances] = None
+                    ) -> dict[str, Tensor]:
+    """One batch explained by one method (for its labels, or the ``found`` instances) and every metric computed on
+    its maps; their rows appended in one write. The batch goes to the model's device first (the first parameter's or
+    buffer's; data are read on the CPU)."""
+    device = _device_of(model)
+    inputs = inputs.to(device)
     masks = None if masks is None else masks.to(device)
-    explanation = explainer.explain(inputs, target=labels)
+    if found is None:
+        assert labels is not None, "labels are read for class explanations"
+        labels = labels.to(device)
+        explanation = explainer.explain(inputs, target=labels)
+        slots = inputs.shape[0]
+    else:
+        explanation = explainer.explain(inputs, instances=found)
+        labels, slots = found.classes.flatten(), found.present.numel()
     given = MetricInput(model, explainer, inputs, explanation, labels, masks, index)
     values: dict[str, Tensor] = {}
     spent: dict[str, float] = {}
     for metric in chosen:
         started = time.perf_counter()
         if not metric.applies(explanation):
-            values[metric.name] = torch.full((inputs.shape[0],), math.nan, dtype=torch.float64)
+            values[metric.name] = torch.full((slots,), math.nan, dtype=torch.float64)
             spent[metric.name] = 0.0
             continue
         values[metric.name] = torch.as_tensor(metric.compute(given)).detach().double().cpu().reshape(-1)
         spent[metric.name] = time.perf_counter() - started
         seconds[metric.name] += spent[metric.name]
-        if values[metric.name].shape[0] != inputs.shape[0]:
+        if values[metric.name].shape[0] != slots:
             raise RuntimeError(f"metric {metric.name} gave {values[metric.name].shape[0]} values for "
-                               f"{inputs.shape[0]} images.")
+                               f"{slots} {'images' if found is None else 'instance slots'}.")
     if folder is not None:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

@@ -267,7 +267,7 @@ class InstanceTarget:
 
     def empty_region_advice(self) -> str:
         return ("no detection of the instance's class overlaps its box by the IoU min_iou="
-                f"{self.min_iou} (or the image has fewer instances than the others, padding its maps). Give the "
+                f"{self.min_iou}. Give the "
                 "instances the model detects (instances='all', a number, a score threshold), or lower min_iou")
 
     def explained_boxes(self) -> Tensor:

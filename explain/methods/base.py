@@ -379,7 +379,14 @@ class Explainer(ABC):
                                                                              self.method_name)))
             checks.run()
             if any(empty):
-                warn_about_empty_maps(torch.tensor(empty).view(raw.shape[:2]), attribution, self.method_name)
+                empty_maps = torch.tensor(empty).view(raw.shape[:2])
+                if isinstance(target, InstanceTarget):  # padding (an image with fewer instances) is empty by design
+                    present = target.instances.present.cpu()
+                    empty_maps = empty_maps & present
+                    if attribution.selected.empty_region is not None:
+                        attribution.selected.empty_region = attribution.selected.empty_region.cpu() & present
+                if bool(empty_maps.any()):
+                    warn_about_empty_maps(empty_maps, attribution, self.method_name)
             if self.reads_pixel_gradients() or (isinstance(target, InstanceTarget) and self.uses_gradients):
                 warn_about_precision(self, reduced_precision(self.model, prepared.batch),
                                      instances=isinstance(target, InstanceTarget))

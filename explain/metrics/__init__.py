@@ -18,6 +18,7 @@
 | random_logit (.similarity) | [-1, 1] | lower |
 | deletion (.area) | [0, 1] with probabilities | lower |
 | insertion (.area) | [0, 1] with probabilities | higher |
+| instance_deletion / instance_insertion (.area, per detected instance) | [0, 1] | lower / higher |
 | road, order="morf" (.area) | [0, 1] | lower |
 | road, order="lerf" (.area) | [0, 1] | higher |
 | confidence_change (.drop / .increase) | [0, 1] / {0, 1} | lower / higher |
@@ -43,6 +44,7 @@
 from ._common import boxes_to_masks, instance_boxes
 from .axiomatic import Completeness, InputInvariance, completeness, input_invariance, non_sensitivity
 from .complexity import complexity, effective_complexity, sparseness
+from .detection import instance_deletion, instance_insertion
 from .faithfulness import (
     ConfidenceChange,
     Curve,
@@ -117,6 +119,8 @@ __all__ = [
     "relative_representation_stability",
     "boxes_to_masks",
     "instance_boxes",
+    "instance_deletion",
+    "instance_insertion",
     "Completeness",
     "ConfidenceChange",
     "Curve",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -263,9 +263,32 @@ class _OutputRelevance(torch.autograd.Function):
         relevance = gradient * output
         rows = relevance.shape[0] if relevance.dim() else 0
         sums = _row_sums(relevance, rows)
-        if sums is not None:
-            ctx.passes.output_sums[ctx.passes.index] = sums
+        if sums is not None:  # summed over the output's tensors (a detector's boxes and scores)
+            earlier = ctx.passes.output_sums.get(ctx.passes.index)
+            same_rows = earlier is not None and earlier.shape == sums.shape
+            ctx.passes.output_sums[ctx.passes.index] = earlier + sums if same_rows else sums
         return relevance, None
+
+
+def _each_tensor(output: Any, function: Callable[[Tensor], Tensor]) -> Any:
+    """``output`` with ``function`` applied to each tensor in it: nested dicts (transformers' ModelOutput rebuilt as
+    its own type), lists and tuples (named tuples too); anything else as it is."""
+    if isinstance(output, Tensor):
+        return function(output)
+    if isinstance(output, Mapping):
+        items = {key: _each_tensor(value, function) for key, value in output.items()}
+        if type(output) is dict:
+            return items
+        try:
+            return type(output)(**items)
+        except TypeError:
+            return items
+    if isinstance(output, (list, tuple)):
+        values = [_each_tensor(value, function) for value in output]
+        if isinstance(output, tuple) and hasattr(output, "_fields"):
+            return type(output)(*values)
+        return type(output)(values) if type(output) in (list, tuple) else values
+    return output
 
 
 def _box_bound(bound: Tensor, inputs: Tensor, which: str) -> Tensor:
@@ -446,16 +469,28 @@ class _Trace(Rule):
 
     # -- after the forward
 
-    def start(self, output: Any) -> Tensor:
-        """The model's output, with the backward pass starting from R = output ⊙ ∂score/∂output."""
-        if not isinstance(output, Tensor) or not output.is_floating_point():
+    def start(self, output: Any) -> Any:
+        """The model's output, with the backward pass starting from R = output ⊙ ∂score/∂output: for a tensor of
+        scores, and for each floating-point tensor of a detector's output (a dict, a list, a transformers
+        ModelOutput), whose score is read from its structure (``explain.detection``)."""
+        if isinstance(output, Tensor) and output.is_floating_point():
+            return _OutputRelevance.apply(output, self.passes) if output.requires_grad else output
+        started = [False]
+
+        def start_tensor(tensor: Tensor) -> Tensor:
+            if not tensor.is_floating_point() or not tensor.requires_grad:
+                return tensor
+            started[0] = True
+            return _OutputRelevance.apply(tensor, self.passes)
+
+        structured = _each_tensor(output, start_tensor) if not isinstance(output, Tensor) else output
+        if not started[0]:
             raise ValueError(
                 f"LRP starts from the model's output scores, a floating-point tensor; this model returns "
-                f"{type(output).__name__}. Pass output= to select the tensor of scores."
+                f"{type(output).__name__}{'' if isinstance(output, Tensor) else ' holding none in the graph'}. Pass "
+                "output= to select the tensor of scores (or instances= for a detector)."
             )
-        if not output.requires_grad:
-            return output
-        return _OutputRelevance.apply(output, self.passes)
+        return structured
 
     def warn_about_gaps(self, output: Any, method: str) -> None:
         """Warn where the map is not LRP: calls without a rule, no linear layer, inputs outside the z^B box."""

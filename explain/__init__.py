@@ -51,6 +51,7 @@ from .methods import (
     AttnLRPRollout,
     BlurIG,
     ClassActivationMapping,
+    ConceptRelevance,
     Deconvnet,
     DeepFeatureFactorization,
     DeepLift,
@@ -112,6 +113,8 @@ __all__ = [
     # relevance propagation and transformers
     "LRP", "AttnLRP", "AttentionRollout", "GradientAttentionRollout", "TransformerAttribution", "AttnLRPRollout",
     "LeGrad", "GenerationExplainer",
+    # concepts: what the model saw (CRP)
+    "ConceptRelevance",
     # object detectors, one map per detected instance (every method takes explain(image, instances=...))
     "ODAM", "DRISE",
     # every method by name, and what they share

@@ -21,6 +21,7 @@ from .cam import (
     XGradCAM,
 )
 from .cam_wrappers import SESS, FinerCAM
+from .concepts import ConceptRelevance
 from .deeplift import DeepLift, DeepLiftShap
 from .detection import DRISE, ODAM
 from .expected_gradients import GradientShap
@@ -58,6 +59,7 @@ __all__ = [
     "AttentionMethod",
     "AttentionRollout",
     "AttnLRP",
+    "ConceptRelevance",
     "Attribution",
     "Deconvnet",
     "DeepFeatureFactorization",

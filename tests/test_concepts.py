@@ -1,0 +1,162 @@
+"""Concept Relevance Propagation (Achtibat et al. 2023) as specifications: a concept's conditional heatmap is LRP (or
+AttnLRP) with the relevance at the layer kept on that concept's channel alone — computed here by hand with a tensor
+hook that masks the relevance (LRP's backward carries relevance; AttnLRP's carries gradients, relevance being
+activation × gradient, so masking either masks the relevance) — on small CNNs and a ViT; over all concepts of a layer
+the conditional maps sum to the unconditional map; many conditions in one backward pass equal one each; the model is
+left as found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_state_equal, model_state
+from torch import nn
+
+import explain
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 5, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(5, 4)).eval()
+
+
+def small_vit() -> nn.Module:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=4).eval()
+
+
+CASES = {
+    "cnn-lrp": (small_cnn, "4", "lrp", {"composite": "epsilon_plus"}),
+    "cnn-attnlrp": (small_cnn, "4", "attnlrp", {}),
+    "vit-attnlrp": (small_vit, "blocks.0", "attnlrp", {}),
+}
+
+
+def masked_by_hand(model, layer: str, method: str, options: dict, image: torch.Tensor, label: int, concept: int,
+                   channel_dim: int) -> torch.Tensor:
+    """The method's input relevance (C, H, W) for ``label`` with a hook that zeroes the relevance (or, for AttnLRP,
+    the gradient) reaching ``layer``'s output on every channel but ``concept``."""
+    module = dict(model.named_modules())[layer]
+
+    def on_output(_module, _args, output):
+        if output.requires_grad:
+            shape = [1] * output.dim()
+            shape[channel_dim] = output.shape[channel_dim]
+            keep = torch.zeros(output.shape[channel_dim])
+            keep[concept] = 1
+            output.register_hook(lambda flowing: flowing * keep.view(shape))
+
+    # registered as the layer starts, after the method's hooks: AttnLRP hands on a rule's tensor for an activation's
+    # output, which is the one the rest of the model reads
+    added = []
+    handle = module.register_forward_pre_hook(lambda _module, _args: added.append(
+        module.register_forward_hook(on_output)) if not added else None)
+    try:
+        explanation = explain.get_method(method)(model, **options).explain(image[None], target=label)
+    finally:
+        handle.remove()
+        for late in added:
+            late.remove()
+    return explanation.attributions[0, 0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_concepts_map_is_the_relevance_masked_to_it_by_hand(case):
+    build, layer, method, options = CASES[case]
+    model = build()
+    size = 32 if case.startswith("vit") else 16
+    x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    before = model_state(model)
+    e = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=3)
+    assert_state_equal(before, model_state(model))
+    channel_dim = 2 if case.startswith("vit") else 1
+    classes = e.diagnostics["explained_class"]
+    for image in range(2):
+        for m in range(3):
+            expected = masked_by_hand(model, layer, method, options, x[image], int(classes[image]),
+                                      int(e.class_indices[image, m]), channel_dim)
+            scale = float(expected.abs().max()) or 1.0
+            torch.testing.assert_close(e.attributions[image, m] / scale, expected / scale, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_maps_of_all_concepts_sum_to_the_unconditional_map(case):
+    """The rules pass relevance on linearly, and the masks of all channels add up to 1: conservation over concepts
+    (within float32 rounding)."""
+    build, layer, method, options = CASES[case]
+    model = build()
+    size = 32 if case.startswith("vit") else 16
+    x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(2))
+    e = explain.ConceptRelevance(model, layer, method, batch_size=64, **options).explain(x, concepts=None)
+    unconditional = explain.get_method(method)(model, **options).explain(
+        x, target=e.diagnostics["explained_class"].tolist())
+    total = e.attributions.sum(dim=1)
+    scale = float(unconditional.attributions.abs().max())
+    torch.testing.assert_close(total / scale, unconditional.attributions[:, 0] / scale, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(e.diagnostics["unconditional_map"], unconditional.raw_map_grid[:, 0])
+
+
+def test_the_concepts_are_ranked_by_their_relevance_at_the_layer_read_by_hand():
+    """concepts=k: the k channels with the largest relevance R_c = Σ over the channel's positions of the relevance
+    LRP passes to the layer's output (read here with a tensor hook), highest first; scores are those R_c."""
+    model = small_cnn()
+    x = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    def on_output(_module, _args, output):
+        output.register_hook(lambda relevance: seen.update(r=relevance.detach().double().sum(dim=(2, 3))))
+
+    handle = model[4].register_forward_hook(on_output)
+    try:
+        explain.LRP(model, composite="epsilon_plus").explain(x)
+    finally:
+        handle.remove()
+    e = explain.ConceptRelevance(model, "4", composite="epsilon_plus").explain(x, concepts=4)
+    torch.testing.assert_close(e.diagnostics["layer_relevance"], seen["r"])
+    assert e.class_indices[0].tolist() == seen["r"][0].argsort(descending=True)[:4].tolist()
+    torch.testing.assert_close(e.scores[0].double(), seen["r"][0, e.class_indices[0]], atol=1e-7, rtol=1e-5)
+    assert e.title(0, 0) == f"concept ({int(e.class_indices[0, 0])}): {float(e.scores[0, 0]):.3g}"
+
+
+def test_many_conditions_in_one_pass_equal_one_condition_per_pass():
+    model = small_cnn()
+    x = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    together = explain.ConceptRelevance(model, "4", composite="epsilon_plus", batch_size=64).explain(
+        x, concepts=[[0, 1], [2, 3], [4, 5]])
+    alone = explain.ConceptRelevance(model, "4", composite="epsilon_plus", batch_size=1).explain(
+        x, concepts=[[0, 1], [2, 3], [4, 5]])
+    torch.testing.assert_close(together.attributions, alone.attributions, atol=1e-7, rtol=1e-5)
+    assert together.class_indices.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_bad_requests_are_refused_and_leave_the_model_as_found():
+    model = small_cnn()
+    model.train()
+    before = model_state(model)
+    x = torch.rand(1, 3, 16, 16)
+    crp = explain.ConceptRelevance(model, "4", composite="epsilon_plus")
+    with pytest.raises(ValueError, match="0 … 5"):
+        crp.explain(x, concepts=[9])
+    with pytest.raises(ValueError, match="1 to 6"):
+        crp.explain(x, concepts=7)
+    assert_state_equal(before, model_state(model))
+    assert not any(module._forward_hooks for module in model.modules())
+    with pytest.raises(ValueError, match="LRP or AttnLRP"):
+        explain.ConceptRelevance(model, "4", explain.GradCAM(model, "4"))
+    with pytest.raises(ValueError, match="not on the path"):  # a branch the prediction does not read
+
+        class SideBranch(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.main, self.side = small_cnn(), nn.Conv2d(3, 2, 1)
+
+            def forward(self, images):
+                self.side(images)
+                return self.main(images)
+
+        explain.ConceptRelevance(SideBranch().eval(), "side", composite="epsilon_plus").explain(x)

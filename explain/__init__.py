@@ -44,6 +44,7 @@ from .methods import (
     REGISTRY,
     SESS,
     SSCAM,
+    TCAV,
     XRAI,
     AblationCAM,
     AttentionRollout,
@@ -114,7 +115,7 @@ __all__ = [
     "LRP", "AttnLRP", "AttentionRollout", "GradientAttentionRollout", "TransformerAttribution", "AttnLRPRollout",
     "LeGrad", "GenerationExplainer",
     # concepts: what the model saw (CRP)
-    "ConceptRelevance",
+    "ConceptRelevance", "TCAV",
     # object detectors, one map per detected instance (every method takes explain(image, instances=...))
     "ODAM", "DRISE",
     # every method by name, and what they share

@@ -160,3 +160,79 @@ def test_bad_requests_are_refused_and_leave_the_model_as_found():
                 return self.main(images)
 
         explain.ConceptRelevance(SideBranch().eval(), "side", composite="epsilon_plus").explain(x)
+
+
+# ------------------------------------------------------------------ references and the glocal figure
+
+
+def test_relevance_references_are_the_images_where_each_concept_carried_most_relevance():
+    """concept_references(mode="relevance"): per concept, the images with the largest R_c for their own predicted
+    class, as ConceptRelevance reports R_c image by image; mode="activation": the largest activation, by hand."""
+    from explain.methods.concepts import concept_references
+
+    model = small_cnn()
+    images = torch.rand(7, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    crp = explain.ConceptRelevance(model, "4", composite="epsilon_plus")
+    references = concept_references(crp, list(images), concepts=[1, 4], top=3, batch_size=3)
+    per_image = torch.cat([crp.explain(images[i:i + 1], concepts=None).diagnostics["layer_relevance"]
+                           for i in range(7)])
+    for row, concept in enumerate([1, 4]):
+        expected = per_image[:, concept].topk(3)
+        assert references.images[row].tolist() == expected.indices.tolist()
+        torch.testing.assert_close(references.values[row].double(), expected.values, atol=1e-7, rtol=1e-5)
+        assert len(references.of(concept)) == 3 and all(patch.dtype.name == "uint8" for patch in references.of(concept))
+    activations = concept_references(crp, list(images), concepts=[2], top=2, mode="activation")
+    with torch.no_grad():
+        largest = model[:5](images)[:, 2].flatten(1).amax(1)
+    assert activations.images[0].tolist() == largest.topk(2).indices.tolist()
+
+
+def test_the_watermark_models_top_concept_for_tagged_squares_looks_at_the_tag_in_its_references():
+    """demo-watermark: for tagged "square" images, the most relevant channel of layer3 (CRP) has reference images
+    (relevance maximisation over held-out images) whose conditional relevance sits on the tag: more than half of its
+    positive relevance inside the tag's box, in every reference that carries the tag, and most references carry
+    it."""
+    from explain.data.demo_watermark import load_watermark_demo, watermark_held_out
+    from explain.methods.concepts import concept_references
+
+    model = load_watermark_demo()
+    data = watermark_held_out(48)
+    crp = explain.ConceptRelevance(model, "layer3")
+    tagged = [image for image, flag in zip(data.images, data.watermarked) if flag][:4]
+    top = crp.explain(tagged, concepts=1)
+    concept = int(torch.mode(top.class_indices[:, 0]).values)
+    references = concept_references(crp, list(data.images), concepts=[concept], top=5)
+    tag_pixels = torch.from_numpy((data.images != data.clean_images).any(axis=-1))  # (N, H, W)
+    carrying = [int(index) for index in references.images[0] if bool(tag_pixels[int(index)].any())]
+    assert len(carrying) >= 4
+    explanation = crp.explain([data.images[index] for index in carrying], concepts=[concept])
+    for row, index in enumerate(carrying):
+        rows, columns = tag_pixels[index].nonzero(as_tuple=True)
+        box = torch.zeros_like(tag_pixels[index])
+        box[rows.min():rows.max() + 1, columns.min():columns.max() + 1] = True
+        positive = explanation.raw_maps[row, 0].clamp_min(0)
+        assert float(positive[box].sum() / positive.sum()) > 0.5
+
+
+def test_the_glocal_figure_shows_each_concept_with_its_map_and_references():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from explain.methods.concepts import concept_references, glocal_figure
+
+    model = small_cnn()
+    images = torch.rand(5, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    crp = explain.ConceptRelevance(model, "4", composite="epsilon_plus")
+    explanation = crp.explain(images[:1], concepts=2)
+    references = concept_references(crp, list(images), concepts=explanation.class_indices[0].tolist(), top=3)
+    figure = glocal_figure(explanation, references, patches=3)
+    axes = figure.axes
+    assert len(axes) == 2 * (2 + 3)
+    titles = [axis.get_title() for axis in axes]
+    for row in range(2):
+        concept = int(explanation.class_indices[0, row])
+        assert f"concept {concept}: {float(explanation.scores[0, row]):.3g}" in titles
+        assert len(axes[row * 5 + 4].images) == 1  # the third reference patch is drawn
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)

@@ -114,7 +114,7 @@ from ..core.capture import ModelInputError, model_device, model_dtype, preserved
 from ..core.targets import Target, class_index, class_probabilities
 from ..io import render
 from ..io.explanation import Explanation
-from ..io.inputs import prepare_inputs
+from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
 from ..methods.base import Explainer, progress_shown_by_caller
 from ..methods.maps import NORMALIZATIONS
 from ..methods.signatures import setting_text
@@ -162,7 +162,6 @@ __all__ = ["run", "RunSummary", "Shard", "merge_shard_indexes", "image_files", "
            "MapReader", "read_index", "read_index_contents", "read_maps", "FolderInUseError", "RUN_RECORD",
            "RunRecord", "read_run_record"]
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 TARGET_MODES = ("label", "predicted", "both")
 """The words ``target=`` (``--target``) takes besides classes: explain each image's true class, its
 predicted class, or both where they differ."""

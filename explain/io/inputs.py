@@ -36,6 +36,9 @@ PreprocessSpec = Optional[Callable[..., Any]]
 """What ``preprocess=`` takes: None (ImageNet mean/std normalisation), a callable RGB PIL image →
 (C, H, W) tensor (torchvision's ``weights.transforms()``), or a HuggingFace image processor."""
 
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+"""The file suffixes read as images in a folder (any case)."""
+
 
 class Normalize:
     """The default preprocess: RGB image → (3, H, W) float tensor, ``(x - mean) / std``, size kept.

@@ -38,6 +38,7 @@ from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .registry import REGISTRY, get_method, register
 from .smooth_cam import SmoothGradCAMPlusPlus
 from .smoothing import SmoothGrad, SmoothGradSquared, VarGrad
+from .tcav import TCAV
 from .transformer_attribution import AttnLRPRollout, TransformerAttribution
 from .xrai import XRAI, Felzenszwalb
 
@@ -60,6 +61,7 @@ __all__ = [
     "AttentionRollout",
     "AttnLRP",
     "ConceptRelevance",
+    "TCAV",
     "Attribution",
     "Deconvnet",
     "DeepFeatureFactorization",

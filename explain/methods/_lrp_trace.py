@@ -249,25 +249,32 @@ class _Relevance(torch.autograd.Function):
 
 class _OutputRelevance(torch.autograd.Function):
     """Forward: identity; backward: R = output ⊙ ∂score/∂output, the relevance the propagation starts from (for a
-    class score, the logit at that class and zero elsewhere)."""
+    class score, the logit at that class and zero elsewhere). Its Σ per image is kept for ``output_relevance``: per
+    row of a batch-first tensor, or all of it for image ``image`` of ``images`` (a tensor of one image, as the
+    per-image dicts of torchvision's detectors hold, whose first dimension is its detections, not the batch)."""
 
     @staticmethod
-    def forward(ctx: Any, output: Tensor, passes: _Passes) -> Tensor:
-        ctx.passes = passes
+    def forward(ctx: Any, output: Tensor, passes: _Passes, image: Optional[int] = None, images: int = 0) -> Tensor:
+        ctx.passes, ctx.image, ctx.images = passes, image, images
         ctx.save_for_backward(output)
         return output.clone()
 
     @staticmethod
-    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None, None, None]:
         (output,) = ctx.saved_tensors
         relevance = gradient * output
-        rows = relevance.shape[0] if relevance.dim() else 0
-        sums = _row_sums(relevance, rows)
+        sums: Optional[Tensor]
+        if ctx.image is not None:
+            one_image = torch.zeros(ctx.images, dtype=torch.float64, device=relevance.device)
+            one_image[ctx.image] = relevance.detach().double().sum()
+            sums = one_image
+        else:
+            sums = _row_sums(relevance, relevance.shape[0] if relevance.dim() else 0)
         if sums is not None:  # summed over the output's tensors (a detector's boxes and scores)
             earlier = ctx.passes.output_sums.get(ctx.passes.index)
             same_rows = earlier is not None and earlier.shape == sums.shape
             ctx.passes.output_sums[ctx.passes.index] = earlier + sums if same_rows else sums
-        return relevance, None
+        return relevance, None, None, None
 
 
 def _each_tensor(output: Any, function: Callable[[Tensor], Tensor]) -> Any:
@@ -472,24 +479,44 @@ class _Trace(Rule):
     def start(self, output: Any) -> Any:
         """The model's output, with the backward pass starting from R = output ⊙ ∂score/∂output: for a tensor of
         scores, and for each floating-point tensor of a detector's output (a dict, a list, a transformers
-        ModelOutput), whose score is read from its structure (``explain.detection``)."""
+        ModelOutput), whose score is read from its structure (``explain.detection``). A list of dicts is one dict
+        per image (torchvision's detectors): its tensors' relevance is summed per image. A tensor of the output that
+        depends on the input off the path this trace followed (through a call it could not see) gets a warning: its
+        relevance would reach the input through the plain gradient, so the map is not LRP."""
         if isinstance(output, Tensor) and output.is_floating_point():
             return _OutputRelevance.apply(output, self.passes) if output.requires_grad else output
-        started = [False]
+        started, untraced = [False], [0]
 
-        def start_tensor(tensor: Tensor) -> Tensor:
-            if not tensor.is_floating_point() or not tensor.requires_grad:
-                return tensor
-            started[0] = True
-            return _OutputRelevance.apply(tensor, self.passes)
+        def starter(image: Optional[int], images: int) -> Callable[[Tensor], Tensor]:
+            def start_tensor(tensor: Tensor) -> Tensor:
+                if not tensor.is_floating_point() or not tensor.requires_grad:
+                    return tensor
+                started[0] = True
+                untraced[0] += tensor not in self.path
+                return _OutputRelevance.apply(tensor, self.passes, image, images)
 
-        structured = _each_tensor(output, start_tensor) if not isinstance(output, Tensor) else output
+            return start_tensor
+
+        if isinstance(output, Tensor):
+            structured = output
+        elif type(output) in (list, tuple) and output and all(isinstance(item, Mapping) for item in output):
+            structured = type(output)(_each_tensor(item, starter(image, len(output)))
+                                      for image, item in enumerate(output))
+        else:
+            structured = _each_tensor(output, starter(None, 0))
         if not started[0]:
             raise ValueError(
                 f"LRP starts from the model's output scores, a floating-point tensor; this model returns "
                 f"{type(output).__name__}{'' if isinstance(output, Tensor) else ' holding none in the graph'}. Pass "
                 "output= to select the tensor of scores (or instances= for a detector)."
             )
+        if untraced[0]:
+            warn_at_callers_line(
+                f"LRP: {untraced[0]} tensor(s) of the model's {type(output).__name__} output depend on the input "
+                "through functions it cannot follow (not torch functions it sees, such as iterating over the batch "
+                "or custom operators): the relevance reaching the input from them follows the plain gradient, so the "
+                "map is not LRP. Explain a model whose forward is made of torch functions, or use a gradient method "
+                "(Grad-CAM, ODAM, D-RISE).", RuntimeWarning)
         return structured
 
     def warn_about_gaps(self, output: Any, method: str) -> None:

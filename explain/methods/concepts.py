@@ -21,12 +21,14 @@ pass) and each row's relevance is masked to its own concept, as zennit-crp's bat
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype
+from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
 from ..core.targets import Target
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, prepare_inputs
@@ -211,3 +213,158 @@ class ConceptRelevance:
             raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
                              f"{chosen.min().item()} … {chosen.max().item()}.")
         return chosen
+
+
+# ------------------------------------------------------------------ reference images (relevance maximisation)
+
+
+@dataclass
+class ConceptReferences:
+    """For each concept of a layer, the images of a set where it was most relevant (or most active), best first.
+
+    layer: the layer. concepts: (M,) channel indices. images: (M, top) indices into the set given. values: (M, top)
+    the concept's relevance R_c for the image's predicted class ("relevance"), or its largest activation
+    ("activation"). patches: M lists of (h, w, 3) uint8 RGB crops: the part of the image where the concept's
+    conditional heatmap (or its activation, upsampled) reaches half its peak, with a margin of an eighth of its
+    size (2 pixels at least). mode: "relevance" or "activation".
+    """
+
+    layer: str
+    concepts: Tensor
+    images: Tensor
+    values: Tensor
+    patches: list[list[np.ndarray]]
+    mode: str
+
+    def of(self, concept: int) -> list[np.ndarray]:
+        """The reference patches of channel ``concept``."""
+        where = (self.concepts == concept).nonzero()
+        if len(where) == 0:
+            raise KeyError(f"concept {concept} has no references here (the references hold {self.concepts.tolist()}).")
+        return self.patches[int(where[0, 0])]
+
+
+def _crop(image: np.ndarray, heat: Tensor, share: float = 0.5) -> np.ndarray:
+    """The bounding box of the pixels of ``heat`` (H, W) at ``share`` of its peak or above, cut out of ``image``
+    (H, W, 3) uint8 (the whole image where the heat has no positive peak)."""
+    peak = float(heat.max())
+    if peak <= 0:
+        return image
+    rows, columns = (heat >= share * peak).nonzero(as_tuple=True)
+    top, bottom = int(rows.min()), int(rows.max()) + 1
+    left, right = int(columns.min()), int(columns.max()) + 1
+    margin = max(2, (bottom - top + right - left) // 8)  # some context around the region
+    height, width = heat.shape
+    return image[max(0, top - margin):min(height, bottom + margin), max(0, left - margin):min(width, right + margin)]
+
+
+def _uint8(images: Tensor) -> np.ndarray:
+    return (images.clamp(0, 1) * 255).round().byte().cpu().numpy()
+
+
+def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: ConceptSpec = None, *, top: int = 6,
+                       mode: str = "relevance", batch_size: int = 32) -> ConceptReferences:
+    """Relevance maximisation (Achtibat et al. 2023): for each concept of ``crp``'s layer, the ``top`` images of
+    ``images`` (anything ``explain()`` accepts, one item per image) where it carried the most relevance for the
+    image's own predicted class ("relevance"), or was most active ("activation", activation maximisation for
+    comparison), and the patch where it looked. concepts: channel indices, or None for all."""
+    if mode not in ("relevance", "activation"):
+        raise ValueError(f"mode must be 'relevance' or 'activation'; got {mode!r}.")
+    items = list(images)
+    if not items:
+        raise ValueError("give at least one image.")
+    values: list[Tensor] = []
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        if mode == "relevance":
+            recorded: list[Tensor] = []
+            with crp._at_layer(None, recorded):
+                crp.explainer.explain(chunk)
+            values.append(recorded[-1].cpu())
+        else:
+            values.append(_largest_activations(crp, crp._prepared(chunk)))
+    every = torch.cat(values)  # (N, C)
+    channels = every.shape[1]
+    chosen = torch.arange(channels) if concepts is None else torch.as_tensor(concepts).long().flatten()
+    if bool(((chosen < 0) | (chosen >= channels)).any()):
+        raise ValueError(f"concept indices must be in 0 … {channels - 1}; got {chosen.tolist()}.")
+    count = min(top, len(items))
+    best = every[:, chosen].topk(count, dim=0)  # (count, M)
+    indices, best_values = best.indices.T, best.values.T.float()
+    patches: list[list[np.ndarray]] = []
+    for row, concept in enumerate(chosen.tolist()):
+        picked = [items[int(index)] for index in indices[row]]
+        if mode == "relevance":
+            explanation = crp.explain(picked, concepts=[concept])
+            heats = explanation.raw_maps[:, 0] if explanation.raw_maps.dim() == 4 else explanation.raw_maps
+            pictures = _uint8(explanation.images)
+        else:
+            batch = crp._prepared(picked)
+            heats = _activation_maps(crp, batch, concept)
+            pictures = _uint8(prepare_inputs(picked, crp.explainer.preprocess, torch.device("cpu"),
+                                             torch.float32).display.get())
+        patches.append([_crop(picture, heat.cpu()) for picture, heat in zip(pictures, heats)])
+    return ConceptReferences(crp.layer_name, chosen, indices, best_values, patches, mode)
+
+
+def _layer_output(crp: ConceptRelevance, batch: Tensor) -> Tensor:
+    store: dict[str, Tensor] = {}
+    handle = crp.layer.register_forward_hook(lambda module, args, output: store.update(output=output.detach()))
+    try:
+        with torch.no_grad(), preserved_model_state(crp.model):
+            crp.model(batch)
+    finally:
+        handle.remove()
+    return store["output"]
+
+
+def _largest_activations(crp: ConceptRelevance, batch: Tensor) -> Tensor:
+    """(N, C) each channel's largest activation in each image."""
+    output = _layer_output(crp, batch)
+    dim = crp._channel_dim(output)
+    return output.movedim(dim, 1).flatten(2).amax(dim=2).double().cpu()
+
+
+def _activation_maps(crp: ConceptRelevance, batch: Tensor, concept: int) -> Tensor:
+    """(N, H, W) the channel's activation, bilinear to the input's size (feature maps only)."""
+    output = _layer_output(crp, batch)
+    if output.dim() != 4:
+        raise ValueError("activation references crop feature maps (N, C, H, W); use mode='relevance' for tokens.")
+    channel = output[:, concept:concept + 1].float()
+    return torch.nn.functional.interpolate(channel, size=batch.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+
+
+def glocal_figure(explanation: Explanation, references: Optional[ConceptReferences] = None, image: int = 0,
+                  patches: int = 4) -> Any:
+    """The "glocal" figure of CRP: image ``image`` and, for each of its concepts in ``explanation``
+    (``ConceptRelevance.explain``'s), a row with the concept's conditional heatmap, its relevance, and up to
+    ``patches`` reference patches from ``references`` (``concept_references``). A matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    from ..io import render
+
+    concepts = explanation.class_indices[image].tolist() if explanation.class_indices is not None else []
+    columns = 2 + (patches if references is not None else 0)
+    figure, axes = plt.subplots(len(concepts), columns, figsize=(1.8 * columns, 1.8 * len(concepts)), squeeze=False)
+    picture = explanation.images[image].numpy()
+    drawn, colour_map = render.as_drawn(explanation.map_grid[image].cpu(), "jet")
+    for row, concept in enumerate(concepts):
+        axes[row, 0].imshow(picture)
+        axes[row, 0].set_title("image" if row == 0 else "", fontsize=8)
+        axes[row, 1].imshow(picture)
+        axes[row, 1].imshow(drawn[row].numpy(), cmap=colour_map, vmin=0, vmax=1, alpha=0.6)
+        axes[row, 1].set_title(f"concept {concept}: {float(explanation.scores[image, row]):.3g}", fontsize=8)
+        if references is not None:
+            try:
+                crops = references.of(concept)
+            except KeyError:
+                crops = []
+            for column in range(patches):
+                if column < len(crops):
+                    axes[row, 2 + column].imshow(crops[column])
+        for axis in axes[row]:
+            axis.axis("off")
+    figure.suptitle(f"{explanation.description()}, class {int(explanation.diagnostics['explained_class'][image])}",
+                    fontsize=9)
+    figure.tight_layout()
+    return figure

@@ -16,6 +16,8 @@ Rows follow ``instance_boxes``: the M instances present in the explanation, imag
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 from torch import Tensor, nn
 
@@ -24,6 +26,7 @@ from ..core.memory_format import model_batch
 from ..detection import Instances, InstanceTarget
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec
+from ..io.loaded_model import LoadedModel, loaded_model_parts
 from ..methods.options import int_option
 from ._common import check_count, model_inputs, ranking
 from .faithfulness import Curve, Substrate, _area, check_substrate, step_counts, substrate_for
@@ -41,11 +44,15 @@ def _instances_of(explanation: Explanation) -> tuple[Instances, Tensor]:
     return instances, present.nonzero()
 
 
-def _similarity_curve(model: nn.Module, inputs: Inputs, explanation: Explanation, steps: int, insertion: bool,
-                      substrate: Substrate, batch_size: int, preprocess: PreprocessSpec) -> Curve:
+def _similarity_curve(model: Union[nn.Module, LoadedModel], inputs: Inputs, explanation: Explanation, steps: int,
+                      insertion: bool, substrate: Substrate, batch_size: int, preprocess: PreprocessSpec) -> Curve:
     int_option("steps", steps, 1)
     int_option("batch_size", batch_size, 1)
     check_substrate(substrate)
+    model, preprocess, _, _ = loaded_model_parts(model, preprocess)  # a loaded model: its module and preprocessing
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"instance_deletion and instance_insertion take the detector (an nn.Module, or what "
+                        f"explain.load_model returns); got {type(model).__name__}.")
     batch = model_inputs(model, inputs, preprocess)
     instances, pairs = _instances_of(explanation)
     check_count(instances.present.shape[0], "explained images", batch.shape[0], "images")
@@ -82,21 +89,23 @@ def _similarity_curve(model: nn.Module, inputs: Inputs, explanation: Explanation
     return Curve(fractions=fractions, curves=curves, area=_area(fractions, curves))
 
 
-def instance_deletion(model: nn.Module, inputs: Inputs, explanation: Explanation, *, steps: int = 16,
-                      substrate: Substrate = "zeros", batch_size: int = 16, preprocess: PreprocessSpec = None
-                      ) -> Curve:
+def instance_deletion(model: Union[nn.Module, LoadedModel], inputs: Inputs, explanation: Explanation, *,
+                      steps: int = 16, substrate: Substrate = "zeros", batch_size: int = 16,
+                      preprocess: PreprocessSpec = None) -> Curve:
     """D-RISE's deletion per instance: each instance's similarity to the perturbed image's detections as its most
     relevant pixels are replaced by ``substrate`` in ``steps`` equal steps.
 
-    model: the detector explained; inputs: the images explained (the model-input batch, (N, C, H, W)); explanation:
+    model: the detector explained (a loaded model: its module, and its preprocessing unless ``preprocess`` is
+    given); inputs: the images explained (the model-input batch, (N, C, H, W), or what ``preprocess`` takes);
+    explanation:
     ``explain(..., instances=...)``'s. Returns a Curve: fractions (steps + 1,), curves (M, steps + 1) similarities
     in [0, 1], area (M,) in [0, 1], lower is better; one row per instance present (``instance_boxes``' order)."""
     return _similarity_curve(model, inputs, explanation, steps, False, substrate, batch_size, preprocess)
 
 
-def instance_insertion(model: nn.Module, inputs: Inputs, explanation: Explanation, *, steps: int = 16,
-                       substrate: Substrate = "blur", batch_size: int = 16, preprocess: PreprocessSpec = None
-                       ) -> Curve:
+def instance_insertion(model: Union[nn.Module, LoadedModel], inputs: Inputs, explanation: Explanation, *,
+                       steps: int = 16, substrate: Substrate = "blur", batch_size: int = 16,
+                       preprocess: PreprocessSpec = None) -> Curve:
     """D-RISE's insertion per instance: each instance's similarity to the perturbed image's detections as its most
     relevant pixels are put back into ``substrate`` (a blurred copy by default) in ``steps`` equal steps. As
     ``instance_deletion``; higher is better."""

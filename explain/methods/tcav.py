@@ -1,0 +1,255 @@
+"""Testing with Concept Activation Vectors (TCAV; Kim et al., ICML 2018), with the SVM-style CAVs of the paper or
+FastCAV's closed-form ones (Schmalwasser et al., ICML 2025).
+
+A concept is a set of example images (a folder of "striped" textures, of images with a watermark); a random set is
+images without it. At a layer l, a concept activation vector (CAV) v is the normal of a linear boundary between the
+concept's activations and a random set's, pointing to the concept. The conceptual sensitivity of class k's logit
+for an image x is S(x) = ∇h_{l,k}(f_l(x)) · v, and the TCAV score of the concept for class k is the share of the
+class's images with S(x) > 0. A score means something only against chance: TCAV is repeated against R random sets
+(R CAVs, R scores), and the same is done with random sets in place of the concept (R null scores); a two-sided t-test
+of the scores against the null scores gives the p-value, significant below ``alpha`` divided by the number of
+concepts tested (Bonferroni), as the paper does.
+
+    tcav = explain.TCAV(model, ["layer3", "layer4"], cav="fastcav")
+    result = tcav.test("images/zebra", target=340, concepts={"striped": "concepts/striped"},
+                       randoms=["random/0", "random/1", "random/2", ...])
+    print(result.markdown())
+
+CAVs: "fastcav" (closed form: the mean of the concept's activations after the mean of all the activations is
+subtracted, normalised; on the model's device), "sgd" (a linear classifier trained by scikit-learn's SGDClassifier
+with the TCAV reference code's settings, alpha 0.01: the paper's CAV), or a function (concept (P, D), random (Q, D))
+→ (D,) CAV.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..core.capture import find_layers, model_device, model_dtype
+from ..core.scope import CallScope
+from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, prepare_inputs
+from ..io.loaded_model import ModelSource, loaded_model_parts
+
+CavMethod = Union[str, Callable[[Tensor, Tensor], Tensor]]
+ImageSet = Union[str, Path, Inputs]
+"""A set of images: a folder of image files, or anything ``explain()`` accepts (a list of paths, a tensor...)."""
+
+
+def fastcav(concept: Tensor, random: Tensor) -> Tensor:
+    """FastCAV's closed-form CAV (D,): with μ the mean of all P + Q activations, the mean of (a − μ) over the P
+    concept activations, normalised to length 1. concept: (P, D); random: (Q, D)."""
+    centre = torch.cat([concept, random]).mean(dim=0)
+    direction = (concept - centre).mean(dim=0)
+    return direction / direction.norm().clamp_min(1e-12)
+
+
+def sgd_cav(concept: Tensor, random: Tensor, seed: int = 0) -> Tensor:
+    """The TCAV paper's CAV (D,): the normal of a linear classifier trained to tell the concept's activations (label
+    1) from the random set's (label 0) by scikit-learn's SGDClassifier (hinge loss, alpha 0.01, max_iter 1000, tol
+    1e-3), on a stratified 80 % of the activations as the reference code (tensorflow/tcav's cav.py) trains it,
+    pointing to the concept, normalised to length 1."""
+    from sklearn.linear_model import SGDClassifier
+    from sklearn.model_selection import train_test_split
+
+    features = torch.cat([concept, random]).double().cpu().numpy()
+    labels = [1] * concept.shape[0] + [0] * random.shape[0]
+    if min(concept.shape[0], random.shape[0]) >= 5:  # the reference's held-out 20 % (its accuracy is not used here)
+        features, _, labels, _ = train_test_split(features, labels, test_size=0.2, stratify=labels, random_state=seed)
+    classifier = SGDClassifier(alpha=0.01, max_iter=1000, tol=1e-3, random_state=seed).fit(features, labels)
+    direction = torch.as_tensor(classifier.coef_[0], dtype=concept.dtype, device=concept.device)
+    return direction / direction.norm().clamp_min(1e-12)
+
+
+def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod = "fastcav", seed: int = 0
+                              ) -> Tensor:
+    """The CAV (D,) of ``concept`` (P, D) against ``random`` (Q, D) activations by ``method``."""
+    if callable(method):
+        return method(concept, random)
+    if method == "fastcav":
+        return fastcav(concept, random)
+    if method == "sgd":
+        return sgd_cav(concept, random, seed)
+    raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {method!r}.")
+
+
+@dataclass
+class ConceptTest:
+    """TCAV of one concept at one layer for one class: ``scores`` (R,) against each random set, ``null_scores``
+    (R,) of random sets in the concept's place, the two-sided t-test's ``p_value``, and whether it is
+    ``significant`` (p below alpha / the number of concepts)."""
+
+    concept: str
+    layer: str
+    scores: Tensor
+    null_scores: Tensor
+    p_value: float
+    significant: bool
+
+    @property
+    def mean(self) -> float:
+        return float(self.scores.mean())
+
+
+@dataclass
+class TCAVResult:
+    """Every (concept, layer) test for the class ``target``."""
+
+    target: int
+    tests: list[ConceptTest]
+    alpha: float
+
+    def markdown(self) -> str:
+        lines = ["| concept | layer | TCAV score (mean ± sd) | null (mean ± sd) | p | significant |",
+                 "| --- | --- | ---: | ---: | ---: | --- |"]
+        for test in self.tests:
+            lines.append(f"| {test.concept} | {test.layer} | {test.mean:.3f} ± {float(test.scores.std()):.3f} | "
+                         f"{float(test.null_scores.mean()):.3f} ± {float(test.null_scores.std()):.3f} | "
+                         f"{test.p_value:.2g} | {'yes' if test.significant else 'no'} |")
+        return "\n".join(lines)
+
+    def test(self, concept: str, layer: str) -> ConceptTest:
+        for test in self.tests:
+            if test.concept == concept and test.layer == layer:
+                return test
+        raise KeyError(f"no test of {concept!r} at {layer!r}.")
+
+
+class TCAV:
+    """Concept activation vectors and TCAV scores at ``layers`` of ``model``.
+
+    model: a module or ``explain.load_model``'s result (its preprocessing is used). layers: names of
+    ``model.named_modules()``; each layer's output is flattened per image into its activation vector. cav: "fastcav",
+    "sgd" or a function (see the module docstring). batch_size: images per forward pass. seed: the SGD classifier's.
+    """
+
+    def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "fastcav",
+                 preprocess: PreprocessSpec = None, batch_size: int = 32, seed: int = 0):
+        module, loaded_preprocess, _, _ = loaded_model_parts(model)
+        self.model: nn.Module = module
+        self.preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
+        self.layer_names = [layers] if isinstance(layers, str) else list(layers)
+        self.layers = [find_layers(self.model, name)[0][1] for name in self.layer_names]
+        if not callable(cav) and cav not in ("fastcav", "sgd"):
+            raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {cav!r}.")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
+        self.cav_method = cav
+        self.batch_size = batch_size
+        self.seed = seed
+
+    # ------------------------------------------------------------------ activations and gradients
+
+    def _images(self, images: ImageSet) -> list[Any]:
+        """The set as a list of single images (a folder's image files, sorted)."""
+        if isinstance(images, (str, Path)) and Path(images).is_dir():
+            files = sorted(path for path in Path(images).iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ValueError(f"{images} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+            return list(files)
+        if isinstance(images, Tensor) and images.dim() == 4:
+            return list(images)
+        if isinstance(images, (list, tuple)):
+            return list(images)
+        return [images]
+
+    def _batches(self, images: ImageSet) -> list[Tensor]:
+        items = self._images(images)
+        device, dtype = model_device(self.model), model_dtype(self.model)
+        return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype).batch
+                for start in range(0, len(items), self.batch_size)]
+
+    def activations(self, images: ImageSet) -> dict[str, Tensor]:
+        """Each layer's activations of the set, layer name → (N, D) on the model's device."""
+        recorded: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
+        with CallScope(self.model, eval_mode=True) as scope:
+            for name, layer in zip(self.layer_names, self.layers):
+                scope.forward_hook(layer, lambda module, args, output, name=name: recorded[name].append(
+                    output.detach().flatten(1)))
+            with torch.no_grad():
+                for batch in self._batches(images):
+                    self.model(batch)
+        return {name: torch.cat(values) for name, values in recorded.items()}
+
+    def gradients(self, images: ImageSet, target: int) -> dict[str, Tensor]:
+        """∂(class ``target``'s logit)/∂(layer's output) for each image of the set, layer name → (N, D)."""
+        gathered: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
+        with CallScope(self.model, eval_mode=True) as scope:
+            if torch.is_inference_mode_enabled():
+                scope.enter(torch.inference_mode(False))
+            scope.frozen_parameters(self.model)
+            outputs: dict[str, Tensor] = {}
+            for name, layer in zip(self.layer_names, self.layers):
+                scope.forward_hook(layer, lambda module, args, output, name=name: outputs.__setitem__(name, output))
+            with torch.enable_grad():
+                for batch in self._batches(images):
+                    logits = self.model(batch.detach().requires_grad_(True))
+                    if not isinstance(logits, Tensor) or logits.dim() != 2:
+                        raise ValueError("TCAV differentiates a class logit: the model must return (N, classes) "
+                                         f"scores; got {type(logits).__name__}.")
+                    if not 0 <= target < logits.shape[1]:
+                        raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
+                    layer_outputs = [outputs[name] for name in self.layer_names]
+                    grads = torch.autograd.grad(logits[:, target].sum(), layer_outputs, allow_unused=True)
+                    for name, grad in zip(self.layer_names, grads):
+                        if grad is None:
+                            raise ValueError(f"class {target}'s logit does not depend on layer {name}.")
+                        gathered[name].append(grad.detach().flatten(1))
+                    outputs.clear()
+        return {name: torch.cat(values) for name, values in gathered.items()}
+
+    # ------------------------------------------------------------------ the test
+
+    def cav(self, concept: Tensor, random: Tensor) -> Tensor:
+        """The CAV (D,) of concept (P, D) against random (Q, D) activations."""
+        return concept_activation_vector(concept, random, self.cav_method, self.seed)
+
+    @staticmethod
+    def score(gradients: Tensor, cav: Tensor) -> float:
+        """TCAV score: the share of the images (rows of ``gradients``) whose directional derivative along ``cav`` is
+        positive."""
+        return float(((gradients @ cav.to(gradients)) > 0).double().mean())
+
+    def test(self, class_images: ImageSet, target: int, concepts: Mapping[str, ImageSet],
+             randoms: Sequence[ImageSet], alpha: float = 0.05) -> TCAVResult:
+        """TCAV of each concept at each layer for class ``target`` over ``class_images``, against each random set of
+        ``randoms`` (at least 2), with the significance test of the module docstring."""
+        if len(randoms) < 2:
+            raise ValueError("TCAV's significance test needs at least 2 random sets (the paper uses many more).")
+        if not concepts:
+            raise ValueError("give at least one concept: {name: images}.")
+        gradients = self.gradients(class_images, target)
+        random_activations = [self.activations(images) for images in randoms]
+        tests: list[ConceptTest] = []
+        bonferroni = alpha / len(concepts)
+        concept_activations = {name: self.activations(images) for name, images in concepts.items()}
+        for layer in self.layer_names:
+            null = torch.tensor([self.score(gradients[layer], self.cav(
+                random_activations[index][layer], random_activations[(index + 1) % len(randoms)][layer]))
+                for index in range(len(randoms))], dtype=torch.float64)
+            for name, activations in concept_activations.items():
+                scores = torch.tensor([self.score(gradients[layer], self.cav(activations[layer], random[layer]))
+                                       for random in random_activations], dtype=torch.float64)
+                p_value = _two_sided_t_test(scores, null)
+                tests.append(ConceptTest(name, layer, scores, null, p_value,
+                                         not math.isnan(p_value) and p_value < bonferroni))
+        return TCAVResult(target, tests, alpha)
+
+
+def _two_sided_t_test(scores: Tensor, null: Tensor) -> float:
+    """Welch's two-sided t-test of two samples' means (scipy); where one sample is constant, the other's one-sample
+    test against that value (the limit of Welch's test); 1 where both are constant and equal, 0 where they differ."""
+    from scipy import stats
+
+    constant_scores, constant_null = bool((scores == scores[0]).all()), bool((null == null[0]).all())
+    if constant_scores and constant_null:
+        return 1.0 if float(scores[0]) == float(null[0]) else 0.0
+    if constant_scores or constant_null:  # Welch's test with one variance 0: the other sample against that value
+        varying, value = (null, float(scores[0])) if constant_scores else (scores, float(null[0]))
+        return float(stats.ttest_1samp(varying.numpy(), value).pvalue)
+    return float(stats.ttest_ind(scores.numpy(), null.numpy(), equal_var=False).pvalue)

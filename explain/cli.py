@@ -510,6 +510,63 @@ def run_strategies(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_concepts(argv: Sequence[str]) -> int:
+    """``explain concepts IMAGE ... --model M --layer L``: CRP's glocal figure of each image (its most relevant
+    concepts of the layer, their conditional heatmaps, and reference patches from ``--references FOLDER``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io.inputs import IMAGE_SUFFIXES
+    from .methods.concepts import ConceptRelevance, concept_references, glocal_figure
+
+    parser = Parser(prog="explain concepts", description="Concept Relevance Propagation: for each image, the layer's "
+                    "concepts (channels) most relevant to the prediction, where each looked, and (with --references) "
+                    "the patches of a folder of images where each concept mattered most. Writes one figure per image.")
+    parser.add_argument("images", nargs="+", help="image files")
+    _add_model_options(parser)
+    parser.set_defaults(method="lrp")
+    parser.add_argument("--concepts", type=positive_int, default=4, help="concepts per image (default 4)")
+    parser.add_argument("--references", metavar="FOLDER", help="a folder of images to find reference patches in")
+    parser.add_argument("--top", type=positive_int, default=4, help="reference patches per concept (default 4)")
+    parser.add_argument("--out", default="concepts.png",
+                        help="the figure (default concepts.png); several images: NAME-1.png, NAME-2.png, ...")
+    arguments = parser.parse_args(argv)
+    if arguments.method not in ("lrp", "attnlrp"):
+        raise ValueError(f"explain concepts propagates relevance with --method lrp or attnlrp; got {arguments.method}.")
+    if arguments.layer is None:
+        raise ValueError("explain concepts needs --layer: the layer whose channels are the concepts (see "
+                         "`explain layers MODEL`).")
+    if arguments.topk is not None or arguments.instances is not None:
+        raise ValueError("explain concepts explains one class per image: --topk and --instances do not apply.")
+    loaded = load_from_arguments(arguments)
+    options = dict(parse_option(text, get_method(arguments.method)) for text in arguments.option)
+    crp = ConceptRelevance(loaded, arguments.layer, arguments.method, **options)
+    target = command_line_target(arguments, loaded)
+    explanations = [crp.explain(image, target=target, concepts=arguments.concepts) for image in arguments.images]
+    references = None
+    if arguments.references is not None:  # the patches of every concept the figures show, found once
+        folder = Path(arguments.references)
+        files = sorted(path for path in folder.iterdir() if path.suffix.lower() in IMAGE_SUFFIXES) \
+            if folder.is_dir() else []
+        if not files:
+            raise ValueError(f"--references {folder} is not a folder of image files.")
+        shown = sorted({int(c) for explanation in explanations for c in explanation.class_indices[0]})
+        references = concept_references(crp, files, concepts=shown, top=arguments.top)
+    out = Path(arguments.out)
+    for index, (image, explanation) in enumerate(zip(arguments.images, explanations)):
+        figure = glocal_figure(explanation, references, patches=arguments.top if references is not None else 0)
+        destination = out if len(arguments.images) == 1 else out.with_name(f"{out.stem}-{index + 1}{out.suffix}")
+        figure.savefig(destination, dpi=120)
+        plt.close(figure)
+        concepts = ", ".join(f"{int(c)} ({float(r):.3g})" for c, r in zip(explanation.class_indices[0],
+                                                                          explanation.scores[0]))
+        print(f"{image}: class {int(explanation.diagnostics['explained_class'][0])}, concepts {concepts} -> "
+              f"{destination}")
+    return 0
+
+
 EVALUATE_METRICS = ("deletion", "insertion", "road", "confidence_drop", "pointing_game", "energy_pointing_game",
                     "sparseness", "random_logit")
 
@@ -1055,6 +1112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_strategies(argv[1:])
         if argv and argv[0] == "evaluate":
             return run_evaluate(argv[1:])
+        if argv and argv[0] == "concepts":
+            return run_concepts(argv[1:])
         if argv and argv[0] == "vlm":
             return run_vlm(argv[1:])
         if argv and argv[0] == "methods":

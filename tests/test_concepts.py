@@ -236,3 +236,31 @@ def test_the_glocal_figure_shows_each_concept_with_its_map_and_references():
     import matplotlib.pyplot as plt
 
     plt.close(figure)
+
+
+def test_the_command_line_writes_each_images_glocal_figure_with_the_concepts_python_finds(tmp_path, capsys):
+    from PIL import Image
+
+    from explain.cli import main
+    from explain.data.demo_watermark import load_watermark_demo, watermark_held_out
+
+    data = watermark_held_out(12)
+    references = tmp_path / "references"
+    references.mkdir()
+    for index, image in enumerate(data.images):
+        Image.fromarray(image).save(references / f"{index:02d}.png")
+    images = [str(references / "00.png"), str(references / "01.png")]
+    code = main(["concepts", *images, "--model", "demo-watermark", "--layer", "layer3", "--concepts", "2",
+                 "--references", str(references), "--top", "2", "--out", str(tmp_path / "glocal.png")])
+    assert code == 0
+    assert (tmp_path / "glocal-1.png").stat().st_size > 0 and (tmp_path / "glocal-2.png").stat().st_size > 0
+    printed = capsys.readouterr().out.splitlines()
+    crp = explain.ConceptRelevance(load_watermark_demo(), "layer3")
+    for line, image in zip(printed, images):
+        expected = crp.explain(image, concepts=2)
+        for concept in expected.class_indices[0].tolist():
+            assert f" {concept} (" in line
+    assert main(["concepts", images[0], "--model", "demo-watermark", "--layer", "layer3", "--method",
+                 "gradcam"]) == 2
+    assert main(["concepts", images[0], "--model", "demo-watermark"]) == 2
+    assert "--layer" in capsys.readouterr().err

@@ -44,6 +44,8 @@ def main() -> None:
     held_out = make_dataset(50 * len(CLASS_NAMES) * 2, seed=4242)
     by_class = {label: list(held_out.images[held_out.labels == label][:50]) for label in range(len(CLASS_NAMES))}
     rows, agreements, cav_seconds = [], 0, {"sgd": 0.0, "fastcav": 0.0}
+    raised: dict[tuple[str, str], list[str]] = {}
+    agree_by_layer: dict[str, int] = {}
     tests_count = 0
     for seed in arguments.seeds:
         model = load_watermark_demo() if seed == 0 else train(seed=seed)
@@ -67,13 +69,18 @@ def main() -> None:
                     null = torch.tensor([TCAV.score(gradients[layer], cav) for cav in null_cavs], dtype=torch.float64)
                     p_value = _two_sided_t_test(scores, null)
                     significant = p_value < 0.05 / len(CLASS_NAMES)
-                    conclusions[(method, layer)] = (significant, float(scores.mean()) > 0.5)
+                    direction = "raises" if float(scores.mean()) > 0.5 else "lowers"
+                    conclusions[(method, layer)] = direction if significant else "none"
+                    if direction == "raises" and significant:
+                        raised.setdefault((method, layer), []).append(f"{name}@{seed}")
                     rows.append(f"| {seed} | {name} | {layer} | {method} | {float(scores.mean()):.2f} ± "
                                 f"{float(scores.std()):.2f} | {float(null.mean()):.2f} | {p_value:.2g} | "
                                 f"{'yes' if significant else 'no'} |")
             for layer in LAYERS:
                 tests_count += 1
                 agreements += conclusions[("sgd", layer)] == conclusions[("fastcav", layer)]
+                agree_by_layer[layer] = agree_by_layer.get(layer, 0) + int(
+                    conclusions[("sgd", layer)] == conclusions[("fastcav", layer)])
     speedup = cav_seconds["sgd"] / max(cav_seconds["fastcav"], 1e-9)
     table = "\n".join(["| seed | class | layer | CAV | TCAV score (mean ± sd) | null mean | p | significant |",
                        "| ---: | --- | --- | --- | ---: | ---: | ---: | --- |", *rows])
@@ -82,9 +89,13 @@ def main() -> None:
             f"({arguments.size} images of every class with the watermark) against {arguments.randoms} random sets "
             f"of {arguments.size} clean images, 50 clean held-out images per class, significance at 0.05 / "
             f"{len(CLASS_NAMES)} (Bonferroni over the classes). CAV time in all: SGD {cav_seconds['sgd']:.1f} s, "
-            f"FastCAV {cav_seconds['fastcav']:.2f} s ({speedup:.0f}× faster); the two reach the same conclusion "
-            f"(significant or not, and the score's side of 0.5) in {agreements} of {tests_count} (seed, class, "
-            "layer) tests.\n\n" + table)
+            f"FastCAV {cav_seconds['fastcav']:.2f} s ({speedup:.0f}× faster). The two reach the same conclusion "
+            f"(significantly raises the class, significantly lowers it, or neither) in {agreements} of "
+            f"{tests_count} (seed, class, layer) tests; by layer: "
+            + ", ".join(f"{layer} {count}/{tests_count // len(LAYERS)}" for layer, count in agree_by_layer.items())
+            + ". Where the tag significantly raises a class (class@seed): "
+            + "; ".join(f"{method} {layer}: {', '.join(found) or 'none'}" for (method, layer), found in
+                        sorted(raised.items())) + ".\n\n" + table)
     print(body)
     if arguments.write:
         write_section("Concepts: TCAV of the watermark, SGD and FastCAV CAVs", body)

@@ -37,6 +37,7 @@ from .io.loaded_model import LoadedModel
 from .io.render import colorize, overlay
 from .methods import (
     CAM,
+    CRAFT,
     DRISE,
     FEM,
     ISCAM,
@@ -114,8 +115,8 @@ __all__ = [
     # relevance propagation and transformers
     "LRP", "AttnLRP", "AttentionRollout", "GradientAttentionRollout", "TransformerAttribution", "AttnLRPRollout",
     "LeGrad", "GenerationExplainer",
-    # concepts: what the model saw (CRP)
-    "ConceptRelevance", "TCAV",
+    # concepts: what the model saw (CRP), named concepts (TCAV), discovered concepts (CRAFT)
+    "ConceptRelevance", "TCAV", "CRAFT",
     # object detectors, one map per detected instance (every method takes explain(image, instances=...))
     "ODAM", "DRISE",
     # every method by name, and what they share

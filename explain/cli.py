@@ -524,14 +524,17 @@ def run_concepts(argv: Sequence[str]) -> int:
     parser = Parser(prog="explain concepts", description="Concept Relevance Propagation: for each image, the layer's "
                     "concepts (channels) most relevant to the prediction, where each looked, and (with --references) "
                     "the patches of a folder of images where each concept mattered most. Writes one figure per image.")
-    parser.add_argument("images", nargs="+", help="image files")
+    parser.add_argument("images", nargs="+", help="image files; or one folder: build its concept atlas in --out")
     _add_model_options(parser)
     parser.set_defaults(method="lrp")
     parser.add_argument("--concepts", type=positive_int, default=4, help="concepts per image (default 4)")
     parser.add_argument("--references", metavar="FOLDER", help="a folder of images to find reference patches in")
     parser.add_argument("--top", type=positive_int, default=4, help="reference patches per concept (default 4)")
-    parser.add_argument("--out", default="concepts.png",
-                        help="the figure (default concepts.png); several images: NAME-1.png, NAME-2.png, ...")
+    parser.add_argument("--out", help="the figure (default concepts.png; several images: NAME-1.png, NAME-2.png, "
+                        "...); for a folder, the atlas's folder (default concept-atlas)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="atlas: images per pass (default 32)")
+    parser.add_argument("--shard", metavar="I/N", help="atlas: compute only batches b with b %% N == I (merge with a "
+                        "run without --shard)")
     arguments = parser.parse_args(argv)
     if arguments.method not in ("lrp", "attnlrp"):
         raise ValueError(f"explain concepts propagates relevance with --method lrp or attnlrp; got {arguments.method}.")
@@ -542,28 +545,64 @@ def run_concepts(argv: Sequence[str]) -> int:
         raise ValueError("explain concepts explains one class per image: --topk and --instances do not apply.")
     loaded = load_from_arguments(arguments)
     options = dict(parse_option(text, get_method(arguments.method)) for text in arguments.option)
+    if len(arguments.images) == 1 and Path(arguments.images[0]).is_dir():
+        return _build_atlas_from_arguments(arguments, loaded, options)
     crp = ConceptRelevance(loaded, arguments.layer, arguments.method, **options)
     target = command_line_target(arguments, loaded)
     explanations = [crp.explain(image, target=target, concepts=arguments.concepts) for image in arguments.images]
-    references = None
-    if arguments.references is not None:  # the patches of every concept the figures show, found once
+    references: Any = None
+    if arguments.references is not None and (Path(arguments.references) / "atlas.json").is_file():
+        from .dataset_tools.concept_atlas import load_atlas
+
+        references = load_atlas(arguments.references)  # an atlas: its stored patches, nothing computed
+        if references.entries["layer"] != arguments.layer:
+            raise ValueError(f"the atlas in {arguments.references} is of layer {references.entries['layer']}, not "
+                             f"{arguments.layer}.")
+    elif arguments.references is not None:  # the patches of every concept the figures show, found once
         folder = Path(arguments.references)
         files = sorted(path for path in folder.iterdir() if path.suffix.lower() in IMAGE_SUFFIXES) \
             if folder.is_dir() else []
         if not files:
             raise ValueError(f"--references {folder} is not a folder of image files.")
-        shown = sorted({int(c) for explanation in explanations for c in explanation.class_indices[0]})
+        shown = sorted({int(c) for explanation in explanations for c in concept_indices(explanation)})
         references = concept_references(crp, files, concepts=shown, top=arguments.top)
-    out = Path(arguments.out)
+    out = Path(arguments.out or "concepts.png")
     for index, (image, explanation) in enumerate(zip(arguments.images, explanations)):
         figure = glocal_figure(explanation, references, patches=arguments.top if references is not None else 0)
         destination = out if len(arguments.images) == 1 else out.with_name(f"{out.stem}-{index + 1}{out.suffix}")
         figure.savefig(destination, dpi=120)
         plt.close(figure)
-        concepts = ", ".join(f"{int(c)} ({float(r):.3g})" for c, r in zip(explanation.class_indices[0],
+        concepts = ", ".join(f"{int(c)} ({float(r):.3g})" for c, r in zip(concept_indices(explanation),
                                                                           explanation.scores[0]))
         print(f"{image}: class {int(explanation.diagnostics['explained_class'][0])}, concepts {concepts} -> "
               f"{destination}")
+    return 0
+
+
+def concept_indices(explanation: Explanation) -> list[int]:
+    """The concepts (channels) of image 0 of ``ConceptRelevance.explain``'s explanation."""
+    assert explanation.class_indices is not None, "CRP's explanations hold their concepts"
+    return [int(concept) for concept in explanation.class_indices[0]]
+
+
+def _build_atlas_from_arguments(arguments: argparse.Namespace, loaded: LoadedModel, options: dict[str, Any]) -> int:
+    """``explain concepts DIR``: the concept atlas of the layer over the folder's images."""
+    from .dataset_tools.concept_atlas import build_atlas
+
+    shard = None
+    if arguments.shard is not None:
+        parts = arguments.shard.split("/")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts):
+            raise ValueError(f"--shard takes I/N (e.g. 0/4); got {arguments.shard!r}.")
+        shard = (int(parts[0]), int(parts[1]))
+    out = arguments.out or "concept-atlas"
+    atlas = build_atlas(loaded, arguments.layer, arguments.images[0], out, method=arguments.method,
+                        top=arguments.top, batch_size=arguments.batch_size, shard=shard, **options)
+    if atlas is None:
+        print(f"shard {arguments.shard} of the atlas written to {out}/batches")
+    else:
+        print(f"concept atlas of {arguments.layer}: {len(atlas.entries['concepts'])} concepts over "
+              f"{atlas.entries['images']} images -> {Path(out) / 'atlas.html'}")
     return 0
 
 
@@ -1072,7 +1111,7 @@ def _image_parser() -> argparse.ArgumentParser:
         "method × metric table over a data set), `explain vlm IMAGE --prompt TEXT` (a vision-language model's "
         "answer, a map per token).",
     )
-    parser.add_argument("images", nargs="+", help="image files")
+    parser.add_argument("images", nargs="+", help="image files; or one folder: build its concept atlas in --out")
     _add_model_options(parser)
     parser.add_argument("--out", default="explain-out", help="output folder (default: explain-out)")
     parser.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1]")

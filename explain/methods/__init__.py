@@ -22,6 +22,7 @@ from .cam import (
 )
 from .cam_wrappers import SESS, FinerCAM
 from .concepts import ConceptRelevance
+from .craft import CRAFT
 from .deeplift import DeepLift, DeepLiftShap
 from .detection import DRISE, ODAM
 from .expected_gradients import GradientShap
@@ -61,6 +62,7 @@ __all__ = [
     "AttentionRollout",
     "AttnLRP",
     "ConceptRelevance",
+    "CRAFT",
     "TCAV",
     "Attribution",
     "Deconvnet",

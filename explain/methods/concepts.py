@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -157,36 +157,44 @@ class ConceptRelevance:
         per_image = chosen.shape[1]
         rows_image = torch.arange(count).repeat_interleave(per_image)
         rows_concept = chosen.reshape(-1)
-        batch = self._prepared(inputs)
-        maps, raw_maps, attributions = [], [], []
-        for start in range(0, rows_image.shape[0], self.batch_size):
-            images = rows_image[start:start + self.batch_size]
-            masks = torch.nn.functional.one_hot(rows_concept[start:start + self.batch_size], channels)
-            masks = masks.to(batch.device)
-            with self._at_layer(masks, []):
-                conditional = self.explainer.explain(batch[images.to(batch.device)],
-                                                     target=classes[images].tolist())
-            maps.append(conditional.map_grid[:, 0])
-            raw_maps.append(conditional.raw_map_grid[:, 0])
-            if conditional.attributions is not None:
-                attributions.append(conditional.attributions[:, 0])
+        maps, raw_maps, attributions = self.conditional(self._prepared(inputs), rows_image, rows_concept,
+                                                        classes[rows_image], channels)
         height, width = unconditional.map_grid.shape[-2:]
         return Explanation(
-            map_grid=torch.cat(maps).view(count, per_image, height, width),
-            raw_map_grid=torch.cat(raw_maps).view(count, per_image, height, width),
+            map_grid=maps.view(count, per_image, height, width),
+            raw_map_grid=raw_maps.view(count, per_image, height, width),
             scores=layer_relevance.gather(1, chosen).float(),
             class_indices=chosen,
             display=unconditional.display,
             method=f"CRP ({unconditional.method})",
             layer=self.layer_name,
             keep_target_dim=True,
-            attributions=torch.cat(attributions).view(count, per_image, *attributions[0].shape[1:])
-            if attributions else None,
+            attributions=None if attributions is None else attributions.view(count, per_image,
+                                                                              *attributions.shape[1:]),
             diagnostics={"layer_relevance": layer_relevance, "explained_class": classes.cpu(),
                          "explained_score": unconditional.scores[:, 0].cpu(),
                          "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()},
             class_names=["concept"] * channels,
         )
+
+    def conditional(self, batch: Tensor, rows_image: Tensor, rows_concept: Tensor, rows_class: Tensor,
+                    channels: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The conditional maps of R (image, concept) rows: row r is image ``rows_image[r]`` of the model-input
+        ``batch`` explained for class ``rows_class[r]`` with the relevance at the layer kept on channel
+        ``rows_concept[r]`` (of ``channels``), ``batch_size`` rows per pass. Returns (maps (R, H, W) normalised
+        like the method's, raw maps (R, H, W), attributions (R, C, H, W) or None)."""
+        maps, raw_maps, attributions = [], [], []
+        for start in range(0, rows_image.shape[0], self.batch_size):
+            images = rows_image[start:start + self.batch_size]
+            masks = torch.nn.functional.one_hot(rows_concept[start:start + self.batch_size].cpu(), channels)
+            with self._at_layer(masks.to(batch.device), []):
+                conditional = self.explainer.explain(batch[images.to(batch.device)],
+                                                     target=rows_class[start:start + self.batch_size].tolist())
+            maps.append(conditional.map_grid[:, 0])
+            raw_maps.append(conditional.raw_map_grid[:, 0])
+            if conditional.attributions is not None:
+                attributions.append(conditional.attributions[:, 0])
+        return torch.cat(maps), torch.cat(raw_maps), torch.cat(attributions) if attributions else None
 
     def _prepared(self, inputs: Inputs) -> Tensor:
         """The model-input batch the explainer builds from ``inputs`` (its preprocessing), for the repeated rows."""
@@ -300,7 +308,7 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
             pictures = _uint8(explanation.images)
         else:
             batch = crp._prepared(picked)
-            heats = _activation_maps(crp, batch, concept)
+            heats = _activation_maps(crp, batch, torch.arange(len(picked)), torch.full((len(picked),), concept))
             pictures = _uint8(prepare_inputs(picked, crp.explainer.preprocess, torch.device("cpu"),
                                              torch.float32).display.get())
         patches.append([_crop(picture, heat.cpu()) for picture, heat in zip(pictures, heats)])
@@ -325,20 +333,30 @@ def _largest_activations(crp: ConceptRelevance, batch: Tensor) -> Tensor:
     return output.movedim(dim, 1).flatten(2).amax(dim=2).double().cpu()
 
 
-def _activation_maps(crp: ConceptRelevance, batch: Tensor, concept: int) -> Tensor:
-    """(N, H, W) the channel's activation, bilinear to the input's size (feature maps only)."""
+def _activation_maps(crp: ConceptRelevance, batch: Tensor, rows: Tensor, concepts: Tensor) -> Tensor:
+    """(R, H, W) channel ``concepts[r]`` of image ``rows[r]`` of ``batch``'s layer output, bilinear to the input's
+    size (feature maps only); one forward pass."""
     output = _layer_output(crp, batch)
     if output.dim() != 4:
         raise ValueError("activation references crop feature maps (N, C, H, W); use mode='relevance' for tokens.")
-    channel = output[:, concept:concept + 1].float()
-    return torch.nn.functional.interpolate(channel, size=batch.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+    channels = output[rows.to(output.device), concepts.to(output.device)][:, None].float()
+    return torch.nn.functional.interpolate(channels, size=batch.shape[-2:], mode="bilinear",
+                                           align_corners=False)[:, 0]
 
 
-def glocal_figure(explanation: Explanation, references: Optional[ConceptReferences] = None, image: int = 0,
+class ReferencePatches(Protocol):
+    """What holds reference patches per concept: ``ConceptReferences``, or a concept atlas
+    (``explain.dataset_tools.concept_atlas.Atlas``, read from its files)."""
+
+    def of(self, concept: int) -> list[np.ndarray]: ...
+
+
+def glocal_figure(explanation: Explanation, references: Optional[ReferencePatches] = None, image: int = 0,
                   patches: int = 4) -> Any:
     """The "glocal" figure of CRP: image ``image`` and, for each of its concepts in ``explanation``
     (``ConceptRelevance.explain``'s), a row with the concept's conditional heatmap, its relevance, and up to
-    ``patches`` reference patches from ``references`` (``concept_references``). A matplotlib figure."""
+    ``patches`` reference patches from ``references`` (``concept_references``, or a concept atlas). A matplotlib
+    figure."""
     import matplotlib.pyplot as plt
 
     from ..io import render

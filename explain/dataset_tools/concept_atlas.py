@@ -1,0 +1,258 @@
+"""A concept atlas: for every concept (channel) of a layer, the images of a data set where it carried the most relevance
+for the image's predicted class (CRP's relevance maximisation) and where it was most active, with the patches where it
+looked, and the classes that use it most; stored once, looked up for free, browsable offline.
+
+    atlas = build_atlas(model, "layer3", "images/", "atlas/")     # resumable: run it again after a kill
+    atlas.references(12)                                           # concept 12's relevance references
+    # atlas/atlas.html: a card per concept (open it in a browser, no network needed)
+
+The run is resumable like ``explain batch``: each batch's per-channel relevance R_c (N, C), largest activations
+(N, C) and predicted classes go to OUT/batches/NNNNNN.pt in one atomic write, after which a kill loses nothing, and a
+rerun computes only what is missing; OUT/atlas-record.json holds the settings (layer, method, top, batch size, the
+model's parameters' fingerprint, the image list's fingerprint), and a rerun with other settings is an error that says
+what differs. ``shard=(i, n)`` computes only the batches b with b % n == i (several processes or machines share the
+data); a call without ``shard`` computes what is still missing and merges. The references' patches are written
+per concept (OUT/patches/), then OUT/atlas.json and OUT/atlas.html.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
+from ..io.loaded_model import LoadedModel
+from ..methods.concepts import ConceptRelevance, _activation_maps, _crop, _largest_activations, _uint8
+from .run_folder import write_atomically
+
+RECORD_FILE = "atlas-record.json"
+ATLAS_FILE = "atlas.json"
+PAGE_FILE = "atlas.html"
+
+
+@dataclass
+class Atlas:
+    """A built atlas: ``folder`` and its ``entries`` (atlas.json's): per concept, its relevance and activation
+    references (image path relative to the data folder, value, patch file relative to ``folder``) and the classes
+    that use it most (mean R_c per predicted class)."""
+
+    folder: Path
+    entries: dict[str, Any]
+
+    def references(self, concept: int, kind: str = "relevance") -> list[dict[str, Any]]:
+        """Concept ``concept``'s references, best first: {"image", "value", "patch"} ("relevance" or "activation")."""
+        for entry in self.entries["concepts"]:
+            if entry["concept"] == concept:
+                return entry[f"{kind}_references"]
+        raise KeyError(f"concept {concept} is not in the atlas of {self.entries['layer']} "
+                       f"({len(self.entries['concepts'])} concepts).")
+
+    def of(self, concept: int) -> list[np.ndarray]:
+        """The relevance reference patches of ``concept`` (what ``glocal_figure`` draws)."""
+        return self.patches(concept)
+
+    def patches(self, concept: int, kind: str = "relevance") -> list[np.ndarray]:
+        """The reference patches of ``concept`` as (h, w, 3) uint8 RGB arrays, read from the atlas's files."""
+        return [np.asarray(Image.open(self.folder / reference["patch"]).convert("RGB"))
+                for reference in self.references(concept, kind)]
+
+
+def load_atlas(folder: Union[str, Path]) -> Atlas:
+    """An atlas written by ``build_atlas`` (OUT/atlas.json)."""
+    path = Path(folder) / ATLAS_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder} holds no concept atlas ({ATLAS_FILE}); build one with `explain concepts DIR "
+                         "--model M --layer L --out OUT`.")
+    return Atlas(Path(folder), json.loads(path.read_text(encoding="utf-8")))
+
+
+def image_files(data: Union[str, Path, Sequence[Union[str, Path]]]) -> tuple[list[Path], list[str]]:
+    """(the image files, the names the atlas gives them): a folder's files, sub-folders included, sorted by path
+    relative to it (their names); or a list of files (their paths as given)."""
+    if isinstance(data, (str, Path)):
+        root = Path(data)
+        if not root.is_dir():
+            raise ValueError(f"{root} is not a folder of images.")
+        files = sorted(path for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+                       and not any(part.startswith(".") for part in path.relative_to(root).parts))
+        names = [str(path.relative_to(root)) for path in files]
+    else:
+        files = [Path(path) for path in data]
+        names = [str(path) for path in files]
+    if not files:
+        raise ValueError(f"{data} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+    return files, names
+
+
+def _fingerprint(texts: Sequence[str]) -> str:
+    hasher = hashlib.sha256()
+    for text in texts:
+        hasher.update(text.encode("utf-8") + b"\n")
+    return hasher.hexdigest()[:16]
+
+
+def _model_fingerprint(model: nn.Module) -> str:
+    hasher = hashlib.sha256()
+    for name, tensor in list(model.state_dict().items()):
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[str, Path, Sequence[Union[str, Path]]],
+                out: Union[str, Path], *, method: str = "lrp", top: int = 8, batch_size: int = 32,
+                shard: Optional[tuple[int, int]] = None, progress: bool = True, **method_options: Any
+                ) -> Optional[Atlas]:
+    """The concept atlas of ``layer`` over the images of ``data`` (a folder, read recursively, or a list of files),
+    written to ``out`` (see the module docstring). method: "lrp" or "attnlrp" (``ConceptRelevance``); top: references
+    per concept; batch_size: images per pass. Returns the Atlas, or None for a shard's call (the merge is a call
+    without ``shard``)."""
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a whole number ≥ 1; got {top!r}.")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
+    if shard is not None and not (len(shard) == 2 and 0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard must be (i, n) with 0 ≤ i < n; got {shard!r}.")
+    files, names = image_files(data)
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file; give a folder for the atlas (it is created if missing).")
+    (folder / "batches").mkdir(parents=True, exist_ok=True)
+    crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)
+    record = {"layer": layer, "method": method, "top": top, "batch_size": batch_size,
+              "model": _model_fingerprint(crp.model), "images": _fingerprint(names), "image_count": len(files)}
+    _check_record(folder, record)
+    batches = range(0, len(files), batch_size)
+    mine = [start for index, start in enumerate(batches) if shard is None or index % shard[1] == shard[0]]
+    with tqdm(total=len(mine), desc=f"atlas {layer}", unit="batch", disable=not progress) as bar:
+        for start in mine:
+            destination = folder / "batches" / f"{start // batch_size:06d}.pt"
+            if not destination.exists():
+                _measure_batch(crp, files[start:start + batch_size], destination)
+            bar.update(1)
+    if shard is not None:
+        return None
+    parts = [torch.load(folder / "batches" / f"{index:06d}.pt") for index in range(len(batches))]
+    relevance = torch.cat([part["relevance"] for part in parts])
+    activation = torch.cat([part["activation"] for part in parts])
+    classes = torch.cat([part["classes"] for part in parts])
+    entries = _entries(crp, files, names, relevance, activation, classes, top, folder, progress)
+    write_atomically(folder / ATLAS_FILE, lambda path: path.write_text(json.dumps(entries, indent=1),
+                                                                       encoding="utf-8"))
+    write_atomically(folder / PAGE_FILE, lambda path: path.write_text(_page(entries), encoding="utf-8"))
+    return Atlas(folder, entries)
+
+
+def _check_record(folder: Path, record: dict[str, Any]) -> None:
+    path = folder / RECORD_FILE
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path} is not an atlas record ({error}); delete it to start afresh.") from None
+        if earlier != record and any((folder / "batches").iterdir()):
+            differences = [f"{key}: {earlier.get(key)!r} earlier, {value!r} now" for key, value in record.items()
+                           if earlier.get(key) != value]
+            raise ValueError(f"{folder} holds an atlas with other settings ({'; '.join(differences)}); rerun with "
+                             "the earlier settings to resume it, or give another folder.")
+    write_atomically(path, lambda target: target.write_text(json.dumps(record, indent=1), encoding="utf-8"))
+
+
+def _measure_batch(crp: ConceptRelevance, files: Sequence[Path], destination: Path) -> None:
+    """One batch's R_c (N, C) for its predicted classes, largest activations (N, C) and classes (N,), saved."""
+    recorded: list[Tensor] = []
+    with crp._at_layer(None, recorded):
+        explanation = crp.explainer.explain(list(files))
+    assert explanation.class_indices is not None, "class targets"
+    result = {"relevance": recorded[-1].float().cpu(),
+              "activation": _largest_activations(crp, crp._prepared(list(files))).float(),
+              "classes": explanation.class_indices[:, 0].cpu()}
+    write_atomically(destination, lambda path: torch.save(result, path))
+
+
+def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str], relevance: Tensor,
+             activation: Tensor, classes: Tensor, top: int, folder: Path, progress: bool) -> dict[str, Any]:
+    """atlas.json's content; the patches of every concept's references written first (OUT/patches/, skipped where
+    an earlier run wrote them): the relevance references' conditional heatmaps computed for all (image, concept)
+    pairs in batched passes, the activation references' upsampled activations."""
+    (folder / "patches").mkdir(exist_ok=True)
+    count = min(top, len(files))
+    channels = relevance.shape[1]
+    best = {"relevance": relevance.topk(count, dim=0), "activation": activation.topk(count, dim=0)}  # (count, C)
+    patch_names = {kind: [[f"patches/{kind[0]}{concept:05d}_{rank}.png" for rank in range(count)]
+                          for concept in range(channels)] for kind in best}
+    for kind in ("relevance", "activation"):
+        pairs = [(int(best[kind].indices[rank, concept]), concept, rank) for concept in range(channels)
+                 for rank in range(count) if not (folder / patch_names[kind][concept][rank]).exists()]
+        for start in tqdm(range(0, len(pairs), crp.batch_size), desc=f"{kind} patches", disable=not progress):
+            chunk = pairs[start:start + crp.batch_size]
+            unique = sorted({image for image, _, _ in chunk})
+            batch = crp._prepared([files[image] for image in unique])
+            pictures = _uint8(prepare_inputs([files[image] for image in unique], crp.explainer.preprocess,
+                                             torch.device("cpu"), torch.float32).display.get())
+            rows = torch.tensor([unique.index(image) for image, _, _ in chunk])
+            concepts = torch.tensor([concept for _, concept, _ in chunk])
+            if kind == "relevance":
+                rows_class = classes[torch.tensor([image for image, _, _ in chunk])]
+                _, heats, _ = crp.conditional(batch, rows, concepts, rows_class, channels)
+            else:
+                heats = _activation_maps(crp, batch, rows, concepts)
+            for (_, concept, rank), row, heat in zip(chunk, rows.tolist(), heats):
+                crop = _crop(pictures[row], heat.detach().cpu().float())
+                _write_png(folder / patch_names[kind][concept][rank], crop)
+    class_names = getattr(crp.explainer, "class_names", None)
+    entries = []
+    for concept in range(channels):
+        entry: dict[str, Any] = {"concept": concept}
+        for kind in ("relevance", "activation"):
+            entry[f"{kind}_references"] = [
+                {"image": names[int(index)], "value": float(value), "patch": patch}
+                for index, value, patch in zip(best[kind].indices[:, concept], best[kind].values[:, concept],
+                                               patch_names[kind][concept])]
+        usage: list[dict[str, Any]] = []
+        for label in classes.unique().tolist():
+            mean = float(relevance[classes == label, concept].mean())
+            name = class_names[label] if class_names is not None and 0 <= label < len(class_names) else str(label)
+            usage.append({"class": int(label), "name": name, "mean_relevance": mean})
+        entry["classes"] = sorted(usage, key=lambda item: -item["mean_relevance"])[:3]
+        entries.append(entry)
+    return {"layer": crp.layer_name, "method": crp.explainer.method_name, "images": len(files), "top": count,
+            "concepts": entries}
+
+
+def _write_png(path: Path, pixels: np.ndarray) -> None:
+    write_atomically(path, lambda target: Image.fromarray(pixels).save(target, format="PNG"))
+
+
+def _page(entries: dict[str, Any]) -> str:
+    """A static page: a card per concept with its classes, relevance references and activation references."""
+    cards = []
+    for entry in entries["concepts"]:
+        classes = ", ".join(f"{html.escape(item['name'])} ({item['mean_relevance']:.3g})" for item in entry["classes"])
+        rows = []
+        for kind in ("relevance", "activation"):
+            images = "".join(
+                f'<figure><img src="{html.escape(reference["patch"])}" alt="{html.escape(reference["image"])}" '
+                f'title="{html.escape(reference["image"])}: {reference["value"]:.3g}"></figure>'
+                for reference in entry[f"{kind}_references"])
+            rows.append(f'<div class="row"><span class="kind">{kind}</span>{images}</div>')
+        cards.append(f'<section class="card" id="concept-{entry["concept"]}"><h2>concept {entry["concept"]}</h2>'
+                     f'<p>used most by: {classes}</p>{"".join(rows)}</section>')
+    title = html.escape(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
+    style = ("body{font-family:sans-serif;margin:1em}.card{border:1px solid #ccc;margin:.5em 0;padding:.5em}"
+             ".row{display:flex;align-items:center;gap:4px}.kind{width:6em;font-size:80%}"
+             "figure{margin:0}img{height:64px;image-rendering:pixelated}h2{font-size:100%;margin:0}")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f'<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src \'self\' file:; '
+            f'style-src \'unsafe-inline\'"><style>{style}</style></head><body><h1>{title}</h1>'
+            f'{"".join(cards)}</body></html>\n')

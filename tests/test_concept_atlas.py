@@ -1,0 +1,177 @@
+"""The concept atlas (relevance maximisation over a data set, stored): its references are the images where each
+concept carried the most relevance (and was most active) computed image by image; a kill -9 and a rerun give the
+atlas an uninterrupted run gives; shards merge to the same; other settings are refused; the page opens offline in
+headless Chromium with every reference image loading; the command line builds it and reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import explain
+from explain.data.demo_watermark import load_watermark_demo, write_watermark_folder
+from explain.dataset_tools.concept_atlas import build_atlas, load_atlas
+
+COUNT, BATCH, TOP = 24, 8, 2
+
+
+@pytest.fixture(scope="module")
+def data_folder(tmp_path_factory) -> Path:
+    return write_watermark_folder(tmp_path_factory.mktemp("atlas-data") / "images", count=COUNT)
+
+
+@pytest.fixture(scope="module")
+def built(data_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("atlas") / "atlas"
+    return build_atlas(load_watermark_demo(), "layer3", data_folder, out, top=TOP, batch_size=BATCH, progress=False)
+
+
+def test_the_references_are_the_images_where_each_concept_mattered_most_image_by_image(built, data_folder):
+    model = load_watermark_demo()
+    files = sorted(path for path in data_folder.rglob("*.png"))
+    crp = explain.ConceptRelevance(model, "layer3")
+    relevance, classes = [], []
+    for path in files:
+        explanation = crp.explain(str(path), concepts=1)
+        relevance.append(explanation.diagnostics["layer_relevance"][0])
+        classes.append(int(explanation.diagnostics["explained_class"][0]))
+    relevance_table = torch.stack(relevance)
+    store = {}
+    handle = model.layer3.register_forward_hook(lambda module, args, output: store.update(a=output))
+    try:
+        with torch.no_grad():
+            model(explain.io.inputs.prepare_inputs([str(path) for path in files], explain.Normalize(),
+                                                   torch.device("cpu"), torch.float32).batch)
+    finally:
+        handle.remove()
+    largest = store["a"].flatten(2).amax(2)
+    names = [str(path.relative_to(data_folder)) for path in files]
+    for concept in (0, 21, 63):
+        references = built.references(concept)
+        expected = relevance_table[:, concept].topk(TOP)
+        assert [reference["image"] for reference in references] == [names[i] for i in expected.indices]
+        assert [reference["value"] for reference in references] == pytest.approx(expected.values.tolist(), rel=1e-4)
+        activation = built.references(concept, "activation")
+        assert [reference["image"] for reference in activation] == [names[i] for i in
+                                                                     largest[:, concept].topk(TOP).indices]
+        assert all(patch.dtype.name == "uint8" and patch.shape[-1] == 3 for patch in built.patches(concept))
+        entry = next(item for item in built.entries["concepts"] if item["concept"] == concept)
+        by_class = {label: float(relevance_table[[c == label for c in classes], concept].mean())
+                    for label in set(classes)}
+        best = max(by_class, key=by_class.get)
+        assert entry["classes"][0]["class"] == best
+        assert entry["classes"][0]["mean_relevance"] == pytest.approx(by_class[best], rel=1e-4)
+
+
+def test_shards_merge_to_the_atlas_of_one_run_and_other_settings_are_refused(built, data_folder, tmp_path):
+    model = load_watermark_demo()
+    out = tmp_path / "sharded"
+    for shard in ((0, 2), (1, 2)):
+        assert build_atlas(model, "layer3", data_folder, out, top=TOP, batch_size=BATCH, shard=shard,
+                           progress=False) is None
+    merged = build_atlas(model, "layer3", data_folder, out, top=TOP, batch_size=BATCH, progress=False)
+    assert merged.entries == built.entries
+    with pytest.raises(ValueError, match="top: 2 earlier, 3 now"):
+        build_atlas(model, "layer3", data_folder, out, top=3, batch_size=BATCH, progress=False)
+    with torch.no_grad():
+        model.fc.weight.mul_(2)
+    with pytest.raises(ValueError, match="model:"):
+        build_atlas(model, "layer3", data_folder, out, top=TOP, batch_size=BATCH, progress=False)
+
+
+BUILD = """
+import sys
+from explain.data.demo_watermark import load_watermark_demo
+from explain.dataset_tools.concept_atlas import build_atlas
+build_atlas(load_watermark_demo(), "layer3", sys.argv[1], sys.argv[2], top={top}, batch_size=1, progress=False)
+"""
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_atlas_of_an_uninterrupted_run(built, data_folder, tmp_path):
+    """One image per batch (24 batch files): the process is killed once some are written; a rerun computes the
+    rest and the atlas equals an uninterrupted run's (the references do not depend on the batch size)."""
+    out = tmp_path / "killed"
+    script = tmp_path / "build.py"
+    script.write_text(BUILD.format(top=TOP))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, str(script), str(data_folder), str(out)], env=environment)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list((out / "batches").glob("*.pt"))) < 3 and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = len(list((out / "batches").glob("*.pt")))
+    assert 3 <= written < COUNT, written
+    assert not (out / "atlas.json").exists()
+    record = json.loads((out / "atlas-record.json").read_text())
+    assert record["batch_size"] == 1
+    resumed = subprocess.run([sys.executable, str(script), str(data_folder), str(out)], env=environment,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    atlas = load_atlas(out)
+    for entry, expected in zip(atlas.entries["concepts"], built.entries["concepts"]):
+        assert [r["image"] for r in entry["relevance_references"]] == [
+            r["image"] for r in expected["relevance_references"]]
+        assert [r["value"] for r in entry["relevance_references"]] == pytest.approx(
+            [r["value"] for r in expected["relevance_references"]], rel=1e-4)
+    assert not list(out.rglob(".*.part"))
+
+
+def test_the_page_opens_offline_with_every_reference_image_loading(built):
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip(f"no Chromium at {chromium}")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            context = browser.new_context(offline=True)
+            blocked: list[str] = []
+
+            def guard(route):
+                if route.request.url.startswith("file://"):
+                    route.continue_()
+                else:
+                    blocked.append(route.request.url)
+                    route.abort()
+
+            context.route("**/*", guard)
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto((built.folder / "atlas.html").resolve().as_uri())
+            page.wait_for_function("[...document.images].every(image => image.complete)")
+            sizes = page.eval_on_selector_all("img", "images => images.map(image => image.naturalWidth)")
+            cards = page.eval_on_selector_all(".card", "cards => cards.length")
+        finally:
+            browser.close()
+    assert cards == 64 and len(sizes) == 64 * 2 * TOP
+    assert all(width > 0 for width in sizes)
+    assert not blocked and not errors
+
+
+def test_the_command_line_builds_the_atlas_and_the_glocal_figure_reads_it(data_folder, tmp_path, capsys):
+    from explain.cli import main
+
+    out = tmp_path / "cli-atlas"
+    assert main(["concepts", str(data_folder), "--model", "demo-watermark", "--layer", "layer3", "--out", str(out),
+                 "--top", "2", "--batch-size", "12"]) == 0
+    assert "64 concepts over 24 images" in capsys.readouterr().out
+    image = sorted(data_folder.rglob("*.png"))[0]
+    assert main(["concepts", str(image), "--model", "demo-watermark", "--layer", "layer3", "--references", str(out),
+                 "--top", "2", "--out", str(tmp_path / "glocal.png")]) == 0
+    assert (tmp_path / "glocal.png").stat().st_size > 0
+    assert main(["concepts", str(image), "--model", "demo-watermark", "--layer", "layer4", "--references",
+                 str(out)]) == 2
+    assert "is of layer layer3" in capsys.readouterr().err
+    assert main(["concepts", str(data_folder), "--model", "demo-watermark", "--layer", "layer3", "--out", str(out),
+                 "--shard", "2"]) == 2

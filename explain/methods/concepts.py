@@ -9,7 +9,7 @@ relevance R_c (the layer's relevance summed over channel c) ranks the concepts f
 linear in the relevance they pass on, so the conditional maps of all concepts of a layer sum to the unconditional map
 (conservation over concepts).
 
-    crp = explain.ConceptRelevance(model, "layer3")                  # LRP, composite epsilon_plus by default
+    crp = explain.ConceptRelevance(model, "layer3")                  # LRP with its default composite
     e = crp.explain(image, concepts=4)                               # the 4 most relevant channels of layer3
     e.class_indices, e.scores                                        # (N, 4) their channels, their relevance R_c
     e.figure()                                                       # one conditional heatmap per concept

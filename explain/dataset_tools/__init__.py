@@ -10,5 +10,6 @@ evaluation with metrics.
     labels.py         a data set's labels (folders, CSV, ImageFolder) and the targets they give
     html_report.py    explain.report: the static HTML page of a run (report_assets/)
     spray.py          explain.strategies: SpRAy clusters of maps
-    evaluation.py     explain.evaluate: metrics of methods over a data set
+    evaluation.py     explain.evaluate: metrics of methods over a data set (detectors per instance too)
+    concept_atlas.py  a layer's concept atlas: relevance maximisation over a folder, resumable, its static page
 """

@@ -220,3 +220,27 @@ def test_the_per_instance_metrics_called_inside_no_grad_or_inference_mode_give_t
                 inside = metric.compute(given)
             assert outside.shape == (4,)
             torch.testing.assert_close(inside, outside, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+class OneCornerDetector(torch.nn.Module):
+    """A {"boxes", "scores"} detector with one candidate, the top-left 16 × 16 box, scored by the image's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Conv2d(3, 2, 1)
+
+    def forward(self, images):
+        scores = self.features(images).mean(dim=(2, 3)).sigmoid()[:, None]  # (N, 1, 2)
+        boxes = torch.tensor([[0.0, 0.0, 16.0, 16.0]]).expand(images.shape[0], 1, 4)
+        return {"boxes": boxes, "scores": scores}
+
+
+def test_given_boxes_no_detection_overlaps_are_said_not_silently_left_out(images):
+    model = OneCornerDetector().eval()
+    boxes = torch.tensor([[0.0, 0.0, 16.0, 16.0], [40.0, 40.0, 60.0, 60.0]])
+    with pytest.warns(RuntimeWarning, match="1 of the 4 given boxes|2 of the 4 given boxes") as caught:
+        result = explain.evaluate(model, {"saliency": explain.Saliency(model)}, images, ["instance_energy"],
+                                  instances=boxes, progress=False)
+    assert any(warning.filename == __file__ for warning in caught if "given boxes" in str(warning.message))
+    values = result.values["saliency"]["instance_energy"]
+    assert values.shape == (4,) and bool(values[1::2].isnan().all()) and not bool(values[0::2].isnan().any())

@@ -692,10 +692,18 @@ def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Inst
     with torch.no_grad(), preserved_model_state(model):
         output = model(batch)
     try:
-        return detect(model, batch, instances, output)
+        found = detect(model, batch, instances, output)
     except ValueError as error:
         if not str(error).startswith("no instance selected"):
             raise
+    else:
+        if isinstance(instances, Tensor) and not bool(found.present.all()):  # given boxes no detection overlaps
+            missing = int((~found.present).sum())
+            warnings.warn(f"{missing} of the {found.present.numel()} given boxes in a batch of {batch.shape[0]} "
+                          "images overlap no detection of the model: their values are NaN and left out of the "
+                          "means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning,
+                          stacklevel=4)
+        return found
     empty = torch.zeros(batch.shape[0], 0)
     return Instances(empty[..., None].expand(-1, -1, 4), empty.long(), empty, empty.bool())
 

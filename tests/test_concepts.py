@@ -264,3 +264,23 @@ def test_the_command_line_writes_each_images_glocal_figure_with_the_concepts_pyt
                  "gradcam"]) == 2
     assert main(["concepts", images[0], "--model", "demo-watermark"]) == 2
     assert "--layer" in capsys.readouterr().err
+
+
+def test_a_layer_that_runs_twice_is_refused_and_the_model_left_as_found():
+    class SharedBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.stem, self.block = nn.Conv2d(3, 4, 3, padding=1), nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
+                                                                              nn.ReLU())
+            self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+        def forward(self, x):
+            return self.head(self.block(self.block(self.stem(x))))
+
+    model = SharedBlock().eval()
+    before = model_state(model)
+    with pytest.raises(ValueError, match="runs 2 times"):
+        explain.ConceptRelevance(model, "block", composite="epsilon_plus").explain(torch.rand(1, 3, 8, 8))
+    assert_state_equal(before, model_state(model))
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())

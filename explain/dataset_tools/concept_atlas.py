@@ -174,7 +174,7 @@ def _measure_batch(crp: ConceptRelevance, files: Sequence[Path], destination: Pa
     with crp._at_layer(None, recorded):
         explanation = crp.explainer.explain(list(files))
     assert explanation.class_indices is not None, "class targets"
-    result = {"relevance": recorded[-1].float().cpu(),
+    result = {"relevance": crp.layer_relevance(recorded).float(),
               "activation": _largest_activations(crp, crp._prepared(list(files))).float(),
               "classes": explanation.class_indices[:, 0].cpu()}
     write_atomically(destination, lambda path: torch.save(result, path))

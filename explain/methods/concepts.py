@@ -147,10 +147,7 @@ class ConceptRelevance:
             unconditional = self.explainer.explain(inputs, target=target)
         if unconditional.class_indices is None or unconditional.class_indices.shape[1] != 1:
             raise ValueError("CRP explains one class per image: give target=None, an int or one int per image.")
-        if not recorded:
-            raise ValueError(f"layer {self.layer_name} is not on the path from the input to the score (its output "
-                             "received no relevance): give a layer the prediction depends on.")
-        layer_relevance = recorded[-1].cpu()  # (N, C)
+        layer_relevance = self.layer_relevance(recorded)  # (N, C)
         classes = unconditional.class_indices[:, 0]
         count, channels = layer_relevance.shape
         chosen = self._concepts(concepts, layer_relevance)  # (N, M)
@@ -176,6 +173,17 @@ class ConceptRelevance:
                          "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()},
             class_names=["concept"] * channels,
         )
+
+    def layer_relevance(self, recorded: list[Tensor]) -> Tensor:
+        """(N, C) the relevance per channel that one unconditional pass recorded at the layer (``_at_layer``), on
+        the CPU; a clear error where the layer received none or ran more than once."""
+        if not recorded:
+            raise ValueError(f"layer {self.layer_name} is not on the path from the input to the score (its output "
+                             "received no relevance): give a layer the prediction depends on.")
+        if len(recorded) > 1:  # one forward pass, so the layer ran several times (a shared module)
+            raise ValueError(f"layer {self.layer_name} runs {len(recorded)} times in one forward pass (a module "
+                             "shared between places): its concepts are ambiguous. Give a layer that runs once.")
+        return recorded[0].cpu()
 
     def conditional(self, batch: Tensor, rows_image: Tensor, rows_concept: Tensor, rows_class: Tensor,
                     channels: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -288,7 +296,7 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
             recorded: list[Tensor] = []
             with crp._at_layer(None, recorded):
                 crp.explainer.explain(chunk)
-            values.append(recorded[-1].cpu())
+            values.append(crp.layer_relevance(recorded))
         else:
             values.append(_largest_activations(crp, crp._prepared(chunk)))
     every = torch.cat(values)  # (N, C)

@@ -11,9 +11,12 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -78,3 +81,12 @@ def write_section(title: str, body: str) -> None:
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")
+
+
+def bootstrap(values: "np.ndarray", draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95 % bootstrap interval of the mean of ``values`` (``draws`` resamples, seeded)."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    means = [values[generator.integers(0, len(values), len(values))].mean() for _ in range(draws)]
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_section  # noqa: E402
+from common import bootstrap, write_section  # noqa: E402
 
 import explain  # noqa: E402
 from explain.data.demo_detector import DETECTOR_CAM_LAYER, load_demo_detector  # noqa: E402
@@ -55,12 +55,6 @@ def class_level_target(label: int):
     def target(output):
         return output["scores"][..., label].sum(dim=1)
     return target
-
-
-def bootstrap(values: np.ndarray, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    generator = np.random.default_rng(seed)
-    means = [values[generator.integers(0, len(values), len(values))].mean() for _ in range(draws)]
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def main() -> None:

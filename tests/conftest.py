@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -202,3 +203,23 @@ def assert_state_equal(before: dict, after: dict) -> None:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---- a browser for the pages explain writes (the report, the VLM page, the concept atlas) -------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Headless Chromium (a fresh profile), or a skip saying what is missing."""
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed "
+                                         "(pip install playwright; the browser is Debian's chromium)")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium) for the browser checks")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        yield browser
+        browser.close()

@@ -129,35 +129,28 @@ def test_a_run_killed_with_sigkill_resumes_to_the_atlas_of_an_uninterrupted_run(
     assert not list(out.rglob(".*.part"))
 
 
-def test_the_page_opens_offline_with_every_reference_image_loading(built):
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    chromium = "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.skip(f"no Chromium at {chromium}")
-    with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
-                                             args=["--headless", "--no-sandbox", "--disable-gpu"])
-        try:
-            context = browser.new_context(offline=True)
-            blocked: list[str] = []
+def test_the_page_opens_offline_with_every_reference_image_loading(built, chromium):
+    context = chromium.new_context(offline=True)
+    blocked: list[str] = []
 
-            def guard(route):
-                if route.request.url.startswith("file://"):
-                    route.continue_()
-                else:
-                    blocked.append(route.request.url)
-                    route.abort()
+    def guard(route):
+        if route.request.url.startswith("file://"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
 
-            context.route("**/*", guard)
-            page = context.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto((built.folder / "atlas.html").resolve().as_uri())
-            page.wait_for_function("[...document.images].every(image => image.complete)")
-            sizes = page.eval_on_selector_all("img", "images => images.map(image => image.naturalWidth)")
-            cards = page.eval_on_selector_all(".card", "cards => cards.length")
-        finally:
-            browser.close()
+    try:
+        context.route("**/*", guard)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((built.folder / "atlas.html").resolve().as_uri())
+        page.wait_for_function("[...document.images].every(image => image.complete)")
+        sizes = page.eval_on_selector_all("img", "images => images.map(image => image.naturalWidth)")
+        cards = page.eval_on_selector_all(".card", "cards => cards.length")
+    finally:
+        context.close()
     assert cards == 64 and len(sizes) == 64 * 2 * TOP
     assert all(width > 0 for width in sizes)
     assert not blocked and not errors

@@ -284,3 +284,55 @@ def test_a_layer_that_runs_twice_is_refused_and_the_model_left_as_found():
         explain.ConceptRelevance(model, "block", composite="epsilon_plus").explain(torch.rand(1, 3, 8, 8))
     assert_state_equal(before, model_state(model))
     assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+def test_the_callers_grad_mode_and_another_threads_inference_change_nothing():
+    """Inside inference_mode() or no_grad() the maps are those outside; another thread running the model meanwhile
+    gets the plain model's output and leaves the maps as they are; a layer returning a tuple is refused."""
+    import threading
+
+    model = small_cnn()
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(8))
+    crp = explain.ConceptRelevance(model, "4", composite="epsilon_plus")
+    expected = crp.explain(x, concepts=3)
+    for context in (torch.inference_mode, torch.no_grad):
+        with context():
+            torch.testing.assert_close(crp.explain(x, concepts=3).raw_maps, expected.raw_maps)
+    with torch.no_grad():
+        plain = model(x)
+    outputs, stop = [], threading.Event()
+
+    def other_thread():
+        while not stop.is_set():
+            with torch.no_grad():
+                outputs.append(model(x))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        during = crp.explain(x, concepts=3)
+    finally:
+        stop.set()
+        thread.join()
+    torch.testing.assert_close(during.raw_maps, expected.raw_maps)
+    assert outputs and all(torch.equal(output, plain) for output in outputs)
+
+    class Pair(nn.Module):
+        def __init__(self, module: nn.Module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, images):
+            return self.module(images), None
+
+    class TupleLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            inner = small_cnn()
+            self.features, self.rest = Pair(inner[:5]), inner[5:]
+
+        def forward(self, images):
+            return self.rest(self.features(images)[0])
+
+    with pytest.raises((ValueError, RuntimeError), match="returns tuple, not a tensor"):  # through the model call
+        explain.ConceptRelevance(TupleLayer().eval(), "features", composite="epsilon_plus").explain(x)

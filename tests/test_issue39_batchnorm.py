@@ -64,19 +64,26 @@ def test_the_torch_kernel_is_wrong_for_this_layout_so_the_test_below_is_meaningf
         pytest.skip("this torch's BatchNorm backward is right for the layout: nothing to work around")
 
 
+def assert_alone_and_in_batch_equal_by_hand(model: nn.Module, x: Tensor, rtol: float, atol: float) -> Tensor:
+    """Saliency of image 0 of ``x`` for class 2, alone and in the batch, equals the gradient of ``model.by_hand``
+    (the normalisation written out); returns the map of the image alone."""
+    saliency = explain.Saliency(model, normalize=None)
+    alone = saliency.explain(x[:1], target=2).attributions[0, 0]
+    in_batch = saliency.explain(x, target=2).attributions[0, 0]
+    leaf = x[:1].clone().requires_grad_(True)
+    (by_hand,) = torch.autograd.grad(model.by_hand(leaf)[0, 2], leaf)
+    torch.testing.assert_close(alone, by_hand[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(in_batch, by_hand[0], rtol=rtol, atol=atol)
+    return alone
+
+
 def test_an_image_alone_gets_the_gradient_worked_by_hand_and_the_one_it_gets_in_a_batch():
     """Saliency's per-channel gradient of one image equals the float64 gradient of the BatchNorm written out,
     finite differences, and that image's row when explained with another image."""
     torch.manual_seed(0)
     model = randomized_statistics(TokensAfterBatchNorm().double())
     x = torch.rand(2, 3, 8, 8, dtype=torch.float64)
-    saliency = explain.Saliency(model, normalize=None)
-    alone = saliency.explain(x[:1], target=2).attributions[0, 0]
-    in_batch = saliency.explain(x, target=2).attributions[0, 0]
-    leaf = x[:1].clone().requires_grad_(True)
-    (by_hand,) = torch.autograd.grad(model.by_hand(leaf)[0, 2], leaf)
-    torch.testing.assert_close(alone, by_hand[0], rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(in_batch, by_hand[0], rtol=1e-12, atol=1e-14)
+    alone = assert_alone_and_in_batch_equal_by_hand(model, x, rtol=1e-12, atol=1e-14)
     step, pixel = 1e-6, (1, 5, 2)  # one central difference on the model itself
     plus, minus = x[:1].clone(), x[:1].clone()
     plus[(0, *pixel)] += step
@@ -114,13 +121,7 @@ def test_an_image_alone_through_an_instance_norm_read_as_tokens_gets_the_gradien
     torch.manual_seed(0)
     model = TokensAfterInstanceNorm().double().eval()
     x = torch.rand(2, 3, 8, 8, dtype=torch.float64)
-    saliency = explain.Saliency(model, normalize=None)
-    alone = saliency.explain(x[:1], target=2).attributions[0, 0]
-    in_batch = saliency.explain(x, target=2).attributions[0, 0]
-    leaf = x[:1].clone().requires_grad_(True)
-    (by_hand,) = torch.autograd.grad(model.by_hand(leaf)[0, 2], leaf)
-    torch.testing.assert_close(alone, by_hand[0], rtol=1e-10, atol=1e-13)
-    torch.testing.assert_close(in_batch, by_hand[0], rtol=1e-10, atol=1e-13)
+    assert_alone_and_in_batch_equal_by_hand(model, x, rtol=1e-10, atol=1e-13)
     assert not model.norm._forward_hooks
 
 

@@ -302,22 +302,6 @@ def test_scores_that_are_not_log_probabilities_are_called_scores():
 
 # ---- The page, in a browser -----------------------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    """Headless Chromium (a fresh profile), or a skip saying what is missing."""
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed "
-                                         "(pip install playwright; the browser is Debian's chromium)")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium) for the browser checks")
-    with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -379,13 +379,11 @@ class Explainer(ABC):
                                                                              self.method_name)))
             checks.run()
             if any(empty):
-                empty_maps = torch.tensor(empty).view(raw.shape[:2])
+                every_empty_map = torch.tensor(empty).view(raw.shape[:2])
+                empty_maps: Optional[Tensor] = every_empty_map
                 if isinstance(target, InstanceTarget):  # padding (an image with fewer instances) is empty by design
-                    present = target.instances.present.cpu()
-                    empty_maps = empty_maps & present
-                    if attribution.selected.empty_region is not None:
-                        attribution.selected.empty_region = attribution.selected.empty_region.cpu() & present
-                if bool(empty_maps.any()):
+                    empty_maps = self._without_padding(every_empty_map, attribution, target)
+                if empty_maps is not None:
                     warn_about_empty_maps(empty_maps, attribution, self.method_name)
             if self.reads_pixel_gradients() or (isinstance(target, InstanceTarget) and self.uses_gradients):
                 warn_about_precision(self, reduced_precision(self.model, prepared.batch),
@@ -412,6 +410,15 @@ class Explainer(ABC):
                 class_names=self.class_names,
                 boxes=boxes,
             )
+
+    @staticmethod
+    def _without_padding(empty_maps: Tensor, attribution: Attribution, target: InstanceTarget) -> Optional[Tensor]:
+        """The empty maps (and empty regions) of instances present, padding left out; None where none is left."""
+        present = target.instances.present.cpu()
+        if attribution.selected.empty_region is not None:
+            attribution.selected.empty_region = attribution.selected.empty_region.cpu() & present
+        empty_maps = empty_maps & present
+        return empty_maps if bool(empty_maps.any()) else None
 
     def instance_target(self, batch: Tensor, instances: InstanceSpec) -> InstanceTarget:
         """The target of ``explain(..., instances=...)``: the instances found in ``batch`` (one forward pass without

@@ -20,6 +20,7 @@ pass) and each row's relevance is masked to its own concept, as zennit-crp's bat
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union
@@ -88,8 +89,13 @@ class ConceptRelevance:
         the channels ``masks[r]`` (R, C) keeps (None: all), and the relevance per channel (R, C) it received is
         appended to ``recorded``."""
 
+        owner = threading.get_ident()  # another thread's forward passes on the model run it unchanged
+
         def on_output(module: nn.Module, args: Any, output: Any) -> None:
-            if not isinstance(output, Tensor) or not output.requires_grad:
+            if not isinstance(output, Tensor):
+                raise ValueError(f"layer {self.layer_name} returns {type(output).__name__}, not a tensor of "
+                                 "features: give the module whose output holds the concepts (`explain layers`).")
+            if not output.requires_grad:
                 return
             dim = self._channel_dim(output)
             activation = output.detach()
@@ -115,12 +121,15 @@ class ConceptRelevance:
         pending: list[Any] = []
 
         def on_output_last(module: nn.Module, args: Any, output: Any) -> None:
+            if threading.get_ident() != owner:
+                return
             while pending:
                 pending.pop().remove()
             on_output(module, args, output)
 
         def before_layer(module: nn.Module, args: Any) -> None:
-            pending.append(module.register_forward_hook(on_output_last))
+            if threading.get_ident() == owner:
+                pending.append(module.register_forward_hook(on_output_last))
 
         handle = self.layer.register_forward_pre_hook(before_layer)
         try:

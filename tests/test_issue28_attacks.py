@@ -21,7 +21,7 @@ import torch
 import torchvision
 from PIL import Image
 from test_batch_labels import by_hand, class_folders, gradcam, rows_by_id
-from test_report import browser_page, chromium, wait_for_render, write_run, write_strategies  # noqa: F401
+from test_report import browser_page, wait_for_render, write_run, write_strategies  # noqa: F401
 
 import explain
 from explain.data import CLASS_NAMES, make_dataset

@@ -85,6 +85,12 @@ def test_shards_merge_to_the_atlas_of_one_run_and_other_settings_are_refused(bui
     assert merged.entries == built.entries
     with pytest.raises(ValueError, match="top: 2 earlier, 3 now"):
         build_atlas(model, "layer3", data_folder, out, top=3, batch_size=BATCH, progress=False)
+    with pytest.raises(ValueError, match="options: None earlier, .*epsilon_plus"):  # another composite
+        build_atlas(model, "layer3", data_folder, out, top=TOP, batch_size=BATCH, progress=False,
+                    composite="epsilon_plus")
+    with pytest.raises(ValueError, match=r"options: None earlier, .*tensor\(2, 64\)"):  # concepts as directions
+        build_atlas(model, "layer3", data_folder, out, top=TOP, batch_size=BATCH, progress=False,
+                    directions=torch.eye(64)[:2])
     with torch.no_grad():
         model.fc.weight.mul_(2)
     with pytest.raises(ValueError, match="model:"):

@@ -7,6 +7,8 @@ left as found."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import assert_state_equal, model_state
@@ -74,14 +76,20 @@ def test_each_concepts_map_is_the_relevance_masked_to_it_by_hand(case):
     before = model_state(model)
     e = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=3)
     assert_state_equal(before, model_state(model))
-    channel_dim = 2 if case.startswith("vit") else 1
+    assert_each_map_masked_by_hand(e, model, layer, method, options, x, 2 if case.startswith("vit") else 1,
+                                   atol=1e-5, rtol=1e-4)
+
+
+def assert_each_map_masked_by_hand(e, model, layer: str, method: str, options: dict, x: torch.Tensor,
+                                   channel_dim: int, atol: float, rtol: float) -> None:
+    """Every conditional map of ``e`` equals ``masked_by_hand`` at ``layer`` of ``model`` for its concept's unit."""
     classes = e.diagnostics["explained_class"]
-    for image in range(2):
-        for m in range(3):
+    for image in range(e.attributions.shape[0]):
+        for m in range(e.attributions.shape[1]):
             expected = masked_by_hand(model, layer, method, options, x[image], int(classes[image]),
                                       int(e.class_indices[image, m]), channel_dim)
             scale = float(expected.abs().max()) or 1.0
-            torch.testing.assert_close(e.attributions[image, m] / scale, expected / scale, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(e.attributions[image, m] / scale, expected / scale, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -336,3 +344,180 @@ def test_the_callers_grad_mode_and_another_threads_inference_change_nothing():
 
     with pytest.raises((ValueError, RuntimeError), match="returns tuple, not a tensor"):  # through the model call
         explain.ConceptRelevance(TupleLayer().eval(), "features", composite="epsilon_plus").explain(x)
+
+
+# ------------------------------------------------------------------ directions as concepts (virtual inspection layers)
+
+
+def random_basis(size: int, seed: int) -> torch.Tensor:
+    """A random orthonormal basis (size, size), one direction per row."""
+    matrix = torch.randn(size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.linalg.qr(matrix).Q.T.contiguous()
+
+
+class VirtualInspection(nn.Module):
+    """The virtual inspection layer of Vielhaben et al. (2024) after ``module``: h = U a, then a = Uᵀ h (the identity,
+    up to rounding), as two bias-free linear maps over the channel dimension ``dim``; LRP through them (LRP-0 / ε) and a
+    channel mask on h is the relevance of direction k, written from the paper's construction."""
+
+    def __init__(self, module: nn.Module, basis: torch.Tensor, dim: int):
+        super().__init__()
+        size = basis.shape[0]
+        self.module, self.dim = module, dim
+        self.encode, self.decode = nn.Linear(size, size, bias=False), nn.Linear(size, size, bias=False)
+        with torch.no_grad():
+            self.encode.weight.copy_(basis.float())
+            self.decode.weight.copy_(basis.T.float())
+
+    def forward(self, *args):
+        features = self.module(*args).movedim(self.dim, -1)
+        return self.decode(self.encode(features)).movedim(-1, self.dim)
+
+
+def vit_with_directions():
+    model = small_vit()
+    basis = random_basis(16, seed=5)
+    virtual = small_vit()
+    virtual.blocks[0] = VirtualInspection(virtual.blocks[0], basis, dim=-1)
+    return model, "blocks.0", virtual, "blocks.0.encode", basis, 2, "attnlrp", {}
+
+
+def cnn_head_with_directions():
+    """A CNN whose concept layer is a hidden fully connected layer (N, 8), before its ReLU. The virtual layer is LRP-0
+    in the paper's construction: here the ε rule with ε = 1e-12 in float64 (ε = 1e-6 would shift units with
+    activations ~1e-4 by 1 %). At a unit whose activation is 0 LRP-0's share is 0 / 0, and the virtual layer's
+    reconstruction Uᵀ U a leaves rounding there instead of 0: a layer whose units are never exactly 0 is tested."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                          nn.Linear(24, 8), nn.ReLU(), nn.Linear(8, 4)).eval().double()
+    basis = random_basis(8, seed=6)
+    virtual = nn.Sequential(*copy.deepcopy(model)[:4], VirtualInspection(copy.deepcopy(model[4]), basis, dim=1),
+                            *copy.deepcopy(model)[5:]).eval().double()
+    return model, "4", virtual, "4.encode", basis, 1, "lrp", {"composite": "epsilon_plus", "epsilon": 1e-12}
+
+
+DIRECTION_CASES = {"vit-attnlrp": vit_with_directions, "cnn-lrp": cnn_head_with_directions}
+
+
+@pytest.mark.parametrize("case", sorted(DIRECTION_CASES))
+def test_a_directions_map_is_the_virtual_inspection_layers_channel_masked_by_hand(case):
+    """Directions (K, C) as concepts: each map equals the relevance through a virtual inspection layer h = U a,
+    a = Uᵀ h inserted after the layer, with the relevance at h masked to the direction's unit by hand; R_k equals the
+    relevance h_k receives there."""
+    model, layer, virtual, encode, basis, dim, method, options = DIRECTION_CASES[case]()
+    size = 32 if case.startswith("vit") else 8
+    x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(9))
+    before = model_state(model)
+    chosen = basis[:5]
+    e = explain.ConceptRelevance(model, layer, method, directions=chosen, **options).explain(x, concepts=3)
+    assert_state_equal(before, model_state(model))
+    at_h = explain.ConceptRelevance(virtual, encode, method, channel_dim=dim, **options).explain(x, concepts=1)
+    torch.testing.assert_close(e.diagnostics["layer_relevance"], at_h.diagnostics["layer_relevance"][:, :5],
+                               atol=1e-5 * float(at_h.diagnostics["layer_relevance"].abs().max()), rtol=1e-4)
+    assert torch.equal(e.diagnostics["explained_class"], at_h.diagnostics["explained_class"])
+    assert_each_map_masked_by_hand(e, virtual, encode, method, options, x, dim, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("case", sorted(DIRECTION_CASES))
+def test_the_maps_of_a_complete_basis_of_directions_sum_to_the_unconditional_map(case):
+    model, layer, _, _, basis, _, method, options = DIRECTION_CASES[case]()
+    size = 32 if case.startswith("vit") else 8
+    x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(10))
+    e = explain.ConceptRelevance(model, layer, method, directions=basis, batch_size=64, **options).explain(
+        x, concepts=None)
+    unconditional = explain.get_method(method)(model, **options).explain(
+        x, target=e.diagnostics["explained_class"].tolist())
+    scale = float(unconditional.attributions.abs().max())
+    torch.testing.assert_close(e.attributions.sum(dim=1) / scale, unconditional.attributions[:, 0] / scale,
+                               atol=1e-5, rtol=1e-4)
+    channels = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=1)
+    torch.testing.assert_close(e.diagnostics["layer_relevance"].sum(dim=1),
+                               channels.diagnostics["layer_relevance"].sum(dim=1), atol=1e-6, rtol=1e-5)
+
+
+def test_the_identity_basis_is_the_channels_and_bad_directions_are_refused():
+    model = small_cnn()
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(11))
+    channels = explain.ConceptRelevance(model, "4", composite="epsilon_plus").explain(x, concepts=3)
+    identity = explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=torch.eye(6)).explain(
+        x, concepts=3)
+    assert torch.equal(identity.class_indices, channels.class_indices)
+    torch.testing.assert_close(identity.attributions, channels.attributions, atol=1e-7, rtol=1e-5)
+    before = model_state(model)
+    with pytest.raises(ValueError, match="orthonormal"):
+        explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=torch.ones(2, 6))
+    with pytest.raises(ValueError, match="1 ≤ K ≤ C"):
+        explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=torch.eye(7, 6))
+    with pytest.raises(TypeError, match="6 channels"):  # LayerOutputError, through the model call unchanged
+        explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=torch.eye(5)).explain(x)
+    with pytest.raises(ValueError, match="0 … 1"):
+        explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=torch.eye(6)[:2]).explain(
+            x, concepts=[3])
+    assert_state_equal(before, model_state(model))
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    one = torch.randn(6, generator=torch.Generator().manual_seed(12))  # a single direction, e.g. a CAV
+    single = explain.ConceptRelevance(model, "4", composite="epsilon_plus", directions=one / one.norm()).explain(
+        x, concepts=1)
+    assert single.class_indices.tolist() == [[0], [0]]
+
+
+def test_principal_directions_are_the_svd_of_the_centred_token_features_and_serve_as_concepts():
+    """principal_directions: the right singular vectors of the centred (images × tokens, D) features of the layer,
+    by hand with numpy; used as CRP directions on a ViT block, their maps are conditional maps like any other."""
+    import numpy as np
+
+    from explain.methods.concepts import principal_directions
+
+    model = small_vit()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(13))
+    before = model_state(model)
+    directions = principal_directions(model, "blocks.1", x, count=4)
+    assert_state_equal(before, model_state(model))
+    seen = {}
+    handle = model.blocks[1].register_forward_hook(lambda _m, _a, output: seen.update(out=output.detach()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    features = seen["out"].reshape(-1, 16).double().numpy()
+    _, _, right = np.linalg.svd(features - features.mean(axis=0), full_matrices=False)
+    for k in range(4):  # equal up to the sign, which is fixed so that the mean feature projects positively
+        expected = right[k] * (1 if features.mean(axis=0) @ right[k] >= 0 else -1)
+        np.testing.assert_allclose(directions[k].numpy(), expected, atol=1e-6)
+    torch.testing.assert_close(directions @ directions.T, torch.eye(4, dtype=torch.float64), atol=1e-10, rtol=0)
+    e = explain.ConceptRelevance(model, "blocks.1", "attnlrp", directions=directions).explain(x, concepts=2)
+    assert e.class_indices.shape == (3, 2) and bool((e.scores[:, 0] >= e.scores[:, 1]).all())
+    with pytest.raises(ValueError, match="count must be 1 to 16"):
+        principal_directions(model, "blocks.1", x, count=17)
+
+
+@pytest.mark.parametrize("interrupted_call", [1, 2, 3])
+def test_ctrl_c_mid_call_leaves_the_model_as_found_and_the_next_call_unchanged(interrupted_call):
+    """KeyboardInterrupt in the model's forward during CRP's unconditional pass (1) or a conditional pass (2, 3;
+    batch_size 2, so three passes in all), and in the relevance references' passes: the model is left as found
+    (hooks, modes, flags, tensors) and the next call gives the maps of an uninterrupted one."""
+    from explain.methods.concepts import concept_references
+
+    model = small_cnn()
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(14))
+    crp = explain.ConceptRelevance(model, "4", composite="epsilon_plus", batch_size=2)
+    expected = crp.explain(x, concepts=2)
+    calls = [0]
+
+    def interrupt(_module, _args, _output):
+        calls[0] += 1
+        if calls[0] == interrupted_call:
+            raise KeyboardInterrupt
+
+    handle = model[6].register_forward_hook(interrupt)
+    before = model_state(model)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            crp.explain(x, concepts=2)
+        assert_state_equal(before, model_state(model))
+        calls[0] = 0
+        with pytest.raises(KeyboardInterrupt):
+            concept_references(crp, list(x), concepts=[0, 1], top=1)
+        assert_state_equal(before, model_state(model))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(crp.explain(x, concepts=2).attributions, expected.attributions)

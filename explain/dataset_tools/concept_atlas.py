@@ -109,6 +109,14 @@ def _model_fingerprint(model: nn.Module) -> str:
     return hasher.hexdigest()[:16]
 
 
+def _option_text(value: Any) -> str:
+    """An option as the record keeps it: a tensor by its shape and a fingerprint of its values."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().double().contiguous().reshape(-1).numpy().tobytes()
+        return f"tensor{tuple(value.shape)}:{hashlib.sha256(data).hexdigest()[:16]}"
+    return repr(value)
+
+
 def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[str, Path, Sequence[Union[str, Path]]],
                 out: Union[str, Path], *, method: str = "lrp", top: int = 8, batch_size: int = 32,
                 shard: Optional[tuple[int, int]] = None, progress: bool = True, **method_options: Any
@@ -131,6 +139,8 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
     crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)
     record = {"layer": layer, "method": method, "top": top, "batch_size": batch_size,
               "model": _model_fingerprint(crp.model), "images": _fingerprint(names), "image_count": len(files)}
+    if method_options:  # the composite, directions...: a resumed build must use the same
+        record["options"] = {key: _option_text(value) for key, value in sorted(method_options.items())}
     _check_record(folder, record)
     batches = range(0, len(files), batch_size)
     mine = [start for index, start in enumerate(batches) if shard is None or index % shard[1] == shard[0]]

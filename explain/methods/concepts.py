@@ -16,6 +16,14 @@ linear in the relevance they pass on, so the conditional maps of all concepts of
 
 Many conditions go through one backward pass: the images are repeated once per concept (``batch_size`` rows per
 pass) and each row's relevance is masked to its own concept, as zennit-crp's batched conditions.
+
+A concept can also be a direction of the layer's channel space (``directions``: (K, C) orthonormal rows u_k, e.g. a
+CAV, or a basis of a transformer block's features found by PCA). Its relevance is what a virtual inspection layer
+(Vielhaben et al., 2024) gives it: the layer's output a is passed through h = U a and back through a = Uᵀ h (the
+identity), LRP-0 through both, and the relevance kept on h_k. With c the relevance per unit of activation at the layer
+(c = R / a for LRP, 0 where a = 0; the gradient AttnLRP carries), that is the relevance u_k (u_k · c) ⊙ a passed on
+below, and R_k = Σ over positions of (u_k · a)(u_k · c). Channels are the case U = I; the maps of a complete basis
+(K = C) sum to the unconditional map.
 """
 
 from __future__ import annotations
@@ -29,11 +37,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state
 from ..core.targets import Target
 from ..io.explanation import Explanation
-from ..io.inputs import Inputs, prepare_inputs
-from ..io.loaded_model import LoadedModel
+from ..io.inputs import Inputs, as_preprocess, prepare_inputs
+from ..io.loaded_model import LoadedModel, loaded_model_parts
 from .attnlrp import AttnLRP
 from .base import Explainer
 from .lrp import LRP
@@ -44,6 +52,24 @@ ConceptSpec = Union[int, Sequence[int], Tensor, None]
 every image ((M,) ints), (N, M) indices per image, or None (every channel of the layer)."""
 
 
+def _orthonormal_rows(directions: Any) -> Tensor:
+    """``directions`` as a (K, C) float64 CPU tensor, checked to have orthonormal rows (U Uᵀ = I)."""
+    matrix = torch.as_tensor(directions).detach().to("cpu", torch.float64)
+    if matrix.dim() == 1:
+        matrix = matrix[None]
+    if matrix.dim() != 2 or matrix.shape[0] == 0 or matrix.shape[0] > matrix.shape[1]:
+        raise ValueError(f"directions must be (K, C) with 1 ≤ K ≤ C, one direction per row; got shape "
+                         f"{tuple(matrix.shape)}.")
+    if not bool(torch.isfinite(matrix).all()):
+        raise ValueError("directions hold NaN or infinite values.")
+    gram = matrix @ matrix.T
+    if not torch.allclose(gram, torch.eye(matrix.shape[0], dtype=torch.float64), atol=1e-4):
+        raise ValueError("directions must be orthonormal rows (U Uᵀ = I) for the relevance of each to be its own: "
+                         "orthonormalise them, e.g. torch.linalg.qr(directions.T).Q.T (a single direction: divide it "
+                         "by its norm).")
+    return matrix
+
+
 class ConceptRelevance:
     """CRP conditional heatmaps of a layer's concepts, by LRP or AttnLRP.
 
@@ -51,11 +77,14 @@ class ConceptRelevance:
     of ``model.named_modules()``). method: "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model
     (its composite and options are used). channel_dim: the dimension of the layer's output that indexes the
     concepts (None: 1 for (N, C, ...) feature maps and (N, D) vectors, the last for (N, T, D) tokens).
-    batch_size: conditions (image × concept) per backward pass. method_options: options of the method named.
+    directions: None (each channel is a concept) or (K, C) orthonormal rows, each a concept (see the module
+    docstring). batch_size: conditions (image × concept) per backward pass. method_options: options of the method
+    named.
     """
 
     def __init__(self, model: Union[nn.Module, LoadedModel], layer: str, method: Union[str, Explainer] = "lrp", *,
-                 channel_dim: Optional[int] = None, batch_size: int = 16, **method_options: Any):
+                 channel_dim: Optional[int] = None, directions: Optional[Tensor] = None, batch_size: int = 16,
+                 **method_options: Any):
         if isinstance(method, str):
             explainer = get_method(method)(model, **method_options)
         else:
@@ -72,6 +101,8 @@ class ConceptRelevance:
         self.layer_name = layer
         self.layer = find_layers(self.model, layer)[0][1]
         self.channel_dim = channel_dim
+        self.directions = None if directions is None else _orthonormal_rows(directions)
+        """(K, C) float64 on the CPU, or None (the channels are the concepts)."""
         self.batch_size = batch_size
         self.relevance_is_gradient_times_activation = isinstance(explainer, AttnLRP)
         """AttnLRP's backward carries gradients (relevance = activation ⊙ gradient); LRP's carries relevance."""
@@ -99,13 +130,20 @@ class ConceptRelevance:
                 return
             dim = self._channel_dim(output)
             activation = output.detach()
-            if masks is not None and (output.shape[0] != masks.shape[0] or output.shape[dim] != masks.shape[1]):
+            if self.directions is not None and output.shape[dim] != self.directions.shape[1]:
+                raise LayerOutputError(f"the directions have {self.directions.shape[1]} values but layer "
+                                 f"{self.layer_name}'s output {tuple(output.shape)} has {output.shape[dim]} channels "
+                                 f"along dimension {dim}: give directions of that length, or channel_dim=.")
+            concepts = output.shape[dim] if self.directions is None else self.directions.shape[0]
+            if masks is not None and (output.shape[0] != masks.shape[0] or concepts != masks.shape[1]):
                 raise ValueError(f"layer {self.layer_name}'s output {tuple(output.shape)} has no {masks.shape[1]} "
                                  f"concepts along dimension {dim} for {masks.shape[0]} rows: give channel_dim=.")
             shape = [1] * output.dim()
             shape[0], shape[dim] = output.shape[0], output.shape[dim]
 
             def on_relevance(flowing: Tensor) -> Tensor:
+                if self.directions is not None:
+                    return self._along_directions(flowing, activation, dim, masks, recorded)
                 relevance = flowing * activation if self.relevance_is_gradient_times_activation else flowing
                 others = [axis for axis in range(relevance.dim()) if axis not in (0, dim)]
                 per_channel = relevance.double().sum(dim=others) if others else relevance.double()
@@ -138,6 +176,29 @@ class ConceptRelevance:
             handle.remove()
             while pending:
                 pending.pop().remove()
+
+    def _along_directions(self, flowing: Tensor, activation: Tensor, dim: int, masks: Optional[Tensor],
+                          recorded: list[Tensor]) -> Tensor:
+        """The virtual inspection layer's relevance (module docstring): records (R, K) R_k = Σ (u_k · a)(u_k · c) and
+        returns, per row r, what flows on with the relevance kept on the directions ``masks[r]`` (None: all)."""
+        assert self.directions is not None
+        directions = self.directions.to(flowing.device)
+        moved_flowing, moved_activation = flowing.movedim(dim, -1).double(), activation.movedim(dim, -1).double()
+        if self.relevance_is_gradient_times_activation:
+            per_unit = moved_flowing
+        else:  # LRP carries relevance R = a ⊙ c; a unit with a = 0 passes none on (LRP-0's stabilised 0 / 0)
+            nonzero = moved_activation != 0
+            per_unit = torch.where(nonzero, moved_flowing / torch.where(nonzero, moved_activation, 1.0), 0.0)
+        along = per_unit @ directions.T  # (R, ..., K): u_k · c
+        projected = moved_activation @ directions.T  # u_k · a
+        recorded.append((projected * along).reshape(along.shape[0], -1, along.shape[-1]).sum(dim=1).detach())
+        if masks is None:
+            return flowing
+        keep = masks.to(along).view(masks.shape[0], *[1] * (along.dim() - 2), masks.shape[1])
+        passed = (along * keep) @ directions  # Σ_k mask_k u_k (u_k · c)
+        if not self.relevance_is_gradient_times_activation:
+            passed = passed * moved_activation
+        return passed.movedim(-1, dim).to(flowing.dtype)
 
     # ------------------------------------------------------------------ the call
 
@@ -238,6 +299,39 @@ class ConceptRelevance:
             raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
                              f"{chosen.min().item()} … {chosen.max().item()}.")
         return chosen
+
+
+def principal_directions(model: Union[nn.Module, LoadedModel], layer: str, images: Inputs, count: int = 8, *,
+                         channel_dim: Optional[int] = None, preprocess: Any = None) -> Tensor:
+    """The ``count`` principal directions (K, C) of ``layer``'s features over ``images``: the right singular vectors of
+    the centred (positions × channels) matrix of every image's every position (tokens, pixels of a feature map),
+    largest variance first, orthonormal rows, each signed so that the features' mean projection on it is ≥ 0; on the
+    CPU in float64. For ``ConceptRelevance(..., directions=...)``: concepts that are directions of a transformer
+    block's features rather than single neurons. channel_dim as in ConceptRelevance."""
+    module, loaded_preprocess, _, _ = loaded_model_parts(model)
+    target = find_layers(module, layer)[0][1]
+    batch = prepare_inputs(images, as_preprocess(preprocess if preprocess is not None else loaded_preprocess),
+                           model_device(module), model_dtype(module)).batch
+    store: list[Tensor] = []
+    handle = target.register_forward_hook(lambda _module, _args, output: store.append(output.detach())
+                                          if isinstance(output, Tensor) else None)
+    try:
+        with torch.no_grad(), preserved_model_state(module):
+            module(batch)
+    finally:
+        handle.remove()
+    if len(store) != 1:
+        raise ValueError(f"layer {layer} gave {len(store)} tensor outputs in one forward pass; give a layer that "
+                         "runs once and returns a tensor.")
+    output = store[0]
+    dim = (channel_dim % output.dim()) if channel_dim is not None else (output.dim() - 1 if output.dim() == 3 else 1)
+    features = output.movedim(dim, -1).reshape(-1, output.shape[dim]).double().cpu()
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= features.shape[1]:
+        raise ValueError(f"count must be 1 to {features.shape[1]} (the layer's channels); got {count!r}.")
+    _, _, right = torch.linalg.svd(features - features.mean(dim=0), full_matrices=False)
+    directions = right[:count]
+    signs = torch.where(features.mean(dim=0) @ directions.T < 0, -1.0, 1.0).to(directions)
+    return directions * signs[:, None]
 
 
 # ------------------------------------------------------------------ reference images (relevance maximisation)
@@ -343,19 +437,28 @@ def _layer_output(crp: ConceptRelevance, batch: Tensor) -> Tensor:
     return store["output"]
 
 
+def _concept_activations(crp: ConceptRelevance, output: Tensor) -> Tensor:
+    """The layer's output with the concepts along dimension 1: its channels, or its projections u_k · a on the
+    directions."""
+    moved = output.movedim(crp._channel_dim(output), -1)
+    if crp.directions is not None:
+        moved = moved.double() @ crp.directions.to(moved.device).T
+    return moved.movedim(-1, 1)
+
+
 def _largest_activations(crp: ConceptRelevance, batch: Tensor) -> Tensor:
-    """(N, C) each channel's largest activation in each image."""
-    output = _layer_output(crp, batch)
-    dim = crp._channel_dim(output)
-    return output.movedim(dim, 1).flatten(2).amax(dim=2).double().cpu()
+    """(N, K) each concept's largest activation in each image."""
+    output = _concept_activations(crp, _layer_output(crp, batch))
+    return output.flatten(2).amax(dim=2).double().cpu() if output.dim() > 2 else output.double().cpu()
 
 
 def _activation_maps(crp: ConceptRelevance, batch: Tensor, rows: Tensor, concepts: Tensor) -> Tensor:
-    """(R, H, W) channel ``concepts[r]`` of image ``rows[r]`` of ``batch``'s layer output, bilinear to the input's
+    """(R, H, W) concept ``concepts[r]`` of image ``rows[r]`` of ``batch``'s layer output, bilinear to the input's
     size (feature maps only); one forward pass."""
     output = _layer_output(crp, batch)
     if output.dim() != 4:
         raise ValueError("activation references crop feature maps (N, C, H, W); use mode='relevance' for tokens.")
+    output = _concept_activations(crp, output)
     channels = output[rows.to(output.device), concepts.to(output.device)][:, None].float()
     return torch.nn.functional.interpolate(channels, size=batch.shape[-2:], mode="bilinear",
                                            align_corners=False)[:, 0]

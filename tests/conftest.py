@@ -223,3 +223,21 @@ def chromium():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         yield browser
         browser.close()
+
+
+def assert_complete_basis_conserves(model: nn.Module, layer: str, method: str, options: dict, x: torch.Tensor,
+                                    basis: torch.Tensor) -> None:
+    """CRP over a complete basis of directions at ``layer``: the conditional maps add up to the method's
+    unconditional map, and the directions' relevances R_k to the channels' R_c (conservation over concepts)."""
+    import explain
+
+    e = explain.ConceptRelevance(model, layer, method, directions=basis, batch_size=64, **options).explain(
+        x, concepts=None)
+    unconditional = explain.get_method(method)(model, **options).explain(
+        x, target=e.diagnostics["explained_class"].tolist())
+    scale = float(unconditional.attributions.abs().max())
+    torch.testing.assert_close(e.attributions.sum(dim=1) / scale, unconditional.attributions[:, 0] / scale,
+                               atol=1e-5, rtol=1e-4)
+    channels = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=1)
+    torch.testing.assert_close(e.diagnostics["layer_relevance"].sum(dim=1),
+                               channels.diagnostics["layer_relevance"].sum(dim=1), atol=1e-6, rtol=1e-5)

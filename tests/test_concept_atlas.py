@@ -178,3 +178,35 @@ def test_the_command_line_builds_the_atlas_and_the_glocal_figure_reads_it(data_f
     assert "is of layer layer3" in capsys.readouterr().err
     assert main(["concepts", str(data_folder), "--model", "demo-watermark", "--layer", "layer3", "--out", str(out),
                  "--shard", "2"]) == 2
+
+
+def test_an_atlas_of_a_vits_token_directions_is_built_with_activation_values_on_its_patch_tokens(data_folder,
+                                                                                                  tmp_path):
+    """A ViT block's tokens with directions as concepts (AttnLRP): the atlas is built (it failed at the activation
+    patches), each concept's activation references are the images with the largest u_k · token over the patch
+    tokens (the class token does not lie on the image), by hand."""
+    timm = pytest.importorskip("timm")
+    from explain.io.inputs import as_preprocess, prepare_inputs
+
+    torch.manual_seed(0)
+    model = timm.models.vision_transformer.VisionTransformer(img_size=64, patch_size=16, embed_dim=16, depth=2,
+                                                             num_heads=2, num_classes=4).eval()
+    basis = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+                            ).Q.T[:3].contiguous()
+    atlas = build_atlas(model, "blocks.1", data_folder, tmp_path / "vit", method="attnlrp", top=TOP,
+                        batch_size=BATCH, progress=False, directions=basis)
+    files = sorted(data_folder.rglob("*.png"))
+    batch = prepare_inputs(files, as_preprocess(None), torch.device("cpu"), torch.float32).batch
+    seen = {}
+    handle = model.blocks[1].register_forward_hook(lambda _m, _a, output: seen.update(out=output.detach()))
+    with torch.no_grad():
+        model(batch)
+    handle.remove()
+    largest = (seen["out"][:, 1:].double() @ basis.T).amax(dim=1)  # (images, 3): over the 16 patch tokens
+    for concept in range(3):
+        references = atlas.references(concept, "activation")
+        expected = largest[:, concept].topk(TOP)
+        assert [reference["image"] for reference in references] == [
+            files[int(index)].relative_to(data_folder).as_posix() for index in expected.indices]
+        assert [reference["value"] for reference in references] == pytest.approx(expected.values.tolist(), rel=1e-5)
+        assert len(atlas.patches(concept, "activation")) == TOP and len(atlas.patches(concept)) == TOP

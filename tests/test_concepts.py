@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_state_equal, model_state
+from conftest import assert_complete_basis_conserves, assert_state_equal, model_state
 from torch import nn
 
 import explain
@@ -42,7 +42,7 @@ CASES = {
 def masked_by_hand(model, layer: str, method: str, options: dict, image: torch.Tensor, label: int, concept: int,
                    channel_dim: int) -> torch.Tensor:
     """The method's input relevance (C, H, W) for ``label`` with a hook that zeroes the relevance (or, for AttnLRP,
-    the gradient) reaching ``layer``'s output on every channel but ``concept``."""
+    the gradient) reaching ``layer``'s output on every channel but ``concept`` (-1: on every channel)."""
     module = dict(model.named_modules())[layer]
 
     def on_output(_module, _args, output):
@@ -50,7 +50,8 @@ def masked_by_hand(model, layer: str, method: str, options: dict, image: torch.T
             shape = [1] * output.dim()
             shape[channel_dim] = output.shape[channel_dim]
             keep = torch.zeros(output.shape[channel_dim])
-            keep[concept] = 1
+            if concept >= 0:  # -1: every channel masked
+                keep[concept] = 1
             output.register_hook(lambda flowing: flowing * keep.view(shape))
 
     # registered as the layer starts, after the method's hooks: AttnLRP hands on a rule's tensor for an activation's
@@ -423,16 +424,7 @@ def test_the_maps_of_a_complete_basis_of_directions_sum_to_the_unconditional_map
     model, layer, _, _, basis, _, method, options = DIRECTION_CASES[case]()
     size = 32 if case.startswith("vit") else 8
     x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(10))
-    e = explain.ConceptRelevance(model, layer, method, directions=basis, batch_size=64, **options).explain(
-        x, concepts=None)
-    unconditional = explain.get_method(method)(model, **options).explain(
-        x, target=e.diagnostics["explained_class"].tolist())
-    scale = float(unconditional.attributions.abs().max())
-    torch.testing.assert_close(e.attributions.sum(dim=1) / scale, unconditional.attributions[:, 0] / scale,
-                               atol=1e-5, rtol=1e-4)
-    channels = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=1)
-    torch.testing.assert_close(e.diagnostics["layer_relevance"].sum(dim=1),
-                               channels.diagnostics["layer_relevance"].sum(dim=1), atol=1e-6, rtol=1e-5)
+    assert_complete_basis_conserves(model, layer, method, options, x, basis)
 
 
 def test_the_identity_basis_is_the_channels_and_bad_directions_are_refused():
@@ -521,3 +513,50 @@ def test_ctrl_c_mid_call_leaves_the_model_as_found_and_the_next_call_unchanged(i
     finally:
         handle.remove()
     torch.testing.assert_close(crp.explain(x, concepts=2).attributions, expected.attributions)
+
+
+class ResidualNet(nn.Module):
+    """stem → (branch + skip) → head: ``branch.0`` is inside the residual branch, ``merge`` after the sum."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU())
+        self.branch = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1))
+        self.merge = nn.ReLU()
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+
+    def forward(self, x):
+        features = self.stem(x)
+        return self.head(self.merge(features + self.branch(features)))
+
+
+def test_relevance_around_a_layer_in_a_residual_branch_is_given_and_warned_of():
+    """A layer inside a residual branch: with every concept masked, relevance still reaches the input through the
+    skip connection. diagnostics["bypass_map"] is that relevance (LRP with the layer's relevance zeroed by hand);
+    each conditional map includes it once, so Σ_c (map_c − bypass) + bypass is the unconditional map; a warning says
+    so. After the sum (every path goes through ``merge``) the bypass is 0 and nothing is warned."""
+    import warnings
+
+    model = ResidualNet().eval()
+    x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(15))
+    options = {"composite": "epsilon_plus"}
+    crp = explain.ConceptRelevance(model, "branch.0", **options)
+    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance"):
+        e = crp.explain(x, concepts=None)
+    classes = e.diagnostics["explained_class"]
+    for image in range(2):
+        expected = masked_by_hand(model, "branch.0", "lrp", options, x[image], int(classes[image]), -1, 1)
+        assert float(expected.abs().max()) > 0
+        by_hand_map = expected.abs().sum(dim=0)  # LRP's default reduction of (C, H, W): sum of |R| over channels
+        torch.testing.assert_close(e.diagnostics["bypass_map"][image], by_hand_map, atol=1e-6, rtol=1e-5)
+    unconditional = explain.LRP(model, **options).explain(x, target=classes.tolist())
+    bypass = torch.stack([masked_by_hand(model, "branch.0", "lrp", options, x[image], int(classes[image]), -1, 1)
+                          for image in range(2)])
+    total = (e.attributions - bypass[:, None]).sum(dim=1) + bypass
+    scale = float(unconditional.attributions.abs().max())
+    torch.testing.assert_close(total / scale, unconditional.attributions[:, 0] / scale, atol=1e-5, rtol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after = explain.ConceptRelevance(model, "merge", **options).explain(x, concepts=2)
+    assert float(after.diagnostics["bypass_map"].abs().max()) == 0.0

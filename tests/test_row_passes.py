@@ -71,8 +71,9 @@ METHODS = {
 
 @pytest.fixture
 def large_passes(monkeypatch):
-    """Automatic passes of 64 rows on the CPU, as a GPU's large passes."""
+    """Automatic passes of 64 rows on the CPU whatever the images' size, as a GPU's large passes."""
     monkeypatch.setitem(passes.ROWS_PER_PASS, "cpu", 64)
+    monkeypatch.setattr(passes, "CPU_VALUES_PER_PASS", 0)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -171,11 +172,37 @@ def test_what_counts_as_running_out_of_memory():
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
-def test_the_rows_per_pass_are_16_on_the_cpu_and_256_on_a_gpu():
-    assert passes.rows_per_pass(None, torch.device("cpu")) == 16
+def test_the_rows_per_pass_are_16_at_224_px_on_the_cpu_more_for_smaller_images_and_256_on_a_gpu():
+    """On the CPU a pass holds 16 rows of 3 × 224 × 224 values (or fewer values per row: more rows, up to 256; more
+    values per row: still 16); on a GPU 256 rows whatever their size; a batch_size given is kept everywhere."""
+    cpu = torch.device("cpu")
+    assert passes.rows_per_pass(None, cpu) == 16
+    assert passes.rows_per_pass(None, cpu, 3 * 224 * 224) == 16
+    assert passes.rows_per_pass(None, cpu, 3 * 448 * 448) == 16
+    assert passes.rows_per_pass(None, cpu, 3 * 112 * 112) == 64
+    assert passes.rows_per_pass(None, cpu, 3 * 32 * 32) == 256  # 784 would fit: at most 256
     assert passes.rows_per_pass(None, torch.device("cuda", 0)) == 256
+    assert passes.rows_per_pass(None, torch.device("cuda", 0), 3 * 32 * 32) == 256
     assert passes.rows_per_pass(None, torch.device("mps")) == 256
     assert passes.rows_per_pass(5, torch.device("cuda", 0)) == 5
+    assert passes.rows_per_pass(5, cpu, 3 * 32 * 32) == 5
+
+
+def test_integrated_gradients_of_a_small_image_runs_its_32_steps_in_one_pass_on_the_cpu():
+    """32 path points of a 32 px image and the image and baseline that choose and score the target: one forward
+    and one backward (counted by a forward hook), where 224 px images take two passes of 16 rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).eval()
+    rows_per_forward: list[int] = []
+    handle = model[0].register_forward_hook(lambda _m, args, _o: rows_per_forward.append(args[0].shape[0]))
+    try:
+        explain.IntegratedGradients(model, steps=32).explain(torch.rand(1, 3, 32, 32), target=1)
+        assert rows_per_forward == [2 + 32]
+        rows_per_forward.clear()
+        explain.IntegratedGradients(model, steps=32).explain(torch.rand(1, 3, 224, 224), target=1)
+        assert rows_per_forward == [2 + 16, 16]
+    finally:
+        handle.remove()
 
 
 def test_a_copied_explainer_keeps_the_size_that_fitted(large_passes):

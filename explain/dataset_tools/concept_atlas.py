@@ -32,7 +32,15 @@ from tqdm.auto import tqdm
 
 from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
 from ..io.loaded_model import LoadedModel
-from ..methods.concepts import ConceptRelevance, _activation_maps, _crop, _largest_activations, _uint8
+from ..methods.concepts import (
+    ConceptRelevance,
+    _activation_maps,
+    _concept_activations,
+    _crop,
+    _largest_activations,
+    _layer_output,
+    _uint8,
+)
 from .run_folder import write_atomically
 
 RECORD_FILE = "atlas-record.json"
@@ -185,9 +193,28 @@ def _measure_batch(crp: ConceptRelevance, files: Sequence[Path], destination: Pa
         explanation = crp.explainer.explain(list(files))
     assert explanation.class_indices is not None, "class targets"
     result = {"relevance": crp.layer_relevance(recorded).float(),
-              "activation": _largest_activations(crp, crp._prepared(list(files))).float(),
+              "activation": _activation_values(crp, crp._prepared(list(files))).float(),
               "classes": explanation.class_indices[:, 0].cpu()}
     write_atomically(destination, lambda path: torch.save(result, path))
+
+
+def _activation_values(crp: ConceptRelevance, batch: Tensor) -> Tensor:
+    """(N, K) each concept's largest activation per image: on the image where the layer's output lies on it (feature
+    maps, patch tokens), else over all its positions (tokens without a patch grid)."""
+    try:
+        return _largest_activations(crp, batch)
+    except ValueError:
+        output = _layer_output(crp.model, crp.layer, crp.layer_name, batch)
+        return _concept_activations(crp, output).flatten(2).amax(dim=2).double().cpu()
+
+
+def _activation_heats(crp: ConceptRelevance, batch: Tensor, rows: Tensor, concepts: Tensor) -> Tensor:
+    """``_activation_maps``, or zeros where the layer's output does not lie on the image (its activation patches are
+    then the whole images)."""
+    try:
+        return _activation_maps(crp, batch, rows, concepts)
+    except ValueError:
+        return torch.zeros(len(rows), *batch.shape[-2:])
 
 
 def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str], relevance: Tensor,
@@ -216,7 +243,7 @@ def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str],
                 rows_class = classes[torch.tensor([image for image, _, _ in chunk])]
                 _, heats, _ = crp.conditional(batch, rows, concepts, rows_class, channels)
             else:
-                heats = _activation_maps(crp, batch, rows, concepts)
+                heats = _activation_heats(crp, batch, rows, concepts)
             for (_, concept, rank), row, heat in zip(chunk, rows.tolist(), heats):
                 crop = _crop(pictures[row], heat.detach().cpu().float())
                 _write_png(folder / patch_names[kind][concept][rank], crop)

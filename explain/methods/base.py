@@ -230,17 +230,18 @@ class Explainer(ABC):
         self._thread_state = threading.local()
 
     def row_passes(self, rows: int, batch_size: Optional[int], device: torch.device,
-                   compute: Callable[[slice], Result]) -> Iterator[tuple[slice, Result]]:
-        """Run ``compute`` on consecutive slices of ``range(rows)``, ``rows_per_pass`` at a time, yielding
-        (slice, its result) in order. ``compute`` must only compute: the caller adds up the results, so
-        that a pass can be run again.
+                   compute: Callable[[slice], Result], row_values: Optional[int] = None
+                   ) -> Iterator[tuple[slice, Result]]:
+        """Run ``compute`` on consecutive slices of ``range(rows)``, ``rows_per_pass`` at a time (rows of
+        ``row_values`` input values each, when given), yielding (slice, its result) in order. ``compute`` must only
+        compute: the caller adds up the results, so that a pass can be run again.
 
         With ``batch_size`` None, a pass that runs out of memory is run again with half its rows (down to
         one), and the explainer remembers the largest pass that fitted for its later calls on the device
         (``rows_that_fit``). A ``batch_size`` given by the caller is kept: running out of memory then
         raises, with a hint.
         """
-        per_pass = rows_per_pass(batch_size, device)
+        per_pass = rows_per_pass(batch_size, device, row_values)
         if batch_size is None:
             per_pass = min(per_pass, self.rows_that_fit.get(str(device), per_pass))
         with self.progress_bar(-(-rows // per_pass), rows, "row") as bar:
@@ -378,7 +379,7 @@ class Explainer(ABC):
             check(extremes, lambda values: empty.extend(checked_map_extremes(values, extremes.shape, self.normalize,
                                                                              self.method_name)))
             checks.run()
-            if any(empty):
+            if any(empty) and not getattr(self._thread_state, "empty_maps_expected", False):
                 every_empty_map = torch.tensor(empty).view(raw.shape[:2])
                 empty_maps: Optional[Tensor] = every_empty_map
                 if isinstance(target, InstanceTarget):  # padding (an image with fewer instances) is empty by design

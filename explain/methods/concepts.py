@@ -28,7 +28,9 @@ below, and R_k = Σ over positions of (u_k · a)(u_k · c). Channels are the cas
 
 from __future__ import annotations
 
+import numbers
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union
@@ -37,9 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state
+from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state, run_model
+from ..core.layouts import Layout, _channel_evidence, infer_layout
 from ..core.targets import Target
-from ..io.explanation import Explanation
+from ..io.explanation import Diagnostic, Explanation
 from ..io.inputs import Inputs, as_preprocess, prepare_inputs
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from .attnlrp import AttnLRP
@@ -54,7 +57,12 @@ every image ((M,) ints), (N, M) indices per image, or None (every channel of the
 
 def _orthonormal_rows(directions: Any) -> Tensor:
     """``directions`` as a (K, C) float64 CPU tensor, checked to have orthonormal rows (U Uᵀ = I)."""
-    matrix = torch.as_tensor(directions).detach().to("cpu", torch.float64)
+    if isinstance(directions, (list, tuple)) and directions and all(isinstance(row, Tensor) for row in directions):
+        directions = torch.stack([row.detach().cpu() for row in directions])  # a list of CAVs, one tensor each
+    matrix = torch.as_tensor(directions).detach()
+    if matrix.is_complex():
+        raise ValueError("directions are complex numbers; give real directions of the layer's channel space.")
+    matrix = matrix.to("cpu", torch.float64)
     if matrix.dim() == 1:
         matrix = matrix[None]
     if matrix.dim() != 2 or matrix.shape[0] == 0 or matrix.shape[0] > matrix.shape[1]:
@@ -62,12 +70,61 @@ def _orthonormal_rows(directions: Any) -> Tensor:
                          f"{tuple(matrix.shape)}.")
     if not bool(torch.isfinite(matrix).all()):
         raise ValueError("directions hold NaN or infinite values.")
-    gram = matrix @ matrix.T
-    if not torch.allclose(gram, torch.eye(matrix.shape[0], dtype=torch.float64), atol=1e-4):
-        raise ValueError("directions must be orthonormal rows (U Uᵀ = I) for the relevance of each to be its own: "
-                         "orthonormalise them, e.g. torch.linalg.qr(directions.T).Q.T (a single direction: divide it "
-                         "by its norm).")
+    deviation = float((matrix @ matrix.T - torch.eye(matrix.shape[0], dtype=torch.float64)).abs().max())
+    if deviation > 1e-4:
+        raise ValueError(f"directions must be orthonormal rows (U Uᵀ = I) for the relevance of each to be its own; "
+                         f"U Uᵀ differs from I by up to {deviation:.3g}: orthonormalise them, e.g. "
+                         "torch.linalg.qr(directions.T).Q.T (a single direction: divide it by its norm).")
     return matrix
+
+
+def _concept_dim(output: Tensor, channel_dim: Optional[int], layer: nn.Module, name: str) -> int:
+    """The dimension of ``layer``'s ``output`` that indexes its concepts: ``channel_dim`` checked (a dimension of the
+    output other than the batch's), or by default the last for (N, T, D) tokens and for (N, h, w, C) channels-last
+    maps (a layer whose last convolution, norm or linear layer has C channels at dimension 3 and not at 1, as Swin's
+    stages), else 1 ((N, C, ...) feature maps, (N, D) vectors)."""
+    dims = output.dim()
+    if dims < 2:
+        raise LayerOutputError(f"layer {name}'s output {tuple(output.shape)} has no channels: give a layer whose "
+                               "output is (N, C, ...) or (N, T, D).")
+    if channel_dim is not None:
+        if (not isinstance(channel_dim, numbers.Integral) or isinstance(channel_dim, bool)
+                or not -dims <= channel_dim < dims or channel_dim % dims == 0):
+            raise LayerOutputError(f"channel_dim={channel_dim!r} is not a channel dimension of layer {name}'s output "
+                                   f"{tuple(output.shape)}: give 1 to {dims - 1} (or -1 to {1 - dims}); dimension 0 "
+                                   "is the batch.")
+        return int(channel_dim) % dims
+    if dims == 3:
+        return 2
+    evidence = _channel_evidence(layer) if dims == 4 else None
+    if evidence is not None and output.shape[3] == evidence[0] != output.shape[1]:
+        return 3
+    return 1
+
+
+def _layer_output(model: nn.Module, layer: nn.Module, name: str, batch: Tensor) -> Tensor:
+    """``layer``'s output (detached, a copy: an in-place operation after the layer cannot change it) in one forward
+    pass of ``model`` on ``batch`` in eval mode without a graph; another thread's forward passes are not seen. A clear
+    error where the layer does not run exactly once or returns no tensor."""
+    owner = threading.get_ident()
+    store: list[Any] = []
+
+    def on_output(_module: nn.Module, _args: Any, output: Any) -> None:
+        if threading.get_ident() == owner:
+            store.append(output.detach().clone() if isinstance(output, Tensor) else output)
+
+    handle = layer.register_forward_hook(on_output)
+    try:
+        with torch.no_grad(), preserved_model_state(model):
+            run_model(model, batch)
+    finally:
+        handle.remove()
+    if len(store) != 1:
+        raise ValueError(f"layer {name} runs {len(store)} times in one forward pass: give a layer that runs once.")
+    if not isinstance(store[0], Tensor):
+        raise ValueError(f"layer {name} returns {type(store[0]).__name__}, not a tensor of features: give the module "
+                         "whose output holds the concepts (`explain layers`).")
+    return store[0]
 
 
 class ConceptRelevance:
@@ -76,7 +133,8 @@ class ConceptRelevance:
     model: a module or ``explain.load_model``'s result. layer: the layer whose output holds the concepts (a name
     of ``model.named_modules()``). method: "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model
     (its composite and options are used). channel_dim: the dimension of the layer's output that indexes the
-    concepts (None: 1 for (N, C, ...) feature maps and (N, D) vectors, the last for (N, T, D) tokens).
+    concepts (None: 1 for (N, C, ...) feature maps and (N, D) vectors, the last for (N, T, D) tokens and for
+    (N, h, w, C) channels-last maps such as Swin's stages; 0, the batch, is refused).
     directions: None (each channel is a concept) or (K, C) orthonormal rows, each a concept (see the module
     docstring). batch_size: conditions (image × concept) per backward pass. method_options: options of the method
     named.
@@ -110,9 +168,7 @@ class ConceptRelevance:
     # ------------------------------------------------------------------ the layer's relevance, masked or read
 
     def _channel_dim(self, output: Tensor) -> int:
-        if self.channel_dim is not None:
-            return self.channel_dim % output.dim()
-        return output.dim() - 1 if output.dim() == 3 else 1
+        return _concept_dim(output, self.channel_dim, self.layer, self.layer_name)
 
     @contextmanager
     def _at_layer(self, masks: Optional[Tensor], recorded: list[Tensor]) -> Iterator[None]:
@@ -129,7 +185,10 @@ class ConceptRelevance:
             if not output.requires_grad:
                 return
             dim = self._channel_dim(output)
-            activation = output.detach()
+            # read by the directions' rule and AttnLRP's R = a ⊙ g: a copy, which an in-place operation after the
+            # layer (ReLU(inplace=True)) cannot change
+            needs_activation = self.directions is not None or self.relevance_is_gradient_times_activation
+            activation = output.detach().clone() if needs_activation else output.detach()
             if self.directions is not None and output.shape[dim] != self.directions.shape[1]:
                 raise LayerOutputError(f"the directions have {self.directions.shape[1]} values but layer "
                                  f"{self.layer_name}'s output {tuple(output.shape)} has {output.shape[dim]} channels "
@@ -202,7 +261,8 @@ class ConceptRelevance:
 
     # ------------------------------------------------------------------ the call
 
-    def explain(self, inputs: Inputs, target: Target = None, concepts: ConceptSpec = 5) -> Explanation:
+    def explain(self, inputs: Inputs, target: Target = None, concepts: ConceptSpec = 5, *,
+                bypass: bool = True) -> Explanation:
         """Conditional heatmaps of the concepts of ``layer`` for the prediction ``target`` (None: each image's top
         class; an int or one int per image).
 
@@ -210,7 +270,11 @@ class ConceptRelevance:
         ``class_indices`` (N, M) are the concepts' channels and ``scores`` (N, M) their relevance R_c at the layer
         (most relevant first when ``concepts`` is an int); ``attributions`` (N, M, C, H, W) the conditional input
         relevance. ``diagnostics``: "layer_relevance" (N, C) every channel's R_c, "explained_class" (N,),
-        "explained_score" (N,), "unconditional_map" (N, H, W) the method's raw map without a condition.
+        "explained_score" (N,), "unconditional_map" (N, H, W) the method's raw map without a condition, and with
+        ``bypass`` (one more row per image) "bypass_map" (N, H, W): the relevance that reaches the input around the
+        layer (with every concept masked), 0 where every path from the input to the score goes through the layer.
+        Where it is not 0 (the layer is inside a residual branch) every conditional map includes it, the maps of all
+        concepts do not add up to the unconditional map, and a warning says so.
         """
         recorded: list[Tensor] = []
         with self._at_layer(None, recorded):
@@ -224,8 +288,21 @@ class ConceptRelevance:
         per_image = chosen.shape[1]
         rows_image = torch.arange(count).repeat_interleave(per_image)
         rows_concept = chosen.reshape(-1)
-        maps, raw_maps, attributions = self.conditional(self._prepared(inputs), rows_image, rows_concept,
-                                                        classes[rows_image], channels)
+        batch = self._prepared(inputs)
+        maps, raw_maps, attributions = self.conditional(batch, rows_image, rows_concept, classes[rows_image],
+                                                        channels)
+        diagnostics: dict[str, Diagnostic] = {"layer_relevance": layer_relevance, "explained_class": classes.cpu(),
+                       "explained_score": unconditional.scores[:, 0].cpu(),
+                       "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()}
+        if bypass:  # one row per image with every concept masked (concept -1): its maps are empty where all is well
+            self.explainer._thread_state.empty_maps_expected = True
+            try:
+                _, bypass_maps, bypass_attributions = self.conditional(
+                    batch, torch.arange(count), torch.full((count,), -1), classes, channels)
+            finally:
+                self.explainer._thread_state.empty_maps_expected = False
+            diagnostics["bypass_map"] = bypass_maps.cpu()
+            self._warn_of_bypass(bypass_maps if bypass_attributions is None else bypass_attributions, unconditional)
         height, width = unconditional.map_grid.shape[-2:]
         return Explanation(
             map_grid=maps.view(count, per_image, height, width),
@@ -238,11 +315,24 @@ class ConceptRelevance:
             keep_target_dim=True,
             attributions=None if attributions is None else attributions.view(count, per_image,
                                                                               *attributions.shape[1:]),
-            diagnostics={"layer_relevance": layer_relevance, "explained_class": classes.cpu(),
-                         "explained_score": unconditional.scores[:, 0].cpu(),
-                         "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()},
+            diagnostics=diagnostics,
             class_names=["concept"] * channels,
         )
+
+    def _warn_of_bypass(self, bypassing: Tensor, unconditional: Explanation) -> None:
+        """Warn where relevance reaches the input around the layer: ``bypassing`` (N, ...) the input relevance (or
+        raw maps) with every concept masked, against the unconditional call's."""
+        reference = unconditional.attributions[:, 0] if unconditional.attributions is not None \
+            else unconditional.raw_map_grid[:, 0]
+        largest = float(reference.abs().max())
+        share = float(bypassing.abs().max()) / largest if largest > 0 else 0.0
+        if share > 1e-6:
+            warnings.warn(f"layer {self.layer_name} does not carry all the relevance: with every concept masked, "
+                          f"relevance still reaches the input around it (a skip connection; up to {share:.3g} of the "
+                          "unconditional map's largest value). Each conditional map includes that relevance "
+                          "(diagnostics['bypass_map']) and the concepts' maps do not add up to the unconditional "
+                          "map: choose a layer every path goes through (a residual block's output), or subtract "
+                          "diagnostics['bypass_map'].", RuntimeWarning, stacklevel=3)
 
     def layer_relevance(self, recorded: list[Tensor]) -> Tensor:
         """(N, C) the relevance per channel that one unconditional pass recorded at the layer (``_at_layer``), on
@@ -259,12 +349,13 @@ class ConceptRelevance:
                     channels: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """The conditional maps of R (image, concept) rows: row r is image ``rows_image[r]`` of the model-input
         ``batch`` explained for class ``rows_class[r]`` with the relevance at the layer kept on channel
-        ``rows_concept[r]`` (of ``channels``), ``batch_size`` rows per pass. Returns (maps (R, H, W) normalised
-        like the method's, raw maps (R, H, W), attributions (R, C, H, W) or None)."""
+        ``rows_concept[r]`` (of ``channels``; -1: on none), ``batch_size`` rows per pass. Returns (maps (R, H, W)
+        normalised like the method's, raw maps (R, H, W), attributions (R, C, H, W) or None)."""
         maps, raw_maps, attributions = [], [], []
         for start in range(0, rows_image.shape[0], self.batch_size):
             images = rows_image[start:start + self.batch_size]
-            masks = torch.nn.functional.one_hot(rows_concept[start:start + self.batch_size].cpu(), channels)
+            concepts = rows_concept[start:start + self.batch_size].cpu()
+            masks = torch.nn.functional.one_hot(concepts.clamp_min(0), channels) * (concepts >= 0)[:, None]
             with self._at_layer(masks.to(batch.device), []):
                 conditional = self.explainer.explain(batch[images.to(batch.device)],
                                                      target=rows_class[start:start + self.batch_size].tolist())
@@ -307,27 +398,23 @@ def principal_directions(model: Union[nn.Module, LoadedModel], layer: str, image
     the centred (positions × channels) matrix of every image's every position (tokens, pixels of a feature map),
     largest variance first, orthonormal rows, each signed so that the features' mean projection on it is ≥ 0; on the
     CPU in float64. For ``ConceptRelevance(..., directions=...)``: concepts that are directions of a transformer
-    block's features rather than single neurons. channel_dim as in ConceptRelevance."""
+    block's features rather than single neurons. count: 1 to C, and at most P − 1 for P positions in all (what
+    their centred features span). channel_dim as in ConceptRelevance."""
     module, loaded_preprocess, _, _ = loaded_model_parts(model)
     target = find_layers(module, layer)[0][1]
     batch = prepare_inputs(images, as_preprocess(preprocess if preprocess is not None else loaded_preprocess),
                            model_device(module), model_dtype(module)).batch
-    store: list[Tensor] = []
-    handle = target.register_forward_hook(lambda _module, _args, output: store.append(output.detach())
-                                          if isinstance(output, Tensor) else None)
-    try:
-        with torch.no_grad(), preserved_model_state(module):
-            module(batch)
-    finally:
-        handle.remove()
-    if len(store) != 1:
-        raise ValueError(f"layer {layer} gave {len(store)} tensor outputs in one forward pass; give a layer that "
-                         "runs once and returns a tensor.")
-    output = store[0]
-    dim = (channel_dim % output.dim()) if channel_dim is not None else (output.dim() - 1 if output.dim() == 3 else 1)
+    output = _layer_output(module, target, layer, batch)
+    dim = _concept_dim(output, channel_dim, target, layer)
     features = output.movedim(dim, -1).reshape(-1, output.shape[dim]).double().cpu()
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= features.shape[1]:
-        raise ValueError(f"count must be 1 to {features.shape[1]} (the layer's channels); got {count!r}.")
+    positions, channels = features.shape
+    if not isinstance(count, numbers.Integral) or isinstance(count, bool) or not 1 <= count <= channels:
+        raise ValueError(f"count must be 1 to {channels} (the layer's channels); got {count!r}.")
+    if count > positions - 1:
+        raise ValueError(f"count={count}: the layer's features over these images are {positions} positions (images × "
+                         f"positions per image), whose centred values span at most {positions - 1} directions; give "
+                         f"more images or count ≤ {max(positions - 1, 0)}.")
+    count = int(count)
     _, _, right = torch.linalg.svd(features - features.mean(dim=0), full_matrices=False)
     directions = right[:count]
     signs = torch.where(features.mean(dim=0) @ directions.T < 0, -1.0, 1.0).to(directions)
@@ -401,7 +488,10 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
                 crp.explainer.explain(chunk)
             values.append(crp.layer_relevance(recorded))
         else:
-            values.append(_largest_activations(crp, crp._prepared(chunk)))
+            batch = crp._prepared(chunk)
+            output = _layer_output(crp.model, crp.layer, crp.layer_name, batch)
+            _spatial_layout(crp, output, batch.shape[-2:])  # a layer without one is refused before the set runs
+            values.append(_largest_of(crp, output, batch.shape[-2:]))
     every = torch.cat(values)  # (N, C)
     channels = every.shape[1]
     chosen = torch.arange(channels) if concepts is None else torch.as_tensor(concepts).long().flatten()
@@ -414,7 +504,7 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
     for row, concept in enumerate(chosen.tolist()):
         picked = [items[int(index)] for index in indices[row]]
         if mode == "relevance":
-            explanation = crp.explain(picked, concepts=[concept])
+            explanation = crp.explain(picked, concepts=[concept], bypass=False)
             heats = explanation.raw_maps[:, 0] if explanation.raw_maps.dim() == 4 else explanation.raw_maps
             pictures = _uint8(explanation.images)
         else:
@@ -424,17 +514,6 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
                                              torch.float32).display.get())
         patches.append([_crop(picture, heat.cpu()) for picture, heat in zip(pictures, heats)])
     return ConceptReferences(crp.layer_name, chosen, indices, best_values, patches, mode)
-
-
-def _layer_output(crp: ConceptRelevance, batch: Tensor) -> Tensor:
-    store: dict[str, Tensor] = {}
-    handle = crp.layer.register_forward_hook(lambda module, args, output: store.update(output=output.detach()))
-    try:
-        with torch.no_grad(), preserved_model_state(crp.model):
-            crp.model(batch)
-    finally:
-        handle.remove()
-    return store["output"]
 
 
 def _concept_activations(crp: ConceptRelevance, output: Tensor) -> Tensor:
@@ -447,21 +526,49 @@ def _concept_activations(crp: ConceptRelevance, output: Tensor) -> Tensor:
 
 
 def _largest_activations(crp: ConceptRelevance, batch: Tensor) -> Tensor:
-    """(N, K) each concept's largest activation in each image."""
-    output = _concept_activations(crp, _layer_output(crp, batch))
+    """(N, K) each concept's largest activation in each image (over its patch tokens for tokens; a vector layer's
+    value)."""
+    output = _layer_output(crp.model, crp.layer, crp.layer_name, batch)
+    return _largest_of(crp, output, batch.shape[-2:])
+
+
+def _largest_of(crp: ConceptRelevance, output: Tensor, input_size: Sequence[int]) -> Tensor:
+    """(N, K) each concept's largest activation in each image of the layer's ``output``: over the positions of a
+    feature map, over the patch tokens of tokens (where they lie on the image, as the activation maps show them),
+    the value of a vector."""
+    if output.dim() == 3:
+        grid = _spatial_layout(crp, output, input_size).apply(output)  # (N, D, h, w): the patch tokens
+        output = grid.flatten(2).movedim(1, -1)  # (N, h·w, D)
+        if crp.directions is not None:
+            output = output.double() @ crp.directions.to(output.device).T
+        return output.amax(dim=1).double().cpu()
+    output = _concept_activations(crp, output)
     return output.flatten(2).amax(dim=2).double().cpu() if output.dim() > 2 else output.double().cpu()
 
 
+def _spatial_layout(crp: ConceptRelevance, output: Tensor, input_size: Sequence[int]) -> Layout:
+    """How the layer's output lies on the image: feature maps (N, C, h, w) or (N, h, w, C), or tokens (N, T, D) whose
+    patch tokens form the patch embedding's grid (``explain.core.layouts``); a clear error for anything else."""
+    if output.dim() not in (3, 4):
+        raise ValueError(f"activation references crop feature maps or patch tokens; layer {crp.layer_name} gives "
+                         f"{tuple(output.shape)}: use mode='relevance'.")
+    return infer_layout(output, input_size, name=crp.layer_name, module=crp.layer, model=crp.model)
+
+
 def _activation_maps(crp: ConceptRelevance, batch: Tensor, rows: Tensor, concepts: Tensor) -> Tensor:
-    """(R, H, W) concept ``concepts[r]`` of image ``rows[r]`` of ``batch``'s layer output, bilinear to the input's
-    size (feature maps only); one forward pass."""
-    output = _layer_output(crp, batch)
-    if output.dim() != 4:
-        raise ValueError("activation references crop feature maps (N, C, H, W); use mode='relevance' for tokens.")
-    output = _concept_activations(crp, output)
-    channels = output[rows.to(output.device), concepts.to(output.device)][:, None].float()
-    return torch.nn.functional.interpolate(channels, size=batch.shape[-2:], mode="bilinear",
-                                           align_corners=False)[:, 0]
+    """(R, H, W) concept ``concepts[r]`` of image ``rows[r]`` of ``batch``'s layer output on the image: a feature
+    map's channel (or direction), or the patch tokens' values on their grid, bilinear to the input's size (0 on
+    pixels no patch covers); one forward pass."""
+    output = _layer_output(crp.model, crp.layer, crp.layer_name, batch)
+    layout = _spatial_layout(crp, output, batch.shape[-2:])
+    grid = layout.apply(output)  # (N, C, h, w)
+    if crp.directions is not None:
+        grid = (grid.movedim(1, -1).double() @ crp.directions.to(grid.device).T).movedim(-1, 1)
+    chosen = grid[rows.to(grid.device), concepts.to(grid.device)][:, None].float()
+    placed = layout.to_input(chosen, batch.shape[-2:])
+    if placed.shape[-2:] == batch.shape[-2:]:
+        return placed[:, 0]
+    return torch.nn.functional.interpolate(placed, size=batch.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
 
 
 class ReferencePatches(Protocol):

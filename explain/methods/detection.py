@@ -163,7 +163,8 @@ class DRISE(Explainer):
                     if similarity.shape[-1] == 0:
                         return similarity.new_zeros(similarity.shape[:2])
                     return similarity.amax(dim=-1)  # (R, K)
-                for chunk, weights in self.row_passes(self.masks, self.batch_size, batch.device, weights_of):
+                for chunk, weights in self.row_passes(self.masks, self.batch_size, batch.device, weights_of,
+                                                      batch[0].numel()):
                     saliency[image] += torch.einsum("rk,rhw->khw", weights.double(), masks[chunk].double())
         return Attribution(maps=saliency.float(), selected=selected, nonnegative_maps=True,
                            empty_reason=f"the detector found the instance (a candidate of its class overlapping its "

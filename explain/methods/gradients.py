@@ -121,7 +121,7 @@ def output_parts(output: object, sizes: Sequence[int]) -> list[object]:
 
 
 def fold_leading_rows(explainer: Explainer, leading: int, batch_size: Optional[int], device: torch.device,
-                      target: Target) -> bool:
+                      target: Target, row_values: Optional[int] = None) -> bool:
     """Whether a call's first pass also carries ``leading`` rows whose forward a method needs besides its copies of
     the images (the images themselves, to choose the targets; baselines and references, to score them): one
     forward and one backward instead of extra no-grad forwards. Yes while they are at most as many as the pass's
@@ -130,7 +130,7 @@ def fold_leading_rows(explainer: Explainer, leading: int, batch_size: Optional[i
     Never for a hidden unit as the target (``explain.Channel``, ``explain.Neuron``): its values are read from the
     unit's layer in the whole forward, not from the rows' parts of the output."""
     return (not isinstance(target, BoundUnits) and str(device) not in explainer.rows_that_fit
-            and leading <= rows_per_pass(batch_size, device))
+            and leading <= rows_per_pass(batch_size, device, row_values))
 
 
 def folded_input_gradients(forward: Callable[[Tensor], object], leading: Sequence[Tensor], copies: Tensor,
@@ -485,7 +485,8 @@ class IntegratedGradients(GradientExplainer):
             images_of_rows, steps_of_rows = image_of_row[rows], step_of_row[rows]
             points = baseline[images_of_rows] + alphas[steps_of_rows].view(-1, 1, 1, 1) * difference[images_of_rows]
             gradients: Optional[Tensor] = None
-            if "selected" not in ends and fold_leading_rows(self, 2 * count, self.batch_size, batch.device, target):
+            if "selected" not in ends and fold_leading_rows(self, 2 * count, self.batch_size, batch.device, target,
+                                                                  batch[0].numel()):
                 try:  # the images and baselines as the first rows of this pass: they choose and score the targets
                     gradients, unreachable = self.folded_gradients(
                         [batch, baseline], None if self._forward_call is None else images.repeat(2), points,
@@ -502,7 +503,7 @@ class IntegratedGradients(GradientExplainer):
         integral: Optional[Tensor] = None  # (count, K, C, H, W) float64, once K is known
         unreachable_rows: list[tuple[Tensor, Flags]] = []
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          weighted_gradients):
+                                                          weighted_gradients, batch[0].numel()):
             if integral is None:
                 integral = torch.zeros(count, *terms.shape[1:], dtype=torch.float64, device=batch.device)
             integral.index_add_(0, position_of_row[rows], terms)

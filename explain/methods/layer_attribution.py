@@ -219,14 +219,15 @@ class LayerPathExplainer(Explainer):
         layer's outputs for them (N, ...); the targets selected on x."""
 
     def path_passes(self, images: int, points: int, device: torch.device,
-                    compute: Callable[[Tensor, Tensor], Result]) -> Iterator[tuple[Tensor, Tensor, Result]]:
+                    compute: Callable[[Tensor, Tensor], Result], row_values: Optional[int] = None
+                    ) -> Iterator[tuple[Tensor, Tensor, Result]]:
         """Every path point as an (image, point) index pair, image by image, given to ``compute``
         ((R,) image indices, (R,) point indices) in passes of ``batch_size`` rows
         (``Explainer.row_passes``): yields (image indices, point indices, what ``compute`` returned)."""
         image_of_row = torch.arange(images, device=device).repeat_interleave(points)
         point_of_row = torch.arange(points, device=device).repeat(images)
         for rows, result in self.row_passes(len(image_of_row), self.batch_size, device,
-                                            lambda rows: compute(image_of_row[rows], point_of_row[rows])):
+                                            lambda rows: compute(image_of_row[rows], point_of_row[rows]), row_values):
             yield image_of_row[rows], point_of_row[rows], result
 
     def layer_output(self, inputs: Tensor) -> tuple[Any, Tensor]:
@@ -332,7 +333,7 @@ class LayerIntegratedGradients(LayerPathExplainer):
             return target_gradients(selected.scores_for(output, images), replaced.leaf)
 
         for images, points, (gradients, unreachable) in self.path_passes(len(batch), len(alphas), batch.device,
-                                                                         gradients_at_points):
+                                                                         gradients_at_points, batch[0].numel()):
             totals.add_gradients(images, gradients, unreachable)
             totals.add_terms(images, gradients.double() * broadcast_over(weights[points], gradients))
         complete = totals.total * difference[:, None].double()
@@ -390,7 +391,7 @@ class LayerConductance(LayerPathExplainer):
             return activations.detach(), gradients, unreachable
 
         for images, points, (activations, gradients, unreachable) in self.path_passes(
-                len(batch), run_points, batch.device, layer_and_gradients):
+                len(batch), run_points, batch.device, layer_and_gradients, batch[0].numel()):
             last_point = points == len(alphas) - 1  # its gradient pairs with no later point
             totals.add_gradients(images[~last_point], gradients[~last_point], unreachable[~last_point])
             if ends_at_input:  # the last point run pairs with x

@@ -14,12 +14,19 @@ from torch import Tensor, nn
 ROWS_PER_PASS = {"cpu": 16}
 """Rows (path points, noisy or reference copies of the images) per forward/backward pass when a
 method's ``batch_size`` is None, by device type; 256 on other devices (GPUs). On the CPU, passes of
-16 rows cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the time of 32-row
-passes on resnet18, 0.63× on resnet50; per-row costs by pass size in benchmarks/RESULTS.md, "Memory
-layout of the model's input"). On a GPU each pass has a fixed cost (kernel launches, Python) that
-small passes do not spread: on an H200, Captum's single 256-row pass of Integrated Gradients took
-0.62× the time of eight 32-row passes (benchmarks/RESULTS.md, "Attribution methods next to their
-peers (CUDA)"). A pass that runs out of memory is run again in halves (``Explainer.row_passes``)."""
+16 rows of 224 px images cost the least per row (Integrated Gradients, 32 steps, 224 px: 0.86× the
+time of 32-row passes on resnet18, 0.63× on resnet50; per-row costs by pass size in
+benchmarks/RESULTS.md, "Memory layout of the model's input"): what matters there is how much a pass
+holds, so smaller images get more rows per pass (``CPU_VALUES_PER_PASS``), where a pass's fixed cost
+(Python, dispatching every operation) would otherwise dominate. On a GPU each pass has a fixed cost
+(kernel launches, Python) that small passes do not spread: on an H200, Captum's single 256-row pass
+of Integrated Gradients took 0.62× the time of eight 32-row passes (benchmarks/RESULTS.md,
+"Attribution methods next to their peers (CUDA)"). A pass that runs out of memory is run again in
+halves (``Explainer.row_passes``)."""
+
+CPU_VALUES_PER_PASS = 16 * 3 * 224 * 224
+"""On the CPU, the input values a pass holds by default: 16 rows of 3 × 224 × 224, more rows of smaller inputs (32
+rows of 32 px images in one pass rather than two), at most 256 rows."""
 
 
 def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
@@ -32,9 +39,16 @@ def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
     return int(batch_size)
 
 
-def rows_per_pass(batch_size: Optional[int], device: torch.device) -> int:
-    """The rows per forward/backward pass: ``batch_size`` if given, else ``ROWS_PER_PASS`` for the device."""
-    return batch_size if batch_size is not None else ROWS_PER_PASS.get(device.type, 256)
+def rows_per_pass(batch_size: Optional[int], device: torch.device, row_values: Optional[int] = None) -> int:
+    """The rows per forward/backward pass: ``batch_size`` if given, else ``ROWS_PER_PASS`` for the device; on the
+    CPU, for rows of ``row_values`` input values each (when given), as many as ``CPU_VALUES_PER_PASS`` holds (16 to
+    256)."""
+    if batch_size is not None:
+        return batch_size
+    default = ROWS_PER_PASS.get(device.type, 256)
+    if device.type == "cpu" and row_values:
+        return min(256, max(default, CPU_VALUES_PER_PASS // row_values))
+    return default
 
 
 PROGRESS_THRESHOLD = 8

@@ -177,7 +177,8 @@ class GuidedIG(GradientExplainer):
         def gradient_at(points: Tensor) -> Tensor:  # one step of every path; its passes show no bar of their own
             gradients = []
             for rows, (gradient, unreachable) in self.row_passes(len(points), self.batch_size, batch.device,
-                                                                 lambda rows: gradients_of(rows, points)):
+                                                                 lambda rows: gradients_of(rows, points),
+                                                                 batch[0].numel()):
                 gradients.append(gradient)
                 disconnected[rows] &= unreachable
                 zero_gradient[rows] &= gradient.eq(0).all(dim=1)
@@ -185,7 +186,7 @@ class GuidedIG(GradientExplainer):
             return torch.cat(gradients)
 
         inputs, starts = batch.double().flatten(1)[image_of_row], baseline.double().flatten(1)[image_of_row]
-        passes = self.steps * -(-len(image_of_row) // rows_per_pass(self.batch_size, batch.device))
+        passes = self.steps * -(-len(image_of_row) // rows_per_pass(self.batch_size, batch.device, batch[0].numel()))
         with self.progress_bar(passes, self.steps, "step") as bar:
             attributions = guided_ig_paths(inputs, starts, gradient_at, self.steps, self.fraction, self.max_dist)
         attributions = attributions.view(count, targets, *batch.shape[1:])
@@ -291,7 +292,7 @@ class BlurIG(GradientExplainer):
             return gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None], unreachable
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          path_terms):
+                                                          path_terms, batch[0].numel()):
             integral.index_add_(0, image_of_row[rows], terms)
             disconnected[image_of_row[rows]] &= flag_values(unreachable)
         attributions = -integral

@@ -241,3 +241,12 @@ def assert_complete_basis_conserves(model: nn.Module, layer: str, method: str, o
     channels = explain.ConceptRelevance(model, layer, method, **options).explain(x, concepts=1)
     torch.testing.assert_close(e.diagnostics["layer_relevance"].sum(dim=1),
                                channels.diagnostics["layer_relevance"].sum(dim=1), atol=1e-6, rtol=1e-5)
+
+
+@pytest.fixture
+def channels_last_for_small_images(monkeypatch):
+    """Batches of small test images reach the model channels-last as large ones do (explain.core.memory_format gives
+    only images of at least CHANNELS_LAST_MIN_PIXELS that layout), so that tests of that path can use tiny models."""
+    from explain.core import memory_format
+
+    monkeypatch.setattr(memory_format, "CHANNELS_LAST_MIN_PIXELS", 0)

@@ -1,6 +1,8 @@
 """The memory layout in which a batch reaches the model (explain.core.memory_format): channels-last on the
-CPU for batches of at least 4 rows of a convolutional model, the usual layout otherwise; a model that
-refuses channels-last is run in the usual layout; results as accurate as with the usual layout."""
+CPU for batches of at least 4 rows of images of at least 128 × 128 pixels for a convolutional model, the usual layout
+otherwise; a model that refuses channels-last is run in the usual layout; results as accurate as with the usual
+layout. The tests of the channels-last path use small images with the size threshold lifted
+(``channels_last_for_small_images``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from torch import nn
 import explain
 from explain.core.capture import ModelInputError
 from explain.core.memory_format import CHANNELS_LAST_MIN_ROWS, usual_layout_only
+
+pytestmark = pytest.mark.usefixtures("channels_last_for_small_images")
 
 
 def layout_of(tensor: torch.Tensor) -> str:
@@ -243,3 +247,26 @@ def test_where_rounding_decides_a_max_pooling_near_tie_the_layouts_agree_to_floa
         assert relative_distance(channels_last[image], usual[image]) <= 1e-3
         maps = torch.stack([channels_last[image].sum(dim=(0, 1)).flatten(), usual[image].sum(dim=(0, 1)).flatten()])
         assert torch.corrcoef(maps.double())[0, 1] >= 0.99999
+
+
+def test_small_images_reach_the_model_in_the_usual_layout(monkeypatch):
+    """Below 128 × 128 pixels channels-last ran slower (benchmarks/RESULTS.md, "Memory layout of the model's input by
+    image size"): a batch of 4 images of 64 × 64 stays contiguous, of 128 × 128 goes channels-last."""
+    from explain.core import memory_format
+
+    monkeypatch.setattr(memory_format, "CHANNELS_LAST_MIN_PIXELS", 128 * 128)  # the module's value, not the fixture's
+    assert memory_format.CHANNELS_LAST_MIN_PIXELS == 128 * 128
+
+    class Records(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.layouts = nn.Conv2d(3, 4, 3, padding=1), []
+
+        def forward(self, x):
+            self.layouts.append(layout_of(x))
+            return self.conv(x).mean(dim=(2, 3))
+
+    model = Records().eval()
+    explain.Saliency(model).explain(torch.randn(4, 3, 64, 64), target=0)
+    explain.Saliency(model).explain(torch.randn(4, 3, 128, 128), target=0)
+    assert model.layouts == ["contiguous", "channels_last"]

@@ -357,7 +357,7 @@ class ViewsItsFeatures(nn.Module):
         return self.fc(features.view(features.shape[0], -1))
 
 
-def test_a_model_that_refuses_the_channels_last_layout_is_run_in_the_usual_one():
+def test_a_model_that_refuses_the_channels_last_layout_is_run_in_the_usual_one(channels_last_for_small_images):
     from explain.core.memory_format import usual_layout_only
 
     model = ViewsItsFeatures().eval()

@@ -4,10 +4,13 @@ On the CPU, PyTorch's oneDNN convolutions run forward and backward faster on a c
 batch (the same values, stored pixel by pixel instead of plane by plane) once the batch holds a
 few rows: from 4 rows, 0.62–0.87× the time on resnet18/50, vgg11, densenet121, mobilenet_v3 and
 efficientnet_b0 (convnext and ViT level), while at 1–2 rows resnet18's forward ran 1.45× and 1.16×
-slower (``benchmarks/memory_format.py``, table in benchmarks/RESULTS.md). So the copy of the batch
-that every method makes for the model's forward is made channels-last where that was measured
-faster: on the CPU, a float32 or bfloat16 4-D batch of at least ``CHANNELS_LAST_MIN_ROWS`` rows, for
-a model with 2-D convolutions. The model itself (parameters, buffers) is never touched, and maps,
+slower (``benchmarks/memory_format.py``, table in benchmarks/RESULTS.md). Small images run slower
+channels-last too: at 32 and 64 px resnet18's and resnet50's forward and gradient took 1.07–1.72× the
+time, at 112 px 0.89–1.28×, from 160 px 0.76–1.03× (RESULTS.md, "Memory layout of the model's input by
+image size"). So the copy of the batch that every method makes for the model's forward is made
+channels-last where that was measured faster: on the CPU, a float32 or bfloat16 4-D batch of at least
+``CHANNELS_LAST_MIN_ROWS`` rows of at least ``CHANNELS_LAST_MIN_PIXELS`` pixels, for a model with 2-D
+convolutions. The model itself (parameters, buffers) is never touched, and maps,
 scores and gradients have the same values up to float rounding.
 
 A model whose forward refuses that layout (a ``.view`` of a tensor that is not contiguous, an
@@ -32,6 +35,10 @@ from .capture import ModelInputError, error_chain
 
 CHANNELS_LAST_MIN_ROWS = 4
 """The fewest rows a batch needs before it is given to the model channels-last (CPU only)."""
+
+CHANNELS_LAST_MIN_PIXELS = 128 * 128
+"""The fewest pixels (height × width) an image of the batch needs before the batch is given to the model
+channels-last (CPU only)."""
 
 CHANNELS_LAST_DTYPES = (torch.float32, torch.bfloat16)
 """The input dtypes for which oneDNN runs channels-last convolutions (float64 has no such kernels)."""
@@ -64,6 +71,7 @@ def wants_channels_last(model: nn.Module, inputs: Tensor) -> bool:
         and inputs.device.type == "cpu"
         and inputs.dim() == 4
         and inputs.shape[0] >= CHANNELS_LAST_MIN_ROWS
+        and inputs.shape[-2] * inputs.shape[-1] >= CHANNELS_LAST_MIN_PIXELS
         and inputs.dtype in CHANNELS_LAST_DTYPES
         and has_convolutions(model)
     )

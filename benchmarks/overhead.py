@@ -172,10 +172,10 @@ def main() -> None:
         print(f"{method}: operations {counted} {kernels or ''}; ms " +
               ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in times.items()), flush=True)
     if arguments.write:
-        write(rows, device)
+        write(rows, device, arguments.threads)
 
 
-def write(rows: list[dict], device: torch.device) -> None:
+def write(rows: list[dict], device: torch.device, threads: int | None = None) -> None:
     kernels = device.type == "cuda"
     header = ("| method | explain ops | peers' ops | ratio to the fewest |" + (" explain kernels | peers' kernels |"
               if kernels else "") + " explain ms | peers' ms | ratio to the fastest | × forward |")
@@ -194,8 +194,9 @@ def write(rows: list[dict], device: torch.device) -> None:
                   f"{row['time_ratio']:.2f} ({row['fastest']})", f"{times['explain'] / times['forward']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     name = "CUDA" if kernels else "CPU"
-    body = (f"`python benchmarks/overhead.py --device {device.type} --write`: operations dispatched per call on "
-            "resnet50, 224 px, batch 1 (ATen operations, views included); the median time of a call on resnet18, "
+    option = f" --threads {threads}" if threads else ""
+    body = (f"`python benchmarks/overhead.py --device {device.type}{option} --write`: operations dispatched per call "
+            "on resnet50, 224 px, batch 1 (ATen operations, views included); the median time of a call on resnet18, "
             "32 px, batch 1, interleaved with the peers' calls and a no-grad forward.\n\n" + "\n".join(lines))
     write_section(f"Per-call overhead next to the peers ({name})", body)
 

@@ -347,7 +347,7 @@ def _spatial_fit(spatial: Sequence[int], input_size: Sequence[int]) -> float:
     return abs(math.log((input_size[0] / h) / (input_size[1] / w)))
 
 
-def _channel_evidence(module: Optional[nn.Module]) -> Optional[tuple[int, str]]:
+def channel_evidence(module: Optional[nn.Module]) -> Optional[tuple[int, str]]:
     """(channel count, the layout that module type produces) of the last module, in registration
     order, that reveals its channel count: a convolution or BatchNorm (channels first), a Linear
     or LayerNorm (channels last); None when no such module is part of ``module``."""
@@ -377,7 +377,7 @@ def _four_dimensional_layout(shape: Sequence[int], input_size: Sequence[int], mo
     the input downsampled are the spatial ones. When both readings fit about equally well and
     nothing decides, it raises.
     """
-    evidence = _channel_evidence(module)
+    evidence = channel_evidence(module)
     if evidence is not None:
         channels, convention = evidence
         at_first, at_last = shape[1] == channels, shape[3] == channels

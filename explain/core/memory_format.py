@@ -80,11 +80,13 @@ def wants_channels_last(model: nn.Module, inputs: Tensor) -> bool:
 def model_batch(model: nn.Module, inputs: Tensor) -> Tensor:
     """A copy of ``inputs`` for one forward of ``model`` (inside the autograd graph when ``inputs``
     requires grad), in the memory layout that runs fastest: channels-last where
-    ``wants_channels_last``, else the layout ``inputs`` has. Same shape, dtype, device and values."""
+    ``wants_channels_last``, else contiguous, whatever layout ``inputs`` has (a NumPy (N, H, W, C) array
+    transposed to (N, C, H, W) gives the maps its contiguous copy gives, to the last bit). Same shape,
+    dtype, device and values."""
     if wants_channels_last(model, inputs):
         _thread.channels_last_copies = channels_last_copies() + 1
         return inputs.clone(memory_format=torch.channels_last)
-    return inputs.clone()
+    return inputs.clone(memory_format=torch.contiguous_format)
 
 
 def channels_last_copies() -> int:

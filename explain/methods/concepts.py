@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state, run_model
-from ..core.layouts import Layout, _channel_evidence, infer_layout
+from ..core.layouts import Layout, channel_evidence, infer_layout
 from ..core.targets import Target
 from ..io.explanation import Diagnostic, Explanation
 from ..io.inputs import Inputs, as_preprocess, prepare_inputs
@@ -96,7 +96,7 @@ def _concept_dim(output: Tensor, channel_dim: Optional[int], layer: nn.Module, n
         return int(channel_dim) % dims
     if dims == 3:
         return 2
-    evidence = _channel_evidence(layer) if dims == 4 else None
+    evidence = channel_evidence(layer) if dims == 4 else None
     if evidence is not None and output.shape[3] == evidence[0] != output.shape[1]:
         return 3
     return 1
@@ -191,8 +191,9 @@ class ConceptRelevance:
             activation = output.detach().clone() if needs_activation else output.detach()
             if self.directions is not None and output.shape[dim] != self.directions.shape[1]:
                 raise LayerOutputError(f"the directions have {self.directions.shape[1]} values but layer "
-                                 f"{self.layer_name}'s output {tuple(output.shape)} has {output.shape[dim]} channels "
-                                 f"along dimension {dim}: give directions of that length, or channel_dim=.")
+                                       f"{self.layer_name}'s output {tuple(output.shape)} has {output.shape[dim]} "
+                                       f"channels along dimension {dim}: give directions of that length, or "
+                                       "channel_dim=.")
             concepts = output.shape[dim] if self.directions is None else self.directions.shape[0]
             if masks is not None and (output.shape[0] != masks.shape[0] or concepts != masks.shape[1]):
                 raise ValueError(f"layer {self.layer_name}'s output {tuple(output.shape)} has no {masks.shape[1]} "

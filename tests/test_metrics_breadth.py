@@ -539,7 +539,12 @@ def test_completeness_against_quantus(setting):
     theirs = quantus_metric("Completeness", normalise=False, perturb_baseline=0.0)(model, x, y,
                                                                                    attributions.numpy())
     ours = metrics.completeness(model, images, ig)
-    assert not any(theirs) and (ours.error != 0).all()
+    assert (ours.error != 0).all()
+    # Quantus compares float32 sums exactly: it may say True only where IG's error is below float32's resolution of
+    # the score change (16 steps on a random resnet18 come within 1e-7 of complete); above it, False
+    resolution = 4 * torch.finfo(torch.float32).eps * ours.score_change.abs().double()
+    for verdict, error, tolerance in zip(map(bool, theirs), ours.error.abs().tolist(), resolution.tolist()):
+        assert not verdict or error <= tolerance
     torch.testing.assert_close(ours.error.float(), ig.diagnostics["completeness_error"][:, 0].float(), rtol=1e-3,
                                atol=1e-4)
 

@@ -173,14 +173,15 @@ def test_what_counts_as_running_out_of_memory():
 
 
 def test_the_rows_per_pass_are_16_at_224_px_on_the_cpu_more_for_smaller_images_and_256_on_a_gpu():
-    """On the CPU a pass holds 16 rows of 3 × 224 × 224 values (or fewer values per row: more rows, up to 256; more
-    values per row: still 16); on a GPU 256 rows whatever their size; a batch_size given is kept everywhere."""
+    """On the CPU a pass holds 16 rows of 3 × 224 × 224 values (or fewer values per row: more rows, up to 64, so that a
+    model resizing its input inside holds at most 4× a 224 px pass; more values per row: still 16); on a GPU 256 rows
+    whatever their size; a batch_size given is kept everywhere."""
     cpu = torch.device("cpu")
     assert passes.rows_per_pass(None, cpu) == 16
     assert passes.rows_per_pass(None, cpu, 3 * 224 * 224) == 16
     assert passes.rows_per_pass(None, cpu, 3 * 448 * 448) == 16
     assert passes.rows_per_pass(None, cpu, 3 * 112 * 112) == 64
-    assert passes.rows_per_pass(None, cpu, 3 * 32 * 32) == 256  # 784 would fit: at most 256
+    assert passes.rows_per_pass(None, cpu, 3 * 32 * 32) == 64  # 784 would fit: at most 64
     assert passes.rows_per_pass(None, torch.device("cuda", 0)) == 256
     assert passes.rows_per_pass(None, torch.device("cuda", 0), 3 * 32 * 32) == 256
     assert passes.rows_per_pass(None, torch.device("mps")) == 256

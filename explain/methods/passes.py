@@ -26,7 +26,11 @@ halves (``Explainer.row_passes``)."""
 
 CPU_VALUES_PER_PASS = 16 * 3 * 224 * 224
 """On the CPU, the input values a pass holds by default: 16 rows of 3 × 224 × 224, more rows of smaller inputs (32
-rows of 32 px images in one pass rather than two), at most 256 rows."""
+rows of 32 px images in one pass rather than two), at most ``CPU_MOST_ROWS_PER_PASS``."""
+
+CPU_MOST_ROWS_PER_PASS = 64
+"""The most rows a CPU pass holds by default, however small the inputs: a model that enlarges its input inside (a
+resize to 224 px in its forward) then holds 4× a 224 px pass's activations, not 16×."""
 
 
 def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
@@ -42,12 +46,12 @@ def checked_batch_size(batch_size: Optional[int]) -> Optional[int]:
 def rows_per_pass(batch_size: Optional[int], device: torch.device, row_values: Optional[int] = None) -> int:
     """The rows per forward/backward pass: ``batch_size`` if given, else ``ROWS_PER_PASS`` for the device; on the
     CPU, for rows of ``row_values`` input values each (when given), as many as ``CPU_VALUES_PER_PASS`` holds (16 to
-    256)."""
+    ``CPU_MOST_ROWS_PER_PASS``)."""
     if batch_size is not None:
         return batch_size
     default = ROWS_PER_PASS.get(device.type, 256)
     if device.type == "cpu" and row_values:
-        return min(256, max(default, CPU_VALUES_PER_PASS // row_values))
+        return min(CPU_MOST_ROWS_PER_PASS, max(default, CPU_VALUES_PER_PASS // row_values))
     return default
 
 

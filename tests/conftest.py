@@ -250,3 +250,19 @@ def channels_last_for_small_images(monkeypatch):
     from explain.core import memory_format
 
     monkeypatch.setattr(memory_format, "CHANNELS_LAST_MIN_PIXELS", 0)
+
+
+class ResidualNet(nn.Module):
+    """stem → (branch + skip) → head: ``branch.0`` is inside the residual branch, ``merge`` after the sum."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU())
+        self.branch = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1))
+        self.merge = nn.ReLU()
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+
+    def forward(self, x):
+        features = self.stem(x)
+        return self.head(self.merge(features + self.branch(features)))

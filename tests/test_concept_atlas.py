@@ -210,3 +210,22 @@ def test_an_atlas_of_a_vits_token_directions_is_built_with_activation_values_on_
             files[int(index)].relative_to(data_folder).as_posix() for index in expected.indices]
         assert [reference["value"] for reference in references] == pytest.approx(expected.values.tolist(), rel=1e-5)
         assert len(atlas.patches(concept, "activation")) == TOP and len(atlas.patches(concept)) == TOP
+
+
+def test_an_atlas_of_a_layer_inside_a_residual_branch_says_its_patches_include_the_relevance_around_it(data_folder,
+                                                                                                     tmp_path):
+    """Relevance that reaches the input around the layer (a skip connection) is in every conditional heatmap, so in
+    the relevance references' patches: the build says so (conftest's ResidualNet, its branch's
+    first convolution), and says nothing for the block's output."""
+    import warnings
+
+    from conftest import ResidualNet
+
+    model = ResidualNet().eval()
+    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance.*references' patches"):
+        build_atlas(model, "branch.0", data_folder, tmp_path / "branch", top=TOP, batch_size=BATCH, progress=False,
+                    composite="epsilon_plus")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        build_atlas(model, "merge", data_folder, tmp_path / "merge", top=TOP, batch_size=BATCH, progress=False,
+                    composite="epsilon_plus")

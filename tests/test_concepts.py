@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_complete_basis_conserves, assert_state_equal, model_state
+from conftest import ResidualNet, assert_complete_basis_conserves, assert_state_equal, model_state
 from torch import nn
 
 import explain
@@ -513,22 +513,6 @@ def test_ctrl_c_mid_call_leaves_the_model_as_found_and_the_next_call_unchanged(i
     finally:
         handle.remove()
     torch.testing.assert_close(crp.explain(x, concepts=2).attributions, expected.attributions)
-
-
-class ResidualNet(nn.Module):
-    """stem → (branch + skip) → head: ``branch.0`` is inside the residual branch, ``merge`` after the sum."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU())
-        self.branch = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1))
-        self.merge = nn.ReLU()
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
-
-    def forward(self, x):
-        features = self.stem(x)
-        return self.head(self.merge(features + self.branch(features)))
 
 
 def test_relevance_around_a_layer_in_a_residual_branch_is_given_and_warned_of():

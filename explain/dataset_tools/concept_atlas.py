@@ -217,6 +217,15 @@ def _activation_heats(crp: ConceptRelevance, batch: Tensor, rows: Tensor, concep
         return torch.zeros(len(rows), *batch.shape[-2:])
 
 
+def _check_bypass(crp: ConceptRelevance, files: Sequence[Path], classes: Tensor, channels: int) -> None:
+    """Warn, from the first images, where relevance reaches the input around the layer (a layer inside a residual
+    branch): the relevance patches then include it."""
+    batch = crp._prepared(list(files))
+    unconditional = crp.explainer.explain(batch, target=classes.tolist())
+    crp.bypass(batch, classes, channels, unconditional, stacklevel=4,
+               consequence="The relevance references' patches include that relevance")
+
+
 def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str], relevance: Tensor,
              activation: Tensor, classes: Tensor, top: int, folder: Path, progress: bool) -> dict[str, Any]:
     """atlas.json's content; the patches of every concept's references written first (OUT/patches/, skipped where
@@ -231,6 +240,8 @@ def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str],
     for kind in ("relevance", "activation"):
         pairs = [(int(best[kind].indices[rank, concept]), concept, rank) for concept in range(channels)
                  for rank in range(count) if not (folder / patch_names[kind][concept][rank]).exists()]
+        if kind == "relevance" and pairs:  # patches to make: say first if they would include relevance around the layer
+            _check_bypass(crp, files[:crp.batch_size], classes[:crp.batch_size], channels)
         for start in tqdm(range(0, len(pairs), crp.batch_size), desc=f"{kind} patches", disable=not progress):
             chunk = pairs[start:start + crp.batch_size]
             unique = sorted({image for image, _, _ in chunk})

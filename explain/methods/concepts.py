@@ -127,6 +127,11 @@ def _layer_output(model: nn.Module, layer: nn.Module, name: str, batch: Tensor) 
     return store[0]
 
 
+BYPASS_IN_MAPS = ("Each conditional map includes that relevance (diagnostics['bypass_map'], which you can subtract) "
+                  "and the concepts' maps do not add up to the unconditional map")
+"""What relevance around the layer does to ``ConceptRelevance.explain``'s maps (its warning)."""
+
+
 class ConceptRelevance:
     """CRP conditional heatmaps of a layer's concepts, by LRP or AttnLRP.
 
@@ -295,15 +300,8 @@ class ConceptRelevance:
         diagnostics: dict[str, Diagnostic] = {"layer_relevance": layer_relevance, "explained_class": classes.cpu(),
                        "explained_score": unconditional.scores[:, 0].cpu(),
                        "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()}
-        if bypass:  # one row per image with every concept masked (concept -1): its maps are empty where all is well
-            self.explainer._thread_state.empty_maps_expected = True
-            try:
-                _, bypass_maps, bypass_attributions = self.conditional(
-                    batch, torch.arange(count), torch.full((count,), -1), classes, channels)
-            finally:
-                self.explainer._thread_state.empty_maps_expected = False
-            diagnostics["bypass_map"] = bypass_maps.cpu()
-            self._warn_of_bypass(bypass_maps if bypass_attributions is None else bypass_attributions, unconditional)
+        if bypass:
+            diagnostics["bypass_map"] = self.bypass(batch, classes, channels, unconditional, stacklevel=3).cpu()
         height, width = unconditional.map_grid.shape[-2:]
         return Explanation(
             map_grid=maps.view(count, per_image, height, width),
@@ -320,9 +318,20 @@ class ConceptRelevance:
             class_names=["concept"] * channels,
         )
 
-    def _warn_of_bypass(self, bypassing: Tensor, unconditional: Explanation) -> None:
-        """Warn where relevance reaches the input around the layer: ``bypassing`` (N, ...) the input relevance (or
-        raw maps) with every concept masked, against the unconditional call's."""
+    def bypass(self, batch: Tensor, classes: Tensor, channels: int, unconditional: Explanation, *,
+               stacklevel: int = 2, consequence: str = BYPASS_IN_MAPS) -> Tensor:
+        """(N, H, W) raw maps of the relevance that reaches the input around the layer: the model-input ``batch``
+        explained for ``classes`` with every concept masked (one row per image; 0 where every path from the input to
+        the score goes through the layer). Where it is not 0 against ``unconditional`` (the same call without a
+        condition), a RuntimeWarning says so, with ``consequence``."""
+        count = batch.shape[0]
+        self.explainer._thread_state.empty_maps_expected = True  # its maps are empty where all is well
+        try:
+            _, maps, attributions = self.conditional(batch, torch.arange(count), torch.full((count,), -1), classes,
+                                                     channels)
+        finally:
+            self.explainer._thread_state.empty_maps_expected = False
+        bypassing = maps if attributions is None else attributions
         reference = unconditional.attributions[:, 0] if unconditional.attributions is not None \
             else unconditional.raw_map_grid[:, 0]
         largest = float(reference.abs().max())
@@ -330,10 +339,9 @@ class ConceptRelevance:
         if share > 1e-6:
             warnings.warn(f"layer {self.layer_name} does not carry all the relevance: with every concept masked, "
                           f"relevance still reaches the input around it (a skip connection; up to {share:.3g} of the "
-                          "unconditional map's largest value). Each conditional map includes that relevance "
-                          "(diagnostics['bypass_map']) and the concepts' maps do not add up to the unconditional "
-                          "map: choose a layer every path goes through (a residual block's output), or subtract "
-                          "diagnostics['bypass_map'].", RuntimeWarning, stacklevel=3)
+                          f"unconditional map's largest value). {consequence}: choose a layer every path goes through "
+                          "(a residual block's output).", RuntimeWarning, stacklevel=stacklevel + 1)
+        return maps
 
     def layer_relevance(self, recorded: list[Tensor]) -> Tensor:
         """(N, C) the relevance per channel that one unconditional pass recorded at the layer (``_at_layer``), on

@@ -221,10 +221,17 @@ def test_an_atlas_of_a_layer_inside_a_residual_branch_says_its_patches_include_t
 
     from conftest import ResidualNet
 
+    from explain.methods.concepts import concept_references
+
     model = ResidualNet().eval()
-    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance.*references' patches"):
+    crp = explain.ConceptRelevance(model, "branch.0", composite="epsilon_plus")
+    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance.*references' patches") as seen:
+        concept_references(crp, list(torch.rand(3, 3, 16, 16)), concepts=[0], top=1)
+    assert [warning.filename for warning in seen] == [__file__]  # the caller's line
+    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance.*references' patches") as seen:
         build_atlas(model, "branch.0", data_folder, tmp_path / "branch", top=TOP, batch_size=BATCH, progress=False,
                     composite="epsilon_plus")
+    assert [warning.filename for warning in seen] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         build_atlas(model, "merge", data_folder, tmp_path / "merge", top=TOP, batch_size=BATCH, progress=False,

@@ -526,8 +526,9 @@ def test_relevance_around_a_layer_in_a_residual_branch_is_given_and_warned_of():
     x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(15))
     options = {"composite": "epsilon_plus"}
     crp = explain.ConceptRelevance(model, "branch.0", **options)
-    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance"):
+    with pytest.warns(RuntimeWarning, match="branch.0 does not carry all the relevance") as caught:
         e = crp.explain(x, concepts=None)
+    assert [warning.filename for warning in caught] == [__file__]  # the caller's line
     classes = e.diagnostics["explained_class"]
     for image in range(2):
         expected = masked_by_hand(model, "branch.0", "lrp", options, x[image], int(classes[image]), -1, 1)

@@ -301,7 +301,7 @@ class ConceptRelevance:
                        "explained_score": unconditional.scores[:, 0].cpu(),
                        "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()}
         if bypass:
-            diagnostics["bypass_map"] = self.bypass(batch, classes, channels, unconditional, stacklevel=3).cpu()
+            diagnostics["bypass_map"] = self.bypass(batch, classes, channels, unconditional, stacklevel=2).cpu()
         height, width = unconditional.map_grid.shape[-2:]
         return Explanation(
             map_grid=maps.view(count, per_image, height, width),
@@ -323,7 +323,8 @@ class ConceptRelevance:
         """(N, H, W) raw maps of the relevance that reaches the input around the layer: the model-input ``batch``
         explained for ``classes`` with every concept masked (one row per image; 0 where every path from the input to
         the score goes through the layer). Where it is not 0 against ``unconditional`` (the same call without a
-        condition), a RuntimeWarning says so, with ``consequence``."""
+        condition), a RuntimeWarning says so, with ``consequence``, pointing ``stacklevel`` frames above the caller
+        (1: the caller's line, as ``warnings.warn`` counts)."""
         count = batch.shape[0]
         self.explainer._thread_state.empty_maps_expected = True  # its maps are empty where all is well
         try:
@@ -494,8 +495,12 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
         if mode == "relevance":
             recorded: list[Tensor] = []
             with crp._at_layer(None, recorded):
-                crp.explainer.explain(chunk)
+                unconditional = crp.explainer.explain(chunk)
             values.append(crp.layer_relevance(recorded))
+            if start == 0:  # the patches are conditional heatmaps: say if they include relevance around the layer
+                assert unconditional.class_indices is not None, "class targets"
+                crp.bypass(crp._prepared(chunk), unconditional.class_indices[:, 0], values[0].shape[1],
+                           unconditional, stacklevel=2, consequence="The references' patches include that relevance")
         else:
             batch = crp._prepared(chunk)
             output = _layer_output(crp.model, crp.layer, crp.layer_name, batch)

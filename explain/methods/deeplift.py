@@ -224,7 +224,7 @@ class DeepLiftShap(DeepLift):
 
         for rows, (attributions, score_change, unreachable) in self.row_passes(len(pairs), self.batch_size,
                                                                                batch.device, pair_attributions,
-                                                                               batch[0].numel()):
+                                                                               batch.shape[1:].numel()):
             images = pairs[rows, 0]
             total.index_add_(0, images, attributions)
             change.index_add_(0, images, score_change)

@@ -164,7 +164,7 @@ class DRISE(Explainer):
                         return similarity.new_zeros(similarity.shape[:2])
                     return similarity.amax(dim=-1)  # (R, K)
                 for chunk, weights in self.row_passes(self.masks, self.batch_size, batch.device, weights_of,
-                                                      batch[0].numel()):
+                                                      batch.shape[1:].numel()):
                     saliency[image] += torch.einsum("rk,rhw->khw", weights.double(), masks[chunk].double())
         return Attribution(maps=saliency.float(), selected=selected, nonnegative_maps=True,
                            empty_reason=f"the detector found the instance (a candidate of its class overlapping its "

@@ -204,7 +204,7 @@ class GradientShap(GradientExplainer):
             gradients: Optional[Tensor] = None
             if "selected" not in ends:
                 leading = count + (0 if references is None else len(references.keys))
-                if fold_leading_rows(self, leading, self.batch_size, batch.device, target, batch[0].numel()):
+                if fold_leading_rows(self, leading, self.batch_size, batch.device, target, batch.shape[1:].numel()):
                     try:  # the images (and the references scored) as the first rows of this pass
                         gradients, unreachable = self.folded_gradients(
                             [batch] if references is None else [batch, references.inputs()],
@@ -224,7 +224,7 @@ class GradientShap(GradientExplainer):
         total: Optional[Tensor] = None  # (N, K, C, H, W) float64
         unreachable_rows: list[tuple[Tensor, Flags]] = []
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          path_terms, batch[0].numel()):
+                                                          path_terms, batch.shape[1:].numel()):
             images = image_of_row if rows.stop - rows.start == len(image_of_row) else image_of_row[rows]
             total = sum_per_image(total, terms, images, count)
             unreachable_rows.append((images, unreachable))
@@ -264,6 +264,6 @@ class GradientShap(GradientExplainer):
                                              chunk)
 
         for _, scores in self.row_passes(keys, self.batch_size, references.keys.device, chunk_scores,
-                                         references.references[0].numel()):
+                                         references.references.shape[1:].numel()):
             parts.append(scores)
         return references.row_scores(torch.cat(parts) if len(parts) > 1 else parts[0], selected)

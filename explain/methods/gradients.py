@@ -486,7 +486,7 @@ class IntegratedGradients(GradientExplainer):
             points = baseline[images_of_rows] + alphas[steps_of_rows].view(-1, 1, 1, 1) * difference[images_of_rows]
             gradients: Optional[Tensor] = None
             if "selected" not in ends and fold_leading_rows(self, 2 * count, self.batch_size, batch.device, target,
-                                                                  batch[0].numel()):
+                                                                  batch.shape[1:].numel()):
                 try:  # the images and baselines as the first rows of this pass: they choose and score the targets
                     gradients, unreachable = self.folded_gradients(
                         [batch, baseline], None if self._forward_call is None else images.repeat(2), points,
@@ -503,7 +503,7 @@ class IntegratedGradients(GradientExplainer):
         integral: Optional[Tensor] = None  # (count, K, C, H, W) float64, once K is known
         unreachable_rows: list[tuple[Tensor, Flags]] = []
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          weighted_gradients, batch[0].numel()):
+                                                          weighted_gradients, batch.shape[1:].numel()):
             if integral is None:
                 integral = torch.zeros(count, *terms.shape[1:], dtype=torch.float64, device=batch.device)
             integral.index_add_(0, position_of_row[rows], terms)

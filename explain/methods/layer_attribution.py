@@ -333,7 +333,7 @@ class LayerIntegratedGradients(LayerPathExplainer):
             return target_gradients(selected.scores_for(output, images), replaced.leaf)
 
         for images, points, (gradients, unreachable) in self.path_passes(len(batch), len(alphas), batch.device,
-                                                                         gradients_at_points, batch[0].numel()):
+                                                                         gradients_at_points, batch.shape[1:].numel()):
             totals.add_gradients(images, gradients, unreachable)
             totals.add_terms(images, gradients.double() * broadcast_over(weights[points], gradients))
         complete = totals.total * difference[:, None].double()
@@ -391,7 +391,7 @@ class LayerConductance(LayerPathExplainer):
             return activations.detach(), gradients, unreachable
 
         for images, points, (activations, gradients, unreachable) in self.path_passes(
-                len(batch), run_points, batch.device, layer_and_gradients, batch[0].numel()):
+                len(batch), run_points, batch.device, layer_and_gradients, batch.shape[1:].numel()):
             last_point = points == len(alphas) - 1  # its gradient pairs with no later point
             totals.add_gradients(images[~last_point], gradients[~last_point], unreachable[~last_point])
             if ends_at_input:  # the last point run pairs with x

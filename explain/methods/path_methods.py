@@ -178,7 +178,7 @@ class GuidedIG(GradientExplainer):
             gradients = []
             for rows, (gradient, unreachable) in self.row_passes(len(points), self.batch_size, batch.device,
                                                                  lambda rows: gradients_of(rows, points),
-                                                                 batch[0].numel()):
+                                                                 batch.shape[1:].numel()):
                 gradients.append(gradient)
                 disconnected[rows] &= unreachable
                 zero_gradient[rows] &= gradient.eq(0).all(dim=1)
@@ -186,7 +186,8 @@ class GuidedIG(GradientExplainer):
             return torch.cat(gradients)
 
         inputs, starts = batch.double().flatten(1)[image_of_row], baseline.double().flatten(1)[image_of_row]
-        passes = self.steps * -(-len(image_of_row) // rows_per_pass(self.batch_size, batch.device, batch[0].numel()))
+        per_pass = rows_per_pass(self.batch_size, batch.device, batch.shape[1:].numel())
+        passes = self.steps * -(-len(image_of_row) // per_pass)
         with self.progress_bar(passes, self.steps, "step") as bar:
             attributions = guided_ig_paths(inputs, starts, gradient_at, self.steps, self.fraction, self.max_dist)
         attributions = attributions.view(count, targets, *batch.shape[1:])
@@ -292,7 +293,7 @@ class BlurIG(GradientExplainer):
             return gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None], unreachable
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
-                                                          path_terms, batch[0].numel()):
+                                                          path_terms, batch.shape[1:].numel()):
             integral.index_add_(0, image_of_row[rows], terms)
             disconnected[image_of_row[rows]] &= flag_values(unreachable)
         attributions = -integral

@@ -210,7 +210,7 @@ class SmoothGrad(Explainer):
         flags: dict[str, list[tuple[Tensor, Flags]]] = {"zero_gradient": [], "disconnected": []}  # by pass
         inner: Optional[Attribution] = None
         for _, (image_of_row, inner) in self.row_passes(self.samples * count, self.batch_size, batch.device,
-                                                        noisy_attribution, batch[0].numel()):
+                                                        noisy_attribution, batch.shape[1:].numel()):
             for key, passes in flags.items():  # small (R, K) flags: the copies' maps and gradients are not kept
                 if by_gradients:  # disconnected as input_gradients gives it; zero_gradient from the sums, below
                     value = inner.disconnected if key == "disconnected" else None
@@ -283,7 +283,7 @@ class SmoothGrad(Explainer):
         try:
             gradients: Optional[Tensor] = None
             if "clean" not in chosen and fold_leading_rows(self, len(batch), self.batch_size, batch.device, target,
-                                                           batch[0].numel()):
+                                                           batch.shape[1:].numel()):
                 try:
                     gradients, unreachable = explainer.folded_gradients([batch], None, noisy, image_of_row,
                                                                              lambda outputs: choose(outputs[0]))

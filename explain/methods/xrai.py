@@ -346,7 +346,7 @@ class XRAI(Explainer):
         collected: list[Tensor] = []
         flags: dict = {"zero_gradient": None, "disconnected": None, "layer": None}
         passes = len(explainers) * -(-self.steps * batch.shape[0] // rows_per_pass(self.batch_size, batch.device,
-                                                                                    batch[0].numel()))
+                                                                                    batch.shape[1:].numel()))
         with self.progress_bar(passes, len(explainers), "baseline") as bar:  # the inner methods show none
             for explainer in explainers:
                 explainer._forward_call = self._forward_call

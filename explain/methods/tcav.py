@@ -15,10 +15,11 @@ concepts tested (Bonferroni), as the paper does.
                        randoms=["random/0", "random/1", "random/2", ...])
     print(result.markdown())
 
-CAVs: "fastcav" (closed form: the mean of the concept's activations after the mean of all the activations is
-subtracted, normalised; on the model's device), "sgd" (a linear classifier trained by scikit-learn's SGDClassifier
-with the TCAV reference code's settings, alpha 0.01: the paper's CAV), or a function (concept (P, D), random (Q, D))
-→ (D,) CAV.
+CAVs: "sgd" (the default: a linear classifier trained by scikit-learn's SGDClassifier with the TCAV reference code's
+settings, alpha 0.01: the paper's CAV), "fastcav" (closed form: the mean of the concept's activations after the mean
+of all the activations is subtracted, normalised; on the model's device; 76× faster, but its conclusions differ from
+the paper's CAV's where few activations are support vectors: benchmarks/RESULTS.md, "Concepts: TCAV of the
+watermark"), or a function (concept (P, D), random (Q, D)) → (D,) CAV.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def sgd_cav(concept: Tensor, random: Tensor, seed: int = 0) -> Tensor:
     return direction / direction.norm().clamp_min(1e-12)
 
 
-def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod = "fastcav", seed: int = 0
+def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod = "sgd", seed: int = 0
                               ) -> Tensor:
     """The CAV (D,) of ``concept`` (P, D) against ``random`` (Q, D) activations by ``method``."""
     if callable(method):
@@ -124,11 +125,12 @@ class TCAV:
     """Concept activation vectors and TCAV scores at ``layers`` of ``model``.
 
     model: a module or ``explain.load_model``'s result (its preprocessing is used). layers: names of
-    ``model.named_modules()``; each layer's output is flattened per image into its activation vector. cav: "fastcav",
-    "sgd" or a function (see the module docstring). batch_size: images per forward pass. seed: the SGD classifier's.
+    ``model.named_modules()``; each layer's output is flattened per image into its activation vector. cav: "sgd"
+    (the paper's), "fastcav" or a function (see the module docstring). batch_size: images per forward pass. seed: the
+    SGD classifier's.
     """
 
-    def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "fastcav",
+    def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "sgd",
                  preprocess: PreprocessSpec = None, batch_size: int = 32, seed: int = 0):
         module, loaded_preprocess, _, _ = loaded_model_parts(model)
         self.model: nn.Module = module

@@ -24,6 +24,7 @@ import explain  # noqa: E402
 from explain.data.demo_watermark import load_watermark_demo, watermark_held_out  # noqa: E402
 from explain.data.train_watermark import train  # noqa: E402
 from explain.methods.concepts import concept_references  # noqa: E402
+from explain.metrics import energy_pointing_game  # noqa: E402
 
 
 def main() -> None:
@@ -48,12 +49,8 @@ def main() -> None:
         shares = []
         if carrying:
             explanation = crp.explain([data.images[index] for index in carrying], concepts=[concept])
-            for row, index in enumerate(carrying):
-                ys, xs = tag_pixels[index].nonzero(as_tuple=True)
-                box = torch.zeros_like(tag_pixels[index])
-                box[ys.min():ys.max() + 1, xs.min():xs.max() + 1] = True
-                positive = explanation.raw_maps[row, 0].clamp_min(0)
-                shares.append(float(positive[box].sum() / positive.sum().clamp_min(1e-12)))
+            # the share of each map's positive relevance inside the tag's bounding box
+            shares = energy_pointing_game(explanation.raw_maps[:, 0], tag_pixels[carrying]).tolist()
         rows.append(f"| {seed} | {concept} | {share_top:.2f} | {len(carrying)} / 8 | "
                     f"{min(shares) if shares else float('nan'):.2f} – {max(shares) if shares else float('nan'):.2f} |")
     table = "\n".join(["| seed | top concept (layer3) | share of the 8 tagged squares where it is top | references "

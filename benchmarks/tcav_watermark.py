@@ -43,20 +43,10 @@ from explain.data.demo_watermark import CORNER, load_watermark_demo  # noqa: E40
 from explain.data.synthetic import CLASS_NAMES, add_watermark, make_dataset  # noqa: E402
 from explain.data.train_watermark import train  # noqa: E402
 from explain.io.inputs import prepare_inputs  # noqa: E402
-from explain.methods.tcav import TCAV, _two_sided_t_test, fastcav, sgd_cav  # noqa: E402
+from explain.methods.tcav import TCAV, _two_sided_t_test, fastcav, sgd_cav, training_split  # noqa: E402
 
 LAYERS = ("layer2", "layer3", "layer4")
 ALPHA = 0.01  # the TCAV reference code's SGDClassifier alpha
-
-
-def _training_split(concept: Tensor, random: Tensor, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The stratified 80 % that ``sgd_cav`` trains on (same split for the exact SVM)."""
-    from sklearn.model_selection import train_test_split
-
-    features = torch.cat([concept, random]).double().cpu().numpy()
-    labels = np.array([1] * concept.shape[0] + [0] * random.shape[0])
-    features, _, labels, _ = train_test_split(features, labels, test_size=0.2, stratify=labels, random_state=seed)
-    return features, labels
 
 
 def exact_svm(concept: Tensor, random: Tensor) -> tuple[Tensor, float]:
@@ -64,7 +54,7 @@ def exact_svm(concept: Tensor, random: Tensor) -> tuple[Tensor, float]:
     share of the training activations that are support vectors (margin ≤ 1)."""
     from sklearn.svm import LinearSVC
 
-    features, labels = _training_split(concept, random, seed=0)
+    features, labels = training_split(concept, random, seed=0)
     classifier = LinearSVC(loss="hinge", C=1 / (ALPHA * len(labels)), tol=1e-8, max_iter=200_000).fit(features,
                                                                                                    labels)
     margins = classifier.decision_function(features) * (2 * labels - 1)

@@ -7,7 +7,7 @@ import signal
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -223,6 +223,29 @@ def chromium():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         yield browser
         browser.close()
+
+
+def offline_page(chromium: Any, console_errors: bool = True, **options: Any) -> tuple[Any, Any, list[str], list[str]]:
+    """(context, page, blocked, errors): a new browser context (``options``, offline) whose every request that is
+    not file:// is aborted and listed in ``blocked``, and a page whose errors (and, with ``console_errors``, the
+    console's error messages) are listed in ``errors``. The caller closes the context."""
+    context = chromium.new_context(**{"offline": True, **options})
+    blocked: list[str] = []
+    errors: list[str] = []
+
+    def guard(route: Any) -> None:
+        if route.request.url.startswith("file://"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", guard)
+    page = context.new_page()
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    if console_errors:
+        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    return context, page, blocked, errors
 
 
 def assert_complete_basis_conserves(model: nn.Module, layer: str, method: str, options: dict, x: torch.Tensor,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ResidualNet, offline_page
 
 import explain
 from explain.data.demo_watermark import load_watermark_demo, write_watermark_folder
@@ -136,21 +137,8 @@ def test_a_run_killed_with_sigkill_resumes_to_the_atlas_of_an_uninterrupted_run(
 
 
 def test_the_page_opens_offline_with_every_reference_image_loading(built, chromium):
-    context = chromium.new_context(offline=True)
-    blocked: list[str] = []
-
-    def guard(route):
-        if route.request.url.startswith("file://"):
-            route.continue_()
-        else:
-            blocked.append(route.request.url)
-            route.abort()
-
+    context, page, blocked, errors = offline_page(chromium, console_errors=False)
     try:
-        context.route("**/*", guard)
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
         page.goto((built.folder / "atlas.html").resolve().as_uri())
         page.wait_for_function("[...document.images].every(image => image.complete)")
         sizes = page.eval_on_selector_all("img", "images => images.map(image => image.naturalWidth)")
@@ -218,8 +206,6 @@ def test_an_atlas_of_a_layer_inside_a_residual_branch_says_its_patches_include_t
     the relevance references' patches: the build says so (conftest's ResidualNet, its branch's
     first convolution), and says nothing for the block's output."""
     import warnings
-
-    from conftest import ResidualNet
 
     from explain.methods.concepts import concept_references
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 import pytest
+from conftest import offline_page
 from PIL import Image
 
 from explain.dataset_tools.html_report import default_order, main_report, read_run_index, report, summarise
@@ -421,21 +422,7 @@ def browser_page(chromium):
     """A page with every request that is not file:// aborted, the list of those requests, and the
     page's errors. The page's Content-Security-Policy is bypassed, so that the checks that nothing
     injected runs hold by escaping alone (and so that wait_for_function may evaluate its test)."""
-    context = chromium.new_context(viewport={"width": 1400, "height": 1000}, offline=True, bypass_csp=True)
-    blocked: list[str] = []
-
-    def guard(route):
-        if route.request.url.startswith("file://"):
-            route.continue_()
-        else:
-            blocked.append(route.request.url)
-            route.abort()
-
-    context.route("**/*", guard)
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    context, page, blocked, errors = offline_page(chromium, viewport={"width": 1400, "height": 1000}, bypass_csp=True)
     yield page, blocked, errors
     context.close()
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 import transformers
 import vlm_tiny
+from conftest import offline_page
 from PIL import Image
 
 from explain.cli import main
@@ -312,21 +313,8 @@ def open_page(chromium):
     opened = []
 
     def open_(path: Path, **options):
-        context = chromium.new_context(**{"viewport": {"width": 1200, "height": 800}, "offline": True, **options})
-        blocked: list[str] = []
-        errors: list[str] = []
-
-        def guard(route):
-            if route.request.url.startswith("file://"):
-                route.continue_()
-            else:
-                blocked.append(route.request.url)
-                route.abort()
-
-        context.route("**/*", guard)
-        page = context.new_page()
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+        context, page, blocked, errors = offline_page(chromium, **{"viewport": {"width": 1200, "height": 800},
+                                                                   **options})
         page.goto(path.resolve().as_uri())
         page.wait_for_selector("body[data-ready='true']")
         opened.append((context, page, blocked, errors))

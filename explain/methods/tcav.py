@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -50,18 +51,27 @@ def fastcav(concept: Tensor, random: Tensor) -> Tensor:
     return direction / direction.norm().clamp_min(1e-12)
 
 
+def training_split(concept: Tensor, random: Tensor, seed: int = 0) -> tuple[Any, Any]:
+    """What the TCAV reference code trains its CAV on: the concept's (label 1) and the random set's (label 0)
+    activations as float64 NumPy (features (M, D), labels (M,)), a stratified 80 % of them where each set has at
+    least 5 (the held-out 20 %, whose accuracy the reference reports, is not used here)."""
+    from sklearn.model_selection import train_test_split
+
+    features = torch.cat([concept, random]).double().cpu().numpy()
+    labels = np.array([1] * concept.shape[0] + [0] * random.shape[0])
+    if min(concept.shape[0], random.shape[0]) >= 5:
+        features, _, labels, _ = train_test_split(features, labels, test_size=0.2, stratify=labels, random_state=seed)
+    return features, labels
+
+
 def sgd_cav(concept: Tensor, random: Tensor, seed: int = 0) -> Tensor:
     """The TCAV paper's CAV (D,): the normal of a linear classifier trained to tell the concept's activations (label
     1) from the random set's (label 0) by scikit-learn's SGDClassifier (hinge loss, alpha 0.01, max_iter 1000, tol
     1e-3), on a stratified 80 % of the activations as the reference code (tensorflow/tcav's cav.py) trains it,
     pointing to the concept, normalised to length 1."""
     from sklearn.linear_model import SGDClassifier
-    from sklearn.model_selection import train_test_split
 
-    features = torch.cat([concept, random]).double().cpu().numpy()
-    labels = [1] * concept.shape[0] + [0] * random.shape[0]
-    if min(concept.shape[0], random.shape[0]) >= 5:  # the reference's held-out 20 % (its accuracy is not used here)
-        features, _, labels, _ = train_test_split(features, labels, test_size=0.2, stratify=labels, random_state=seed)
+    features, labels = training_split(concept, random, seed)
     classifier = SGDClassifier(alpha=0.01, max_iter=1000, tol=1e-3, random_state=seed).fit(features, labels)
     direction = torch.as_tensor(classifier.coef_[0], dtype=concept.dtype, device=concept.device)
     return direction / direction.norm().clamp_min(1e-12)

@@ -58,7 +58,8 @@ def references(batch):
     return torch.randn(REFERENCES, *batch.shape[1:], generator=generator).to(batch.device)
 
 
-def ours(method: str, model, batch, classes, variant: str = "ours") -> Callable[[], Any]:
+def ours(method: str, model, batch, classes, variant: str = "ours", **extra: Any) -> Callable[[], Any]:
+    """Our call; extra: options beyond the setting's (``batch_size``)."""
     import explain
 
     options: dict[str, Any] = {
@@ -75,6 +76,7 @@ def ours(method: str, model, batch, classes, variant: str = "ours") -> Callable[
     }[method]
     if variant == "ours, no completeness check":
         options["check_completeness"] = False
+    options.update(extra)
     cls = explain.get_method(method)
     explainer = cls(model, LAYER, **options) if cls.needs_layer else cls(model, **options)
     return lambda: explainer.explain(batch, target=classes).maps
@@ -87,8 +89,10 @@ def captum(method: str, model, batch, classes, variant: str = "captum") -> Calla
     target = torch.tensor(classes, device=batch.device)
     layer = dict(model.named_modules())[LAYER]
     if method == "integratedgradients":
+        delta = variant == "captum, convergence delta"
         return lambda: attr.IntegratedGradients(model).attribute(batch, target=target, n_steps=STEPS,
-                                                                 method="riemann_middle")
+                                                                 method="riemann_middle",
+                                                                 return_convergence_delta=delta)
     if method == "gradientshap":
         base = references(batch)
         delta = variant == "captum, convergence delta"

@@ -7,14 +7,21 @@ arithmetic to matter.
    or a view), torchvision resnet50 (random weights) at 224 px, batch 1, target given. With ``--device cuda`` the
    CUDA kernels the profiler sees per call are counted too.
 2. The median time of a call on resnet18 at 32 px, batch 1, every implementation called in turn in each round
-   (interleaved, one process), after a warm-up call each; the ratio to the fastest peer, and to a no-grad forward.
+   (interleaved, one process), after a warm-up call each; the ratio to the peer's, and to a no-grad forward.
 
-The same work on both sides (benchmarks/attribution_speed.py's settings): Grad-CAM at ``layer4`` upsampled to the
-input (Captum's ``LayerGradCam`` with ``LayerAttribution.interpolate``, torchcam's ``GradCAM``), saliency (Captum's
-``Saliency``), Integrated Gradients with 32 steps (riemann_middle), SmoothGrad with 16 samples, GradientSHAP with 16
-samples and 4 references, DeepLIFT against a zero baseline (Captum's on a traced copy whose every ReLU call is its own
-module, as it needs), LRP ε+ with zennit's ResNet canonizer. ``--write`` writes the section "Per-call overhead next
-to the peers (CPU)" or "(CUDA)" of benchmarks/RESULTS.md.
+The settings are benchmarks/attribution_speed.py's: Grad-CAM at ``layer4`` upsampled to the input (Captum's
+``LayerGradCam`` with ``LayerAttribution.interpolate``, torchcam's ``GradCAM``), saliency (Captum's ``Saliency``),
+Integrated Gradients with 32 steps (riemann_middle), SmoothGrad with 16 samples, GradientSHAP with 16 samples and 4
+references, DeepLIFT against a zero baseline (Captum's on a traced copy whose every ReLU call is its own module, as it
+needs), LRP ε+ with zennit's ResNet canonizer. Each explain call also scores the image itself (``scores``,
+``probabilities``) and Integrated Gradients and GradientSHAP (by default) check completeness, y(x) − y(baseline):
+Captum does that work only with ``return_convergence_delta=True``, so those two are measured against Captum both ways
+("captum, convergence delta" does the same work as ours), and GradientSHAP also with ``check_completeness=False``.
+
+On a CPU a call is also counted as a GPU runs it (column "as on a GPU"): one pass for all rows (``batch_size=256``,
+the GPU's default) and no channels-last copy of the input (the CPU's layout choice for images of 128 px and more,
+``explain.core.memory_format``); those are the operations a GPU dispatches (kernels, and views that launch none).
+``--write`` writes the section "Per-call overhead next to the peers (CPU)" or "(CUDA)" of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ import explain  # noqa: E402
 
 Call = Callable[[], Any]
 METHODS = ("gradcam", "saliency", "integratedgradients", "smoothgrad", "gradientshap", "deeplift", "lrp")
-PEERS = {"gradcam": ("captum", "torchcam"), "lrp": ("zennit",)}
+PEERS = {"gradcam": ("captum", "torchcam"), "lrp": ("zennit",),
+         "integratedgradients": ("captum", "captum, convergence delta"),
+         "gradientshap": ("captum", "captum, convergence delta")}
 """The peers of each method (Captum alone where not listed)."""
+OUR_VARIANTS = {"gradientshap": ("explain", "explain, no completeness check")}
+"""Our variants of a method (explain's defaults alone where not listed); each is a row, against every peer."""
+AS_ON_A_GPU = {"integratedgradients", "smoothgrad", "gradientshap"}
+"""The methods whose passes' size depends on the device (``explain.methods.passes.rows_per_pass``)."""
 
 
 class CountOperations(TorchDispatchMode):
@@ -83,16 +96,34 @@ def saliency(library: str, model: torch.nn.Module, batch: torch.Tensor, classes:
     return lambda: attribution.attribute(batch.clone().requires_grad_(True), target=target)
 
 
-def build(method: str, library: str, model: torch.nn.Module, batch: torch.Tensor, classes: list[int]) -> Call:
+def build(method: str, library: str, model: torch.nn.Module, batch: torch.Tensor, classes: list[int],
+          **ours_options: Any) -> Call:
+    """A call of ``method`` by ``library`` (or a variant of it, see ``PEERS``, ``OUR_VARIANTS``); ours_options: our
+    explainer's options beyond the setting's."""
     if method == "gradcam":
         return gradcam(library, model, batch, classes)
     if method == "saliency":
         return saliency(library, model, batch, classes)
     if library == "explain":
-        return attribution_speed.ours(method, model, batch, classes)
+        return attribution_speed.ours(method, model, batch, classes, **ours_options)
+    if library == "explain, no completeness check":
+        return attribution_speed.ours(method, model, batch, classes, "ours, no completeness check", **ours_options)
     if library == "zennit":
         return attribution_speed.zennit(method, model, batch, classes)
-    return attribution_speed.captum(method, model, batch, classes)
+    return attribution_speed.captum(method, model, batch, classes, library)
+
+
+def as_on_a_gpu(method: str, library: str, model: torch.nn.Module, batch: torch.Tensor, classes: list[int]) -> Call:
+    """Our call as a GPU makes it: every row in one pass (the GPU's 256 rows), the input in its usual layout."""
+    from explain.core.memory_format import usual_layout_only
+
+    call = build(method, library, model, batch, classes, **({"batch_size": 256} if method in AS_ON_A_GPU else {}))
+
+    def in_the_usual_layout() -> Any:
+        with usual_layout_only():
+            return call()
+
+    return in_the_usual_layout
 
 
 def operations(call: Call) -> int:
@@ -135,6 +166,18 @@ def setting(name: str, size: int, device: torch.device) -> tuple[torch.nn.Module
     return model, batch, classes
 
 
+def pairs(method: str) -> list[tuple[str, str]]:
+    """(our variant, peer) rows of a method: each of our variants against each peer, except that our variant without
+    the completeness check meets only the peer that does not compute it either."""
+    rows = []
+    for ours in OUR_VARIANTS.get(method, ("explain",)):
+        for peer in PEERS.get(method, ("captum",)):
+            if ours == "explain, no completeness check" and peer != "captum":
+                continue
+            rows.append((ours, peer))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -150,8 +193,11 @@ def main() -> None:
     small = setting("resnet18", 32, device)
     rows = []
     for method in arguments.methods:
-        libraries = ("explain", *PEERS.get(method, ("captum",)))
+        libraries = list(dict.fromkeys(library for pair in pairs(method) for library in pair))
         counted = {library: operations(build(method, library, *big)) for library in libraries}
+        ours = [library for library in libraries if library.startswith("explain")]
+        as_on_gpu = ({library: operations(as_on_a_gpu(method, library, *big)) for library in ours}
+                     if device.type == "cpu" else {})
         kernels = ({library: cuda_kernels(build(method, library, *big)) for library in libraries}
                    if device.type == "cuda" else {})
         model, batch, classes = small
@@ -162,42 +208,46 @@ def main() -> None:
 
         calls = {library: build(method, library, *small) for library in libraries}
         times = median_times({**calls, "forward": forward}, arguments.rounds, device)
-        peers = [library for library in libraries if library != "explain"]
-        fewest = min(peers, key=lambda library: counted[library])
-        fastest = min(peers, key=lambda library: times[library])
-        row = {"method": method, "operations": counted, "kernels": kernels, "times": times,
-               "operations_ratio": counted["explain"] / counted[fewest], "fewest": fewest,
-               "time_ratio": times["explain"] / times[fastest], "fastest": fastest}
-        rows.append(row)
-        print(f"{method}: operations {counted} {kernels or ''}; ms " +
-              ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in times.items()), flush=True)
+        for mine, peer in pairs(method):
+            row = {"method": method, "ours": mine, "peer": peer, "operations": counted[mine],
+                   "peer_operations": counted[peer], "as_on_a_gpu": as_on_gpu.get(mine),
+                   "kernels": kernels.get(mine), "peer_kernels": kernels.get(peer), "ms": times[mine] * 1e3,
+                   "peer_ms": times[peer] * 1e3, "forward_ms": times["forward"] * 1e3}
+            rows.append(row)
+            print(f"{method} ({mine} / {peer}): operations {row['operations']} / {row['peer_operations']}"
+                  + (f" (as on a GPU {row['as_on_a_gpu']})" if row["as_on_a_gpu"] is not None else "")
+                  + (f", kernels {row['kernels']} / {row['peer_kernels']}" if kernels else "")
+                  + f"; ms {row['ms']:.2f} / {row['peer_ms']:.2f} (forward {row['forward_ms']:.2f})", flush=True)
     if arguments.write:
         write(rows, device, arguments.threads)
 
 
 def write(rows: list[dict], device: torch.device, threads: int | None = None) -> None:
-    kernels = device.type == "cuda"
-    header = ("| method | explain ops | peers' ops | ratio to the fewest |" + (" explain kernels | peers' kernels |"
-              if kernels else "") + " explain ms | peers' ms | ratio to the fastest | × forward |")
+    cpu, kernels = device.type == "cpu", device.type == "cuda"
+    header = ("| method | ours | peer | ours ops | peer ops | ratio |"
+              + (" ours ops as on a GPU | ratio |" if cpu else "")
+              + (" ours kernels | peer kernels | ratio |" if kernels else "")
+              + " ours ms | peer ms | ratio | ours × forward |")
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
     for row in rows:
-        peers = [library for library in row["operations"] if library != "explain"]
-        cells = [row["method"], str(row["operations"]["explain"]),
-                 ", ".join(f"{library} {row['operations'][library]}" for library in peers),
-                 f"{row['operations_ratio']:.2f} ({row['fewest']})"]
+        cells = [row["method"], row["ours"], row["peer"], str(row["operations"]), str(row["peer_operations"]),
+                 f"{row['operations'] / row['peer_operations']:.2f}"]
+        if cpu:
+            cells += [str(row["as_on_a_gpu"]), f"{row['as_on_a_gpu'] / row['peer_operations']:.2f}"]
         if kernels:
-            cells += [str(row["kernels"]["explain"]),
-                      ", ".join(f"{library} {row['kernels'][library]}" for library in peers)]
-        times = row["times"]
-        cells += [f"{times['explain'] * 1e3:.2f}",
-                  ", ".join(f"{library} {times[library] * 1e3:.2f}" for library in peers),
-                  f"{row['time_ratio']:.2f} ({row['fastest']})", f"{times['explain'] / times['forward']:.1f}"]
+            cells += [str(row["kernels"]), str(row["peer_kernels"]), f"{row['kernels'] / row['peer_kernels']:.2f}"]
+        cells += [f"{row['ms']:.2f}", f"{row['peer_ms']:.2f}", f"{row['ms'] / row['peer_ms']:.2f}",
+                  f"{row['ms'] / row['forward_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     name = "CUDA" if kernels else "CPU"
     option = f" --threads {threads}" if threads else ""
     body = (f"`python benchmarks/overhead.py --device {device.type}{option} --write`: operations dispatched per call "
-            "on resnet50, 224 px, batch 1 (ATen operations, views included); the median time of a call on resnet18, "
-            "32 px, batch 1, interleaved with the peers' calls and a no-grad forward.\n\n" + "\n".join(lines))
+            "on resnet50, 224 px, batch 1 (ATen operations, views included"
+            + ("; \"as on a GPU\": every row in one pass and no channels-last copy of the input, as a GPU runs the "
+               "call" if cpu else "")
+            + "); the median time of a call on resnet18, 32 px, batch 1, interleaved with the peers' calls and a "
+            "no-grad forward. \"captum, convergence delta\" computes y(x) − y(baseline) as ours does by default "
+            "(completeness).\n\n" + "\n".join(lines))
     write_section(f"Per-call overhead next to the peers ({name})", body)
 
 

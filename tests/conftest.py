@@ -169,6 +169,21 @@ def class_scores(classes):
     return lambda output: output[torch.arange(len(classes)), torch.tensor(classes)]
 
 
+def guarded_first_derivative(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x → ∂ model(x)[0, 2] / ∂x, differentiable again (create_graph), computed inside a call scope whose norms get
+    the BatchNorm gradient guard (``explain.methods._eval_batch_norm``), as Shapley-CAM's first backward is."""
+    from explain.core.scope import CallScope
+    from explain.methods._eval_batch_norm import contiguous_batch_norm_gradients
+
+    def first_derivative(inputs: torch.Tensor) -> torch.Tensor:
+        with CallScope(model) as scope:
+            contiguous_batch_norm_gradients(scope, model.modules())
+            (gradient,) = torch.autograd.grad(model(inputs)[0, 2], inputs, create_graph=True)
+        return gradient
+
+    return first_derivative
+
+
 def hook_count(model: nn.Module) -> int:
     """Forward, forward-pre and backward hooks registered on any module of the model."""
     total = 0

@@ -10,7 +10,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import assert_state_equal, model_state
+from conftest import assert_state_equal, guarded_first_derivative, model_state
 from torch import Tensor, nn
 
 import explain
@@ -130,16 +130,7 @@ def test_the_second_derivative_through_a_batch_norm_is_torchs():
     of a one-row model through a BatchNorm read as tokens equals finite differences of the first (gradgradcheck)."""
     model = randomized_statistics(TokensAfterBatchNorm().double()).eval()
     x = torch.rand(1, 3, 8, 8, dtype=torch.float64, requires_grad=True)
-    from explain.core.scope import CallScope
-    from explain.methods._eval_batch_norm import contiguous_batch_norm_gradients
-
-    def first_derivative(inputs: Tensor) -> Tensor:
-        with CallScope(model) as scope:
-            contiguous_batch_norm_gradients(scope, model.modules())
-            (gradient,) = torch.autograd.grad(model(inputs)[0, 2], inputs, create_graph=True)
-        return gradient
-
-    assert torch.autograd.gradcheck(first_derivative, (x,))
+    assert torch.autograd.gradcheck(guarded_first_derivative(model), (x,))
     assert not model.norm._forward_hooks  # the scope's hook is gone
 
 

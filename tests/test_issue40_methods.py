@@ -104,6 +104,9 @@ def test_max_normalisation_divides_each_map_by_its_largest_magnitude(maps):
     if bool((maps >= 0).all()):
         torch.testing.assert_close(map_extremes(maps, "max", nonnegative=True), map_extremes(maps, "max"), rtol=0,
                                    atol=0)
+    kept = map_extremes(maps, "max", keepdim=True)  # (N, K, 1, 1), as an explainer call divides by them
+    torch.testing.assert_close(kept, maps.abs().flatten(2).amax(dim=2)[..., None, None], rtol=0, atol=0)
+    torch.testing.assert_close(normalize_maps(maps, "max", kept), expected, rtol=0, atol=0)
 
 
 def test_a_list_of_class_indices_selects_the_same_targets_as_a_tensor_of_them():

@@ -5,21 +5,30 @@ of a feature map read as tokens (``x.flatten(2).transpose(1, 2)`` after the Batc
 strides such as (8, 1, 16, 8) for a (1, 8, 2, 2) gradient, which the kernel takes for channels-last): the input
 gradient is not grad · weight / √(running_var + eps) (errors of the gradient's own size), while two rows or a
 contiguous gradient come out right. Every gradient method then gave an image explained alone another map than the same
-image in a batch.
+image in a batch. Some layouts are wrong at any batch size: a feature map one pixel high or wide read
+``transpose(1, 3)`` (strides such as (16, 1, 8, 8)); InstanceNorm, which is one BatchNorm row of N · C channels
+inside, read sequence-first (``flatten(2).permute(2, 0, 1)``) or called on one unbatched (C, H, W) image
+(tests/test_batch_norm_guard_attacks.py).
 
 ``contiguous_batch_norm_gradients`` gives every BatchNorm module of the model (``nn.BatchNorm1d/2d/3d`` and their
-subclasses, timm's ``BatchNormAct2d`` included, and InstanceNorm, which torch computes with the same kernel and
-gets wrong the same way) a forward hook for the call: on a one-row output that is in the graph
-it registers a tensor hook that makes the gradient arriving there contiguous before BatchNorm's own backward reads it.
-The output is the module's own tensor (rules that follow tensors, LRP's and DeepLIFT's, see nothing new), the backward
-is torch's (also twice differentiable, as Shapley-CAM needs), and a gradient that is already contiguous is passed on
-as it is: no operation is added. A ``F.batch_norm`` called outside any BatchNorm module is not covered.
+subclasses, timm's ``BatchNormAct2d`` included, and InstanceNorm, which torch computes with the same kernel and gets
+wrong the same way) a forward hook for the call: on an output that is in the graph (any number of rows) it registers a
+pre-hook on the output's autograd node (the module's own backward, read when the module returns, before any in-place
+edit of the output rebases it) that makes the gradient arriving there contiguous before that backward reads it (a tensor
+hook where the output has no node); for an output laid out channels-last (a batch the CPU runs channels-last,
+``explain.core.memory_format``) the gradient is made channels-last instead, the layout the kernel then reads right and
+the one the convolutions' backward hands it, so that nothing is copied. The output is the module's own tensor (rules
+that follow tensors, LRP's and DeepLIFT's, see nothing new), the backward is torch's (also twice differentiable, as
+Shapley-CAM needs), and a gradient that is already contiguous is passed on as it is: no operation is added. A node's
+pre-hook costs less than a tensor hook (no handle, no hook dictionary on the tensor). A ``F.batch_norm`` called outside
+any BatchNorm module is not covered.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..core.scope import CallScope
@@ -29,13 +38,44 @@ def _contiguous(gradient: Optional[Tensor]) -> Optional[Tensor]:
     return gradient if gradient is None else gradient.contiguous()
 
 
+def _contiguous_first(gradients: tuple[Optional[Tensor], ...]) -> tuple[Optional[Tensor], ...]:
+    """A node's incoming gradients with the first (its output's) contiguous, the others as they are."""
+    first = gradients[0]
+    if first is None or first.is_contiguous():
+        return gradients
+    return (first.contiguous(), *gradients[1:])
+
+
+def _channels_last(gradient: Optional[Tensor]) -> Optional[Tensor]:
+    return gradient if gradient is None else gradient.contiguous(memory_format=torch.channels_last)
+
+
+def _channels_last_first(gradients: tuple[Optional[Tensor], ...]) -> tuple[Optional[Tensor], ...]:
+    """A node's incoming gradients with the first (its output's, 4-D) channels-last, the others as they are."""
+    first = gradients[0]
+    if first is None or first.is_contiguous(memory_format=torch.channels_last):
+        return gradients
+    return (first.contiguous(memory_format=torch.channels_last), *gradients[1:])
+
+
+def _is_channels_last(output: Tensor) -> bool:
+    """Whether a norm's output is laid out channels-last (a channels-last batch, ``explain.core.memory_format``), so
+    that the gradient its backward reads right is channels-last too, not contiguous."""
+    return output.dim() == 4 and not output.is_contiguous() and output.is_contiguous(memory_format=torch.channels_last)
+
+
 def _contiguous_gradient_at_output(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    if isinstance(output, Tensor) and output.requires_grad and output.dim() >= 2 and output.shape[0] == 1:
-        output.register_hook(_contiguous)
+    if isinstance(output, Tensor) and output.requires_grad and output.dim() >= 2:
+        channels_last = _is_channels_last(output)
+        node = output.grad_fn
+        if node is not None and output.output_nr == 0:
+            node.register_prehook(_channels_last_first if channels_last else _contiguous_first)
+        else:
+            output.register_hook(_channels_last if channels_last else _contiguous)
 
 
 def contiguous_batch_norm_gradients(scope: CallScope, modules: Iterable[nn.Module]) -> None:
-    """For the scope, each BatchNorm and InstanceNorm module's (of ``modules``) one-row output hands its backward a
+    """For the scope, each BatchNorm and InstanceNorm module's (of ``modules``) output hands its backward a
     contiguous gradient."""
     for module in modules:
         if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):

@@ -374,7 +374,7 @@ class Explainer(ABC):
                     check_parameters_usable(self.model, error)  # parameters made in inference mode: say so
                 raise
             raw = upsample_maps(without_graph(attribution.maps), prepared.batch.shape[-2:])
-            extremes = map_extremes(raw, self.normalize, attribution.nonnegative_maps)
+            extremes = map_extremes(raw, self.normalize, attribution.nonnegative_maps, keepdim=True)
             empty: list[bool] = []
             check(extremes, lambda values: empty.extend(checked_map_extremes(values, extremes.shape, self.normalize,
                                                                              self.method_name)))
@@ -387,7 +387,7 @@ class Explainer(ABC):
                 if empty_maps is not None:
                     warn_about_empty_maps(empty_maps, attribution, self.method_name)
             if self.reads_pixel_gradients() or (isinstance(target, InstanceTarget) and self.uses_gradients):
-                warn_about_precision(self, reduced_precision(self.model, prepared.batch),
+                warn_about_precision(self, reduced_precision(self.model, prepared.batch, modules),
                                      instances=isinstance(target, InstanceTarget))
             selected = attribution.selected
             boxes, class_indices = None, selected.class_indices

@@ -92,7 +92,8 @@ def normalize_maps(maps: Tensor, how: Optional[str], extremes: Optional[Tensor] 
     extremes = map_extremes(maps, how) if extremes is None else extremes
     tiny = torch.finfo(maps.dtype).tiny
     if how == "max":  # a map whose largest |value| is 0 is 0 everywhere: 0 / tiny = 0
-        return maps / extremes.clamp_min(tiny).view(*extremes.shape, 1, 1)
+        largest = extremes if extremes.dim() == maps.dim() else extremes.view(*extremes.shape, 1, 1)
+        return maps / largest.clamp_min(tiny)
     # likewise a map whose span is 0 equals its minimum everywhere
     flat = maps.reshape(*maps.shape[:-2], -1)
     low, high = extremes.unbind(-1)
@@ -100,15 +101,16 @@ def normalize_maps(maps: Tensor, how: Optional[str], extremes: Optional[Tensor] 
     return normalized.reshape(maps.shape)
 
 
-def map_extremes(maps: Tensor, how: Optional[str], nonnegative: bool = False) -> Tensor:
+def map_extremes(maps: Tensor, how: Optional[str], nonnegative: bool = False, keepdim: bool = False) -> Tensor:
     """Per (H, W) map of (..., H, W), what its normalisation divides by: the largest |value| (..., ) for "max" and
-    None, (minimum, maximum) (..., 2) for "minmax". NaN or inf in a map makes its extremes NaN or inf, and an
-    all-zero map's extremes are 0. nonnegative: the maps are known to be ≥ 0 (or NaN) everywhere, so their
-    largest value is their largest |value| (one operation fewer)."""
+    None ((..., 1, 1) with ``keepdim``, as ``normalize_maps`` divides by it: one operation fewer), (minimum,
+    maximum) (..., 2) for "minmax". NaN or inf in a map makes its extremes NaN or inf, and an all-zero map's
+    extremes are 0. nonnegative: the maps are known to be ≥ 0 (or NaN) everywhere, so their largest value is their
+    largest |value| (one operation fewer)."""
     if how == "minmax":
         low, high = torch.aminmax(maps.reshape(*maps.shape[:-2], -1), dim=-1)
         return torch.stack([low, high], dim=-1)
-    return (maps if nonnegative else maps.abs()).amax(dim=(-2, -1))
+    return (maps if nonnegative else maps.abs()).amax(dim=(-2, -1), keepdim=keepdim)
 
 
 def upsample_maps(maps: Tensor, size: Sequence[int]) -> Tensor:

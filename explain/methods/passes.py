@@ -104,13 +104,17 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return dtype if enabled else None
 
 
-def reduced_precision(model: nn.Module, batch: Tensor) -> Optional[str]:
+def reduced_precision(model: nn.Module, batch: Tensor, modules: Optional[list[nn.Module]] = None) -> Optional[str]:
     """How the model computes when it is not float32/float64: "bfloat16 (torch.autocast)", "float16 (the
-    model's dtype)", ...; None when it computes in full precision."""
+    model's dtype)", ...; None when it computes in full precision. modules: ``list(model.modules())``, when the
+    caller has it (each module's own parameters are read then, without ``parameters()``'s walk of the tree: 40 µs
+    against 250 µs on resnet50)."""
     autocast = autocast_dtype(batch.device.type)
     if autocast in REDUCED_PRECISIONS:
         return f"{REDUCED_PRECISIONS[autocast]} (torch.autocast)"
-    for parameter in model.parameters():
+    parameters = model.parameters() if modules is None else (
+        parameter for module in modules for parameter in module._parameters.values() if parameter is not None)
+    for parameter in parameters:
         if parameter.dtype in REDUCED_PRECISIONS:
             return f"{REDUCED_PRECISIONS[parameter.dtype]} (the model's dtype)"
     if batch.dtype in REDUCED_PRECISIONS:

@@ -3,12 +3,15 @@ FastCAV's closed-form ones (Schmalwasser et al., ICML 2025).
 
 A concept is a set of example images (a folder of "striped" textures, of images with a watermark); a random set is
 images without it. At a layer l, a concept activation vector (CAV) v is the normal of a linear boundary between the
-concept's activations and a random set's, pointing to the concept. The conceptual sensitivity of class k's logit
-for an image x is S(x) = ∇h_{l,k}(f_l(x)) · v, and the TCAV score of the concept for class k is the share of the
-class's images with S(x) > 0. A score means something only against chance: TCAV is repeated against R random sets
-(R CAVs, R scores), and the same is done with random sets in place of the concept (R null scores); a two-sided t-test
-of the scores against the null scores gives the p-value, significant below ``alpha`` divided by the number of
-concepts tested (Bonferroni), as the paper does.
+concept's activations and a random set's, pointing to the concept. The conceptual sensitivity of class k for an image
+x is S(x) = ∇h_{l,k}(f_l(x)) · v, where h_{l,k} is class k's logit (the paper's and Captum's choice, the default) or
+its log-probability log softmax (``differentiate="log_probability"``: what tensorflow/tcav's code does, which counts
+the images where the gradient of the class's cross-entropy loss has a negative dot product with v); the TCAV score of
+the concept for class k is the share of the class's images with S(x) > 0. A score means something only against
+chance: TCAV is repeated against R random sets (R CAVs, R scores), and the same is done with random sets in place of
+the concept (R null scores); a two-sided Student's t-test (pooled variance, as tensorflow/tcav's
+``scipy.stats.ttest_ind``) of the scores against the null scores gives the p-value, significant below ``alpha``
+divided by the number of concepts tested (Bonferroni, the correction the paper's text applies).
 
     tcav = explain.TCAV(model, ["layer3", "layer4"], cav="fastcav")
     result = tcav.test("images/zebra", target=340, concepts={"striped": "concepts/striped"},
@@ -16,15 +19,16 @@ concepts tested (Bonferroni), as the paper does.
     print(result.markdown())
 
 CAVs: "sgd" (the default: a linear classifier trained by scikit-learn's SGDClassifier with the TCAV reference code's
-settings, alpha 0.01: the paper's CAV), "fastcav" (closed form: the mean of the concept's activations after the mean
-of all the activations is subtracted, normalised; on the model's device; 76× faster, but its conclusions differ from
-the paper's CAV's where few activations are support vectors: benchmarks/RESULTS.md, "Concepts: TCAV of the
-watermark"), or a function (concept (P, D), random (Q, D)) → (D,) CAV.
+settings, alpha 0.01, on a stratified 67 % of the activations: the paper's CAV), "fastcav" (closed form: the mean of
+the concept's activations after the mean of all the activations is subtracted, normalised; on the model's device; far
+faster, but its conclusions differ from the paper's CAV's where few activations are support vectors:
+benchmarks/RESULTS.md, "Concepts: TCAV of the watermark"), or a function (concept (P, D), random (Q, D)) → (D,) CAV.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -39,6 +43,9 @@ from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, p
 from ..io.loaded_model import ModelSource, loaded_model_parts
 
 CavMethod = Union[str, Callable[[Tensor, Tensor], Tensor]]
+DIFFERENTIATED = ("logit", "log_probability")
+"""What ``TCAV(differentiate=...)`` takes the directional derivative of: the class's logit (the paper, Captum) or its
+log-probability, log softmax of the logits (tensorflow/tcav's code, through the class's cross-entropy loss)."""
 ImageSet = Union[str, Path, Inputs]
 """A set of images: a folder of image files, or anything ``explain()`` accepts (a list of paths, a tensor...)."""
 
@@ -53,21 +60,22 @@ def fastcav(concept: Tensor, random: Tensor) -> Tensor:
 
 def training_split(concept: Tensor, random: Tensor, seed: int = 0) -> tuple[Any, Any]:
     """What the TCAV reference code trains its CAV on: the concept's (label 1) and the random set's (label 0)
-    activations as float64 NumPy (features (M, D), labels (M,)), a stratified 80 % of them where each set has at
-    least 5 (the held-out 20 %, whose accuracy the reference reports, is not used here)."""
+    activations as float64 NumPy (features (M, D), labels (M,)), a stratified 67 % of them where each set has at
+    least 5, as tensorflow/tcav's ``cav.py`` (``test_size=0.33``) and Captum (``test_split_ratio=0.33``) split
+    them (the held-out 33 %, whose accuracy the reference reports, is not used here)."""
     from sklearn.model_selection import train_test_split
 
     features = torch.cat([concept, random]).double().cpu().numpy()
     labels = np.array([1] * concept.shape[0] + [0] * random.shape[0])
     if min(concept.shape[0], random.shape[0]) >= 5:
-        features, _, labels, _ = train_test_split(features, labels, test_size=0.2, stratify=labels, random_state=seed)
+        features, _, labels, _ = train_test_split(features, labels, test_size=0.33, stratify=labels, random_state=seed)
     return features, labels
 
 
 def sgd_cav(concept: Tensor, random: Tensor, seed: int = 0) -> Tensor:
     """The TCAV paper's CAV (D,): the normal of a linear classifier trained to tell the concept's activations (label
     1) from the random set's (label 0) by scikit-learn's SGDClassifier (hinge loss, alpha 0.01, max_iter 1000, tol
-    1e-3), on a stratified 80 % of the activations as the reference code (tensorflow/tcav's cav.py) trains it,
+    1e-3), on a stratified 67 % of the activations as the reference code (tensorflow/tcav's cav.py) trains it,
     pointing to the concept, normalised to length 1."""
     from sklearn.linear_model import SGDClassifier
 
@@ -92,7 +100,7 @@ def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod
 @dataclass
 class ConceptTest:
     """TCAV of one concept at one layer for one class: ``scores`` (R,) against each random set, ``null_scores``
-    (R,) of random sets in the concept's place, the two-sided t-test's ``p_value``, and whether it is
+    (R,) of random sets in the concept's place, the two-sided Student's t-test's ``p_value``, and whether it is
     ``significant`` (p below alpha / the number of concepts)."""
 
     concept: str
@@ -134,14 +142,19 @@ class TCAVResult:
 class TCAV:
     """Concept activation vectors and TCAV scores at ``layers`` of ``model``.
 
-    model: a module or ``explain.load_model``'s result (its preprocessing is used). layers: names of
-    ``model.named_modules()``; each layer's output is flattened per image into its activation vector. cav: "sgd"
-    (the paper's), "fastcav" or a function (see the module docstring). batch_size: images per forward pass. seed: the
+    model: a module or ``explain.load_model``'s result (its preprocessing is used); it must return (N, classes)
+    logits. layers: names of ``model.named_modules()``; each layer's output is flattened per image into its
+    activation vector. cav: "sgd" (the paper's), "fastcav" or a function (see the module docstring). differentiate:
+    the class output whose directional derivative along the CAV is counted, "logit" (the default: the paper's
+    definition, as Captum) or "log_probability" (log softmax of the logits: what tensorflow/tcav's code counts, as
+    the gradient of the class's cross-entropy loss pointing against the CAV). The two differ where raising the
+    concept raises other classes' logits more than the class's own. batch_size: images per forward pass. seed: the
     SGD classifier's.
     """
 
     def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "sgd",
-                 preprocess: PreprocessSpec = None, batch_size: int = 32, seed: int = 0):
+                 differentiate: str = "logit", preprocess: PreprocessSpec = None, batch_size: int = 32,
+                 seed: int = 0):
         module, loaded_preprocess, _, _ = loaded_model_parts(model)
         self.model: nn.Module = module
         self.preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
@@ -149,9 +162,13 @@ class TCAV:
         self.layers = [find_layers(self.model, name)[0][1] for name in self.layer_names]
         if not callable(cav) and cav not in ("fastcav", "sgd"):
             raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {cav!r}.")
+        if not isinstance(differentiate, str) or differentiate not in DIFFERENTIATED:
+            raise ValueError(f"differentiate must be 'logit' (the TCAV paper's, Captum's) or 'log_probability' "
+                             f"(log softmax of the logits, tensorflow/tcav's code); got {differentiate!r}.")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
         self.cav_method = cav
+        self.differentiate = differentiate
         self.batch_size = batch_size
         self.seed = seed
 
@@ -189,7 +206,8 @@ class TCAV:
         return {name: torch.cat(values) for name, values in recorded.items()}
 
     def gradients(self, images: ImageSet, target: int) -> dict[str, Tensor]:
-        """∂(class ``target``'s logit)/∂(layer's output) for each image of the set, layer name → (N, D)."""
+        """∂(class ``target``'s logit, or log-probability with ``differentiate="log_probability"``)/∂(layer's output)
+        for each image of the set, layer name → (N, D)."""
         gathered: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
         with CallScope(self.model, eval_mode=True) as scope:
             if torch.is_inference_mode_enabled():
@@ -206,11 +224,14 @@ class TCAV:
                                          f"scores; got {type(logits).__name__}.")
                     if not 0 <= target < logits.shape[1]:
                         raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
+                    if self.differentiate == "log_probability":  # row-wise: each image's own log softmax
+                        logits = torch.log_softmax(logits, dim=1)
                     layer_outputs = [outputs[name] for name in self.layer_names]
                     grads = torch.autograd.grad(logits[:, target].sum(), layer_outputs, allow_unused=True)
                     for name, grad in zip(self.layer_names, grads):
                         if grad is None:
-                            raise ValueError(f"class {target}'s logit does not depend on layer {name}.")
+                            raise ValueError(f"class {target}'s {self.differentiate} does not depend on layer "
+                                             f"{name}.")
                         gathered[name].append(grad.detach().flatten(1))
                     outputs.clear()
         return {name: torch.cat(values) for name, values in gathered.items()}
@@ -254,14 +275,15 @@ class TCAV:
 
 
 def _two_sided_t_test(scores: Tensor, null: Tensor) -> float:
-    """Welch's two-sided t-test of two samples' means (scipy); where one sample is constant, the other's one-sample
-    test against that value (the limit of Welch's test); 1 where both are constant and equal, 0 where they differ."""
+    """Student's two-sided t-test of two samples' means, with their pooled variance (scipy's ``ttest_ind`` with its
+    default ``equal_var=True``, as tensorflow/tcav's ``utils.py`` calls it); where both samples are constant (pooled
+    variance 0, where scipy gives nan): 1 if they are equal, 0 if they differ."""
     from scipy import stats
 
     constant_scores, constant_null = bool((scores == scores[0]).all()), bool((null == null[0]).all())
     if constant_scores and constant_null:
         return 1.0 if float(scores[0]) == float(null[0]) else 0.0
-    if constant_scores or constant_null:  # Welch's test with one variance 0: the other sample against that value
-        varying, value = (null, float(scores[0])) if constant_scores else (scores, float(null[0]))
-        return float(stats.ttest_1samp(varying.numpy(), value).pvalue)
-    return float(stats.ttest_ind(scores.numpy(), null.numpy(), equal_var=False).pvalue)
+    with warnings.catch_warnings():
+        if constant_scores or constant_null:  # its variance is exactly 0, not a precision loss scipy warns about
+            warnings.filterwarnings("ignore", message="Precision loss occurred in moment calculation")
+        return float(stats.ttest_ind(scores.numpy(), null.numpy()).pvalue)

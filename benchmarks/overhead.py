@@ -43,10 +43,11 @@ import explain  # noqa: E402
 
 Call = Callable[[], Any]
 METHODS = ("gradcam", "saliency", "integratedgradients", "smoothgrad", "gradientshap", "deeplift", "lrp")
-PEERS = {"gradcam": ("captum", "torchcam"), "lrp": ("zennit",),
+PEERS = {"gradcam": ("captum", "torchcam", "plain torch"), "saliency": ("captum", "plain torch"), "lrp": ("zennit",),
          "integratedgradients": ("captum", "captum, convergence delta"),
          "gradientshap": ("captum", "captum, convergence delta")}
-"""The peers of each method (Captum alone where not listed)."""
+"""The peers of each method (Captum alone where not listed); "plain torch" is the floor: the method written in a few
+lines of torch, without an explainer's checks, normalisation and kept scores (its excess is our per-call overhead)."""
 OUR_VARIANTS = {"gradientshap": ("explain", "explain, no completeness check")}
 """Our variants of a method (explain's defaults alone where not listed); each is a row, against every peer."""
 AS_ON_A_GPU = {"integratedgradients", "smoothgrad", "gradientshap"}
@@ -70,6 +71,8 @@ def gradcam(library: str, model: torch.nn.Module, batch: torch.Tensor, classes: 
     if library == "explain":
         explainer = explain.GradCAM(model, "layer4")
         return lambda: explainer.explain(batch, target=classes).maps
+    if library == "plain torch":
+        return lambda: plain_gradcam(model, batch, target)
     if library == "captum":
         from captum.attr import LayerAttribution, LayerGradCam
 
@@ -89,11 +92,38 @@ def saliency(library: str, model: torch.nn.Module, batch: torch.Tensor, classes:
     if library == "explain":
         explainer = explain.Saliency(model)
         return lambda: explainer.explain(batch, target=classes).maps
+    target = torch.tensor(classes, device=batch.device)
+    if library == "plain torch":
+        return lambda: plain_saliency(model, batch, target)
     from captum.attr import Saliency
 
-    target = torch.tensor(classes, device=batch.device)
     attribution = Saliency(model)
     return lambda: attribution.attribute(batch.clone().requires_grad_(True), target=target)
+
+
+def plain_saliency(model: torch.nn.Module, batch: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The floor: saliency written in a few lines of torch (max over the channels of |∂y/∂x|, no checks, no
+    normalisation, no scores kept)."""
+    inputs = batch.detach().requires_grad_(True)
+    scores = model(inputs).gather(1, target[:, None])
+    (gradient,) = torch.autograd.grad(scores.sum(), inputs)
+    return gradient.abs().amax(dim=1)
+
+
+def plain_gradcam(model: torch.nn.Module, batch: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The floor: Grad-CAM at ``layer4`` written in a few lines of torch (a forward hook keeps the activations, one
+    gradient, channel weights, ReLU, upsampling; no checks, no normalisation, the model's flags not touched)."""
+    kept: list[torch.Tensor] = []
+    handle = model.layer4.register_forward_hook(lambda module, args, output: kept.append(output))
+    try:
+        scores = model(batch).gather(1, target[:, None])
+    finally:
+        handle.remove()
+    (gradient,) = torch.autograd.grad(scores.sum(), kept[0])
+    with torch.no_grad():
+        weights = gradient.mean(dim=(2, 3), keepdim=True)
+        maps = torch.relu((weights * kept[0]).sum(dim=1, keepdim=True))
+        return torch.nn.functional.interpolate(maps, size=batch.shape[-2:], mode="bilinear", align_corners=False)
 
 
 def build(method: str, library: str, model: torch.nn.Module, batch: torch.Tensor, classes: list[int],

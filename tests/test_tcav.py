@@ -372,3 +372,50 @@ def test_log_probability_sign_matches_a_finite_difference_on_a_conv_net_image_by
             logit_signs.append(logit_gradients @ direction > 0)
     assert not torch.equal(torch.stack(logit_signs), torch.stack(log_probability_signs))
     assert_state_equal(before, model_state(model))
+
+
+class OneLogitHead(nn.Module):
+    """x (N, 3, 2, 2) → a = tanh(W₁ vec(x) + b₁) at layer "hidden" (D = 6) → one logit w · a + b (a binary classifier
+    trained with a sigmoid)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.first = nn.Linear(12, 6)
+        self.hidden = nn.Tanh()
+        self.last = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.last(self.hidden(self.first(x.flatten(1))))
+
+
+@pytest.mark.parametrize("model", [OneLogitHead(), nn.Sequential(small_cnn()[:-1], nn.LazyLinear(1))],
+                         ids=["one-logit head", "one-logit cnn"])
+def test_log_probability_of_a_one_logit_model_is_its_log_sigmoid_not_a_log_softmax_over_one_column(model):
+    """A one-column output is a binary classifier's logit z: its positive class's log-probability is log σ(z), whose
+    gradient is (1 − σ(z)) ∇z, so every image's directional derivative has the logit's sign, worked by hand as
+    (1 − σ(z)) · (∇z · v) against autograd's ∇z. A log softmax over the one column would be 0 for every input: every
+    derivative 0 and every score 0, a silently empty test."""
+    generator = torch.Generator().manual_seed(3)
+    size = 2 if isinstance(model, OneLogitHead) else 8
+    class_images, concept = torch.rand(20, 3, size, size, generator=generator), torch.rand(12, 3, size, size,
+                                                                                          generator=generator) + 0.5
+    randoms = [torch.rand(12, 3, size, size, generator=generator) for _ in range(3)]
+    model = model.eval()
+    model(class_images)  # a lazy layer takes its shape
+    layer = "hidden" if isinstance(model, OneLogitHead) else "0.3"
+    before = model_state(model)
+    logit, log_probability = (explain.TCAV(model, layer, cav="fastcav", differentiate=quantity)
+                              for quantity in ("logit", "log_probability"))
+    gradient_of_logit = logit.gradients(class_images, 0)[layer].double()
+    gradient_of_log_probability = log_probability.gradients(class_images, 0)[layer].double()
+    with torch.no_grad():
+        sigmoid = torch.sigmoid(model(class_images)[:, 0]).double()
+    torch.testing.assert_close(gradient_of_log_probability, (1 - sigmoid)[:, None] * gradient_of_logit)
+    direction = fastcav(logit.activations(concept)[layer], logit.activations(randoms[0])[layer]).double()
+    assert (gradient_of_log_probability @ direction).abs().min() > 0  # not the zeros of a one-column log softmax
+    assert torch.equal(gradient_of_log_probability @ direction > 0, gradient_of_logit @ direction > 0)
+    scores = [result.test("c", layer).scores.tolist() for result in
+              (tcav.test(class_images, 0, {"c": concept}, randoms) for tcav in (logit, log_probability))]
+    assert scores[0] == scores[1]
+    assert_state_equal(before, model_state(model))

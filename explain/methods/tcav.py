@@ -3,15 +3,15 @@ FastCAV's closed-form ones (Schmalwasser et al., ICML 2025).
 
 A concept is a set of example images (a folder of "striped" textures, of images with a watermark); a random set is
 images without it. At a layer l, a concept activation vector (CAV) v is the normal of a linear boundary between the
-concept's activations and a random set's, pointing to the concept. The conceptual sensitivity of class k for an image
-x is S(x) = ∇h_{l,k}(f_l(x)) · v, where h_{l,k} is class k's logit (the paper's and Captum's choice, the default) or
-its log-probability log softmax (``differentiate="log_probability"``: what tensorflow/tcav's code does, which counts
-the images where the gradient of the class's cross-entropy loss has a negative dot product with v); the TCAV score of
-the concept for class k is the share of the class's images with S(x) > 0. A score means something only against
-chance: TCAV is repeated against R random sets (R CAVs, R scores), and the same is done with random sets in place of
-the concept (R null scores); a two-sided Student's t-test (pooled variance, as tensorflow/tcav's
-``scipy.stats.ttest_ind``) of the scores against the null scores gives the p-value, significant below ``alpha``
-divided by the number of concepts tested (Bonferroni, the correction the paper's text applies).
+concept's activations and a random set's, pointing to the concept. The conceptual sensitivity of class k for an image x
+is S(x) = ∇h_{l,k}(f_l(x)) · v, where h_{l,k} is class k's logit (the paper's and Captum's choice, the default) or its
+log-probability, log softmax (log sigmoid for a one-logit output; ``differentiate="log_probability"``: what
+tensorflow/tcav's code does, which counts the images where the gradient of the class's cross-entropy loss has a negative
+dot product with v); the TCAV score of the concept for class k is the share of the class's images with S(x) > 0. A score
+means something only against chance: TCAV is repeated against R random sets (R CAVs, R scores), and the same is done
+with random sets in place of the concept (R null scores); a two-sided Student's t-test (pooled variance, as
+tensorflow/tcav's ``scipy.stats.ttest_ind``) of the scores against the null scores gives the p-value, significant below
+``alpha`` divided by the number of concepts tested (Bonferroni, the correction the paper's text applies).
 
     tcav = explain.TCAV(model, ["layer3", "layer4"], cav="fastcav")
     result = tcav.test("images/zebra", target=340, concepts={"striped": "concepts/striped"},
@@ -97,6 +97,14 @@ def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod
     raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {method!r}.")
 
 
+def log_probabilities(logits: Tensor) -> Tensor:
+    """(N, C) logits → (N, C) log-probabilities: log softmax over the C classes; for one column (a binary classifier's
+    logit, trained with a sigmoid) log sigmoid, the log-probability of its positive class, as
+    ``explain.core.targets.class_probabilities`` (a log softmax over one column is 0 whatever the input, which would
+    make every directional derivative 0 and every score 0)."""
+    return torch.nn.functional.logsigmoid(logits) if logits.shape[1] == 1 else torch.log_softmax(logits, dim=1)
+
+
 @dataclass
 class ConceptTest:
     """TCAV of one concept at one layer for one class: ``scores`` (R,) against each random set, ``null_scores``
@@ -142,14 +150,14 @@ class TCAVResult:
 class TCAV:
     """Concept activation vectors and TCAV scores at ``layers`` of ``model``.
 
-    model: a module or ``explain.load_model``'s result (its preprocessing is used); it must return (N, classes)
-    logits. layers: names of ``model.named_modules()``; each layer's output is flattened per image into its
-    activation vector. cav: "sgd" (the paper's), "fastcav" or a function (see the module docstring). differentiate:
-    the class output whose directional derivative along the CAV is counted, "logit" (the default: the paper's
-    definition, as Captum) or "log_probability" (log softmax of the logits: what tensorflow/tcav's code counts, as
-    the gradient of the class's cross-entropy loss pointing against the CAV). The two differ where raising the
-    concept raises other classes' logits more than the class's own. batch_size: images per forward pass. seed: the
-    SGD classifier's.
+    model: a module or ``explain.load_model``'s result (its preprocessing is used); it must return (N, classes) logits.
+    layers: names of ``model.named_modules()``; each layer's output is flattened per image into its activation vector.
+    cav: "sgd" (the paper's), "fastcav" or a function (see the module docstring). differentiate: the class output whose
+    directional derivative along the CAV is counted, "logit" (the default: the paper's definition, as Captum) or
+    "log_probability" (log softmax of the logits, log sigmoid of a one-logit output: what tensorflow/tcav's code counts,
+    as the gradient of the class's cross-entropy loss pointing against the CAV). The two differ where raising the
+    concept raises other classes' logits more than the class's own. batch_size: images per forward pass. seed: the SGD
+    classifier's.
     """
 
     def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "sgd",
@@ -224,8 +232,8 @@ class TCAV:
                                          f"scores; got {type(logits).__name__}.")
                     if not 0 <= target < logits.shape[1]:
                         raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
-                    if self.differentiate == "log_probability":  # row-wise: each image's own log softmax
-                        logits = torch.log_softmax(logits, dim=1)
+                    if self.differentiate == "log_probability":  # row-wise: each image's own
+                        logits = log_probabilities(logits)
                     layer_outputs = [outputs[name] for name in self.layer_names]
                     grads = torch.autograd.grad(logits[:, target].sum(), layer_outputs, allow_unused=True)
                     for name, grad in zip(self.layer_names, grads):

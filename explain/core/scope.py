@@ -304,12 +304,30 @@ class CallScope(AbstractContextManager[Entered], Generic[Entered]):
 
         Modules that override ``train()`` (fx feature extractors swap their graph there) are
         restored through it, so they compute as before, not only report the same flag.
-        modules: ``list(model.modules())``, when the caller has it."""
-        flags = [(module, module.training) for module in (model.modules() if modules is None else modules)]
-        if not any(training for _, training in flags):
-            return
-        self._undo.append(lambda: _restore_training(flags))
-        model.eval()
+        modules: ``list(model.modules())``, when the caller has it.
+
+        Calls that overlap on one model (threads) share the flags: a module goes back to train mode when the last
+        call that holds it in eval mode ends, not when the first does (which would run the others' remaining passes
+        in train mode, with dropout and batch statistics, and update BatchNorm's running statistics)."""
+        modules = list(model.modules()) if modules is None else modules
+        with _training_lock:
+            if not _held_in_eval and not any(module.training for module in modules):
+                return  # the usual case: an eval-mode model that no other call holds
+            taken: list[int] = []
+            for module in modules:
+                key = id(module)
+                if module.training:
+                    entry = _held_in_eval.setdefault(key, [0, module])
+                elif key in _held_in_eval:  # in eval mode because another open call put it there
+                    entry = _held_in_eval[key]
+                else:
+                    continue
+                entry[0] += 1
+                taken.append(key)
+            if not taken:
+                return
+            self._undo.append(lambda: _back_to_training(taken, modules))
+            model.eval()
 
 
 def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
@@ -331,6 +349,26 @@ def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
 
 _checkpointing_lock = threading.Lock()
 _checkpointing_off: dict[tuple[int, str], list[Any]] = {}
+_training_lock = threading.Lock()
+_held_in_eval: dict[int, list[Any]] = {}
+"""id(module) → [the open calls holding it in eval mode, the module]: modules that were in train mode when a call
+began (``CallScope.eval_mode``)."""
+
+
+def _back_to_training(taken: list[int], modules: list[nn.Module]) -> None:
+    """A call that held ``taken`` in eval mode ends: each whose last holder it was goes back to train mode, every
+    other module of ``modules`` keeps its flag (a parent that overrides ``train()`` is restored through it, and the
+    children it recursed into are put back)."""
+    with _training_lock:
+        released: set[int] = set()
+        for key in taken:
+            entry = _held_in_eval[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _held_in_eval[key]
+                released.add(key)
+        if released:
+            _restore_training([(module, True if id(module) in released else module.training) for module in modules])
 """Per (id(module), flag name) switched off by open scopes: [how many scopes, the module]."""
 
 

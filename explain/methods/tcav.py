@@ -28,6 +28,8 @@ benchmarks/RESULTS.md, "Concepts: TCAV of the watermark"), or a function (concep
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +39,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype
+from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype
 from ..core.scope import CallScope
+from ..core.targets import OutputSelector, select_output
 from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
 
@@ -55,7 +58,11 @@ def fastcav(concept: Tensor, random: Tensor) -> Tensor:
     concept activations, normalised to length 1. concept: (P, D); random: (Q, D)."""
     centre = torch.cat([concept, random]).mean(dim=0)
     direction = (concept - centre).mean(dim=0)
-    return direction / direction.norm().clamp_min(1e-12)
+    length = direction.norm()
+    if not length > 0:
+        raise ValueError("the concept's and the random set's activations have the same mean, so FastCAV has no "
+                         "direction (a zero CAV would score 0 on every image): give sets of different images.")
+    return direction / length
 
 
 def training_split(concept: Tensor, random: Tensor, seed: int = 0) -> tuple[Any, Any]:
@@ -95,6 +102,19 @@ def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod
     if method == "sgd":
         return sgd_cav(concept, random, seed)
     raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {method!r}.")
+
+
+def class_index(target: Any) -> int:
+    """A class index as an int: an int, a NumPy integer or a one-element integer tensor; a bool, a float or a string
+    is refused (``logits[:, True]`` would sum every class)."""
+    if isinstance(target, (bool, np.bool_)) or (isinstance(target, Tensor) and not (
+            target.numel() == 1 and not target.is_floating_point() and target.dtype != torch.bool)):
+        raise TypeError(f"target must be a class index (an int); got {target!r}.")
+    if isinstance(target, Tensor):
+        return int(target.item())
+    if not isinstance(target, numbers.Integral):
+        raise TypeError(f"target must be a class index (an int); got {target!r}.")
+    return operator.index(target)
 
 
 def log_probabilities(logits: Tensor) -> Tensor:
@@ -151,7 +171,10 @@ class TCAV:
     """Concept activation vectors and TCAV scores at ``layers`` of ``model``.
 
     model: a module or ``explain.load_model``'s result (its preprocessing is used); it must return (N, classes) logits.
-    layers: names of ``model.named_modules()``; each layer's output is flattened per image into its activation vector.
+    layers: names of ``model.named_modules()``, globs, modules or module types (``explain.core.capture.find_layers``),
+    each run once per forward pass; each layer's output is flattened per image into its activation vector (recorded as
+    the layer returns it: an in-place operation after the layer changes neither it nor its gradient). output: which
+    part of the model's output holds the logits (automatic: a tensor, HuggingFace's ``.logits``, a dict's "logits").
     cav: "sgd" (the paper's), "fastcav" or a function (see the module docstring). differentiate: the class output whose
     directional derivative along the CAV is counted, "logit" (the default: the paper's definition, as Captum) or
     "log_probability" (log softmax of the logits, log sigmoid of a one-logit output: what tensorflow/tcav's code counts,
@@ -160,14 +183,16 @@ class TCAV:
     classifier's.
     """
 
-    def __init__(self, model: ModelSource, layers: Union[str, Sequence[str]], *, cav: CavMethod = "sgd",
+    def __init__(self, model: ModelSource, layers: Any, *, cav: CavMethod = "sgd",
                  differentiate: str = "logit", preprocess: PreprocessSpec = None, batch_size: int = 32,
-                 seed: int = 0):
-        module, loaded_preprocess, _, _ = loaded_model_parts(model)
+                 seed: int = 0, output: OutputSelector = None):
+        module, loaded_preprocess, _, loaded_output = loaded_model_parts(model, output=output)
         self.model: nn.Module = module
         self.preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
-        self.layer_names = [layers] if isinstance(layers, str) else list(layers)
-        self.layers = [find_layers(self.model, name)[0][1] for name in self.layer_names]
+        self.output = loaded_output
+        found = find_layers(self.model, layers)  # names, globs, modules or module types
+        self.layer_names = [name for name, _ in found]
+        self.layers = [layer for _, layer in found]
         if not callable(cav) and cav not in ("fastcav", "sgd"):
             raise ValueError(f"cav must be 'fastcav', 'sgd' or a function (concept, random) → CAV; got {cav!r}.")
         if not isinstance(differentiate, str) or differentiate not in DIFFERENTIATED:
@@ -190,10 +215,14 @@ class TCAV:
                 raise ValueError(f"{images} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
             return list(files)
         if isinstance(images, Tensor) and images.dim() == 4:
-            return list(images)
-        if isinstance(images, (list, tuple)):
-            return list(images)
-        return [images]
+            items = list(images)
+        elif isinstance(images, (list, tuple)):
+            items = list(images)
+        else:
+            items = [images]
+        if not items:
+            raise ValueError("a set of images is empty: give at least one image.")
+        return items
 
     def _batches(self, images: ImageSet) -> list[Tensor]:
         items = self._images(images)
@@ -201,35 +230,81 @@ class TCAV:
         return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype).batch
                 for start in range(0, len(items), self.batch_size)]
 
+    def _record_layers(self, scope: CallScope) -> dict[str, list[Tensor]]:
+        """Forward hooks for the scope that record each layer's output as the layer returns it, the rest of the
+        forward getting a copy (inside the graph): an in-place operation after the layer (``ReLU(inplace=True)``,
+        torchvision's ``out += identity``) then changes neither the recorded activations nor the tensor
+        differentiated. Layer name → its outputs in this forward pass."""
+        recorded: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
+        for name, layer in zip(self.layer_names, self.layers):
+            def keep(module: nn.Module, args: Any, output: Any, name: str = name) -> Tensor:
+                if not isinstance(output, Tensor):
+                    raise LayerOutputError(
+                        f"layer {name!r} returns a {type(output).__name__}, not a tensor of activations: give one of "
+                        "its submodules (TCAV reads a tensor per image).")
+                recorded[name].append(output)
+                return output.clone()
+            scope.forward_hook(layer, keep)
+        return recorded
+
+    def _one_output_each(self, recorded: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+        """Each layer's output of the forward pass just made (then forgotten); a layer that did not run once exactly
+        is refused: its activations would mix calls or be missing."""
+        outputs: dict[str, Tensor] = {}
+        for name, values in recorded.items():
+            if not values:
+                raise ValueError(f"layer {name!r} did not run in the model's forward pass: choose a layer the forward "
+                                 "uses.")
+            if len(values) > 1:
+                raise ValueError(f"layer {name!r} ran {len(values)} times in one forward pass; TCAV needs a layer that "
+                                 "runs exactly once per forward (a module used twice mixes its calls): choose one used "
+                                 "once.")
+            outputs[name] = values[0]
+            values.clear()
+        return outputs
+
+    def _logits(self, batch: Tensor) -> Tensor:
+        """The model's (N, classes) logits for a batch (its output selected as ``output`` says)."""
+        logits = select_output(self.model(batch), self.output)
+        if not isinstance(logits, Tensor) or logits.dim() != 2:
+            raise ValueError("TCAV differentiates a class logit: the model must return (N, classes) scores; got "
+                             f"{type(logits).__name__}" + (f" of shape {tuple(logits.shape)}"
+                                                           if isinstance(logits, Tensor) else "") + ".")
+        return logits
+
+    def _full_precision(self, scope: CallScope) -> None:
+        """Autocast off for the scope: CAVs and directional derivatives in the model's own precision (bfloat16
+        activations change which side of a CAV a gradient falls)."""
+        scope.enter(torch.autocast(model_device(self.model).type, enabled=False))
+
     def activations(self, images: ImageSet) -> dict[str, Tensor]:
         """Each layer's activations of the set, layer name → (N, D) on the model's device."""
-        recorded: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
+        gathered: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
         with CallScope(self.model, eval_mode=True) as scope:
-            for name, layer in zip(self.layer_names, self.layers):
-                scope.forward_hook(layer, lambda module, args, output, name=name: recorded[name].append(
-                    output.detach().flatten(1)))
+            self._full_precision(scope)
+            recorded = self._record_layers(scope)
             with torch.no_grad():
                 for batch in self._batches(images):
-                    self.model(batch)
-        return {name: torch.cat(values) for name, values in recorded.items()}
+                    self._logits(batch)
+                    for name, output in self._one_output_each(recorded).items():
+                        gathered[name].append(output.detach().flatten(1))
+        return {name: torch.cat(values) for name, values in gathered.items()}
 
     def gradients(self, images: ImageSet, target: int) -> dict[str, Tensor]:
         """∂(class ``target``'s logit, or log-probability with ``differentiate="log_probability"``)/∂(layer's output)
         for each image of the set, layer name → (N, D)."""
+        target = class_index(target)
         gathered: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
         with CallScope(self.model, eval_mode=True) as scope:
             if torch.is_inference_mode_enabled():
                 scope.enter(torch.inference_mode(False))
+            self._full_precision(scope)
             scope.frozen_parameters(self.model)
-            outputs: dict[str, Tensor] = {}
-            for name, layer in zip(self.layer_names, self.layers):
-                scope.forward_hook(layer, lambda module, args, output, name=name: outputs.__setitem__(name, output))
+            recorded = self._record_layers(scope)
             with torch.enable_grad():
                 for batch in self._batches(images):
-                    logits = self.model(batch.detach().requires_grad_(True))
-                    if not isinstance(logits, Tensor) or logits.dim() != 2:
-                        raise ValueError("TCAV differentiates a class logit: the model must return (N, classes) "
-                                         f"scores; got {type(logits).__name__}.")
+                    logits = self._logits(batch.detach().requires_grad_(True))
+                    outputs = self._one_output_each(recorded)
                     if not 0 <= target < logits.shape[1]:
                         raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
                     if self.differentiate == "log_probability":  # row-wise: each image's own
@@ -241,7 +316,6 @@ class TCAV:
                             raise ValueError(f"class {target}'s {self.differentiate} does not depend on layer "
                                              f"{name}.")
                         gathered[name].append(grad.detach().flatten(1))
-                    outputs.clear()
         return {name: torch.cat(values) for name, values in gathered.items()}
 
     # ------------------------------------------------------------------ the test
@@ -264,11 +338,21 @@ class TCAV:
             raise ValueError("TCAV's significance test needs at least 2 random sets (the paper uses many more).")
         if not concepts:
             raise ValueError("give at least one concept: {name: images}.")
+        sets = {"the class images": class_images, **{f"concept {name!r}": images for name, images in concepts.items()},
+                **{f"random set {index}": images for index, images in enumerate(randoms)}}
+        for role, images in sets.items():
+            try:
+                self._images(images)
+            except ValueError as error:
+                raise ValueError(f"{role}: {error}") from None
         gradients = self.gradients(class_images, target)
         random_activations = [self.activations(images) for images in randoms]
         tests: list[ConceptTest] = []
         bonferroni = alpha / len(concepts)
         concept_activations = {name: self.activations(images) for name, images in concepts.items()}
+        recorded = {**{f"concept {name!r}": values for name, values in concept_activations.items()},
+                    **{f"random set {index}": values for index, values in enumerate(random_activations)}}
+        _check_sets(gradients, recorded)
         for layer in self.layer_names:
             null = torch.tensor([self.score(gradients[layer], self.cav(
                 random_activations[index][layer], random_activations[(index + 1) % len(randoms)][layer]))
@@ -280,6 +364,25 @@ class TCAV:
                 tests.append(ConceptTest(name, layer, scores, null, p_value,
                                          not math.isnan(p_value) and p_value < bonferroni))
         return TCAVResult(target, tests, alpha)
+
+
+def _check_sets(gradients: dict[str, Tensor], activations: dict[str, dict[str, Tensor]]) -> None:
+    """Refuse sets whose activations cannot make a CAV with the others: another width at a layer than the class
+    images' gradients (images of another size), or equal to another set's (the same images twice: no direction
+    separates them, and a CAV between them would be noise or zero)."""
+    for layer, gradient in gradients.items():
+        for role, values in activations.items():
+            if values[layer].shape[1] != gradient.shape[1]:
+                raise ValueError(
+                    f"{role} has {values[layer].shape[1]} activations per image at layer {layer}, the class images "
+                    f"{gradient.shape[1]}: the sets' images differ in size. Give images of one size, or a preprocess "
+                    "that resizes them (explain.load_model's, or torchvision's weights.transforms()).")
+    roles = list(activations)
+    for first_index, first in enumerate(roles):
+        for second in roles[first_index + 1:]:
+            if all(torch.equal(activations[first][layer], activations[second][layer]) for layer in gradients):
+                raise ValueError(f"{first} and {second} are the same images (equal activations at every layer): a "
+                                 "CAV between them has no direction. Give each set its own images.")
 
 
 def _two_sided_t_test(scores: Tensor, null: Tensor) -> float:

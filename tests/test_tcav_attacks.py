@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -145,18 +146,13 @@ class Gate(nn.Module):
         return x
 
 
-def test_two_overlapping_calls_on_a_train_mode_model_both_run_in_eval_mode_and_leave_it_as_found():
-    torch.manual_seed(0)
-    gate, network = Gate(), SmallCNN()
-    model = nn.Sequential(gate, network).train()
-    before = model_state(model)
-    tcav = explain.TCAV(model, "1.features.5", cav="fastcav")
-    images = image_set(5, 3)
-    expected = by_hand(network, network.features[5], images, 1)[1]  # the gate's events cannot be deep-copied
+def overlapping_calls(gate: Gate, call: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``call()`` in threads "first" and "second", overlapping as ``gate`` orders them: "first" ends while "second" is
+    inside its forward. Thread name → its result."""
     results: dict[str, torch.Tensor] = {}
 
     def work() -> None:
-        results[threading.current_thread().name] = tcav.gradients(images, 1)["1.features.5"]
+        results[threading.current_thread().name] = call()
 
     first, second = threading.Thread(target=work, name="first"), threading.Thread(target=work, name="second")
     first.start()
@@ -165,6 +161,18 @@ def test_two_overlapping_calls_on_a_train_mode_model_both_run_in_eval_mode_and_l
     gate.first_done.set()
     second.join()
     assert sorted(results) == ["first", "second"]
+    return results
+
+
+def test_two_overlapping_calls_on_a_train_mode_model_both_run_in_eval_mode_and_leave_it_as_found():
+    torch.manual_seed(0)
+    gate, network = Gate(), SmallCNN()
+    model = nn.Sequential(gate, network).train()
+    before = model_state(model)
+    tcav = explain.TCAV(model, "1.features.5", cav="fastcav")
+    images = image_set(5, 3)
+    expected = by_hand(network, network.features[5], images, 1)[1]  # the gate's events cannot be deep-copied
+    results = overlapping_calls(gate, lambda: tcav.gradients(images, 1)["1.features.5"])
     torch.testing.assert_close(results["first"], expected)
     torch.testing.assert_close(results["second"], expected)
     assert_state_equal(before, model_state(model))
@@ -470,3 +478,21 @@ def test_a_huggingface_classifiers_logits_are_differentiated(kind):
     gradients = explain.TCAV(model, layer, cav="fastcav").gradients(images, 2)[layer]
     assert_state_equal(before, model_state(model))
     torch.testing.assert_close(gradients, by_hand(model, model.get_submodule(layer), images, 2)[1])
+
+
+def test_two_overlapping_saliency_calls_on_a_train_mode_model_both_run_in_eval_mode_and_leave_it_as_found():
+    """The same overlap with another explainer (the eval-mode switch is every call's, ``CallScope.eval_mode``): both
+    saliency maps are the eval-mode network's gradient by hand, and no flag or BatchNorm statistic moved."""
+    torch.manual_seed(1)
+    gate, network = Gate(), SmallCNN()
+    model = nn.Sequential(gate, network).train()
+    before = model_state(model)
+    images = image_set(3, 4)
+    reference = copy.deepcopy(network).eval()
+    leaf = images.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(reference(leaf)[:, 1].sum(), leaf)
+    saliency = explain.Saliency(model, normalize=None)
+    results = overlapping_calls(gate, lambda: saliency.explain(images, target=1).attributions[:, 0])
+    torch.testing.assert_close(results["first"], expected)
+    torch.testing.assert_close(results["second"], expected)
+    assert_state_equal(before, model_state(model))

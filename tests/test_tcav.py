@@ -282,14 +282,15 @@ def test_a_tcav_tests_p_value_and_significance_are_students_test_with_bonferroni
 
 
 class TinyHead(nn.Module):
-    """x (N, 3, 2, 2) → a = tanh(W₁ vec(x) + b₁) at layer "hidden" (D = 6) → logits W₂ a + b₂ (4 classes)."""
+    """x (N, 3, 2, 2) → a = tanh(W₁ vec(x) + b₁) at layer "hidden" (D = 6) → logits W₂ a + b₂ (4 classes; one class:
+    a binary classifier's one logit, trained with a sigmoid)."""
 
-    def __init__(self):
+    def __init__(self, classes: int = 4, seed: int = 7):
         super().__init__()
-        torch.manual_seed(7)
+        torch.manual_seed(seed)
         self.first = nn.Linear(12, 6)
         self.hidden = nn.Tanh()
-        self.last = nn.Linear(6, 4)
+        self.last = nn.Linear(6, classes)
 
     def forward(self, x):
         return self.last(self.hidden(self.first(x.flatten(1))))
@@ -374,22 +375,7 @@ def test_log_probability_sign_matches_a_finite_difference_on_a_conv_net_image_by
     assert_state_equal(before, model_state(model))
 
 
-class OneLogitHead(nn.Module):
-    """x (N, 3, 2, 2) → a = tanh(W₁ vec(x) + b₁) at layer "hidden" (D = 6) → one logit w · a + b (a binary classifier
-    trained with a sigmoid)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(8)
-        self.first = nn.Linear(12, 6)
-        self.hidden = nn.Tanh()
-        self.last = nn.Linear(6, 1)
-
-    def forward(self, x):
-        return self.last(self.hidden(self.first(x.flatten(1))))
-
-
-@pytest.mark.parametrize("model", [OneLogitHead(), nn.Sequential(small_cnn()[:-1], nn.LazyLinear(1))],
+@pytest.mark.parametrize("model", [TinyHead(classes=1, seed=8), nn.Sequential(small_cnn()[:-1], nn.LazyLinear(1))],
                          ids=["one-logit head", "one-logit cnn"])
 def test_log_probability_of_a_one_logit_model_is_its_log_sigmoid_not_a_log_softmax_over_one_column(model):
     """A one-column output is a binary classifier's logit z: its positive class's log-probability is log σ(z), whose
@@ -397,13 +383,13 @@ def test_log_probability_of_a_one_logit_model_is_its_log_sigmoid_not_a_log_softm
     (1 − σ(z)) · (∇z · v) against autograd's ∇z. A log softmax over the one column would be 0 for every input: every
     derivative 0 and every score 0, a silently empty test."""
     generator = torch.Generator().manual_seed(3)
-    size = 2 if isinstance(model, OneLogitHead) else 8
+    size = 2 if isinstance(model, TinyHead) else 8
     class_images, concept = torch.rand(20, 3, size, size, generator=generator), torch.rand(12, 3, size, size,
                                                                                           generator=generator) + 0.5
     randoms = [torch.rand(12, 3, size, size, generator=generator) for _ in range(3)]
     model = model.eval()
     model(class_images)  # a lazy layer takes its shape
-    layer = "hidden" if isinstance(model, OneLogitHead) else "0.3"
+    layer = "hidden" if isinstance(model, TinyHead) else "0.3"
     before = model_state(model)
     logit, log_probability = (explain.TCAV(model, layer, cav="fastcav", differentiate=quantity)
                               for quantity in ("logit", "log_probability"))

@@ -349,6 +349,8 @@ def _finish_abandoned_frames(traceback: Optional[TracebackType]) -> None:
 
 _checkpointing_lock = threading.Lock()
 _checkpointing_off: dict[tuple[int, str], list[Any]] = {}
+"""Per (id(module), flag name) switched off by open scopes: [how many scopes, the module]."""
+
 _training_lock = threading.Lock()
 _held_in_eval: dict[int, list[Any]] = {}
 """id(module) → [the open calls holding it in eval mode, the module]: modules that were in train mode when a call
@@ -369,7 +371,6 @@ def _back_to_training(taken: list[int], modules: list[nn.Module]) -> None:
                 released.add(key)
         if released:
             _restore_training([(module, True if id(module) in released else module.training) for module in modules])
-"""Per (id(module), flag name) switched off by open scopes: [how many scopes, the module]."""
 
 
 def _checkpointing_back_on(taken: list[tuple[int, str]]) -> None:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype
+from ..core.capture import ActivationCapture, LayerNotRunError, find_layers, model_device, model_dtype
 from ..core.scope import CallScope
 from ..core.targets import OutputSelector, select_output
 from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, prepare_inputs
@@ -230,38 +230,18 @@ class TCAV:
         return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype).batch
                 for start in range(0, len(items), self.batch_size)]
 
-    def _record_layers(self, scope: CallScope) -> dict[str, list[Tensor]]:
-        """Forward hooks for the scope that record each layer's output as the layer returns it, the rest of the
-        forward getting a copy (inside the graph): an in-place operation after the layer (``ReLU(inplace=True)``,
-        torchvision's ``out += identity``) then changes neither the recorded activations nor the tensor
-        differentiated. Layer name → its outputs in this forward pass."""
-        recorded: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
-        for name, layer in zip(self.layer_names, self.layers):
-            def keep(module: nn.Module, args: Any, output: Any, name: str = name) -> Tensor:
-                if not isinstance(output, Tensor):
-                    raise LayerOutputError(
-                        f"layer {name!r} returns a {type(output).__name__}, not a tensor of activations: give one of "
-                        "its submodules (TCAV reads a tensor per image).")
-                recorded[name].append(output)
-                return output.clone()
-            scope.forward_hook(layer, keep)
-        return recorded
-
-    def _one_output_each(self, recorded: dict[str, list[Tensor]]) -> dict[str, Tensor]:
-        """Each layer's output of the forward pass just made (then forgotten); a layer that did not run once exactly
-        is refused: its activations would mix calls or be missing."""
-        outputs: dict[str, Tensor] = {}
-        for name, values in recorded.items():
-            if not values:
-                raise ValueError(f"layer {name!r} did not run in the model's forward pass: choose a layer the forward "
-                                 "uses.")
-            if len(values) > 1:
-                raise ValueError(f"layer {name!r} ran {len(values)} times in one forward pass; TCAV needs a layer that "
-                                 "runs exactly once per forward (a module used twice mixes its calls): choose one used "
-                                 "once.")
-            outputs[name] = values[0]
-            values.clear()
-        return outputs
+    def _logits_and_layers(self, batch: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The model's (N, classes) logits for a batch and each layer's output as the layer returned it
+        (``ActivationCapture``: the rest of the forward gets a copy, so an in-place operation after the layer,
+        ``ReLU(inplace=True)`` or torchvision's ``out += identity``, changes neither the activations nor the tensor
+        differentiated; a layer that does not run exactly once, or returns no tensor, is refused)."""
+        try:
+            with ActivationCapture(self.model, list(zip(self.layer_names, self.layers)),
+                                   graph_from_first_layer=False) as capture:
+                logits = self._logits(batch)
+                return logits, capture.activations()
+        except LayerNotRunError as error:  # TCAV's refusals of its arguments are ValueErrors
+            raise ValueError(str(error)) from error
 
     def _logits(self, batch: Tensor) -> Tensor:
         """The model's (N, classes) logits for a batch (its output selected as ``output`` says)."""
@@ -282,11 +262,10 @@ class TCAV:
         gathered: dict[str, list[Tensor]] = {name: [] for name in self.layer_names}
         with CallScope(self.model, eval_mode=True) as scope:
             self._full_precision(scope)
-            recorded = self._record_layers(scope)
             with torch.no_grad():
                 for batch in self._batches(images):
-                    self._logits(batch)
-                    for name, output in self._one_output_each(recorded).items():
+                    _, outputs = self._logits_and_layers(batch)
+                    for name, output in zip(self.layer_names, outputs):
                         gathered[name].append(output.detach().flatten(1))
         return {name: torch.cat(values) for name, values in gathered.items()}
 
@@ -300,16 +279,13 @@ class TCAV:
                 scope.enter(torch.inference_mode(False))
             self._full_precision(scope)
             scope.frozen_parameters(self.model)
-            recorded = self._record_layers(scope)
             with torch.enable_grad():
                 for batch in self._batches(images):
-                    logits = self._logits(batch.detach().requires_grad_(True))
-                    outputs = self._one_output_each(recorded)
+                    logits, layer_outputs = self._logits_and_layers(batch.detach().requires_grad_(True))
                     if not 0 <= target < logits.shape[1]:
                         raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
                     if self.differentiate == "log_probability":  # row-wise: each image's own
                         logits = log_probabilities(logits)
-                    layer_outputs = [outputs[name] for name in self.layer_names]
                     grads = torch.autograd.grad(logits[:, target].sum(), layer_outputs, allow_unused=True)
                     for name, grad in zip(self.layer_names, grads):
                         if grad is None:

@@ -496,3 +496,40 @@ def test_two_overlapping_saliency_calls_on_a_train_mode_model_both_run_in_eval_m
     torch.testing.assert_close(results["first"], expected)
     torch.testing.assert_close(results["second"], expected)
     assert_state_equal(before, model_state(model))
+
+
+class InterruptOnce(nn.Module):
+    """Identity that raises KeyboardInterrupt (a Ctrl-C mid-forward) the first time it runs, then passes through."""
+
+    def __init__(self):
+        super().__init__()
+        self.fired = False
+
+    def forward(self, x):
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return x
+
+
+@pytest.mark.parametrize("call", ["activations", "gradients"])
+def test_an_interrupt_mid_call_on_a_train_mode_model_leaves_it_as_found_and_the_next_call_right(call):
+    """Ctrl-C inside the forward of a call on a train-mode model: the KeyboardInterrupt reaches the caller, every
+    hook, flag and BatchNorm statistic is as before, no module stays held in eval mode by the dead call, and the next
+    call gives what a fresh model gives (by hand: plain hooks and autograd on an eval-mode copy)."""
+    from explain.core import scope
+
+    torch.manual_seed(2)
+    network = SmallCNN()
+    model = nn.Sequential(InterruptOnce(), network).train()
+    before = model_state(model)
+    tcav = explain.TCAV(model, "1.features.5", cav="fastcav")
+    images = image_set(4, 6)
+    run = (lambda: tcav.activations(images)) if call == "activations" else (lambda: tcav.gradients(images, 1))
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert_state_equal(before, model_state(model))
+    assert not any(entry[1] is module for entry in scope._held_in_eval.values() for module in model.modules())
+    activations, gradients = by_hand(network, network.features[5], images, 1)
+    torch.testing.assert_close(run()["1.features.5"], activations if call == "activations" else gradients)
+    assert_state_equal(before, model_state(model))

@@ -264,7 +264,13 @@ def main() -> None:
             f"nearly all are): {supports}.\n\n" + "\n\n".join(quantity_block(quantity) for quantity in QUANTITIES))
     print(body)
     if arguments.write:
-        write_section("Concepts: TCAV of the watermark, SGD and FastCAV CAVs", body)
+        write_section(section_title(arguments.size), body)
+
+
+def section_title(size: int) -> str:
+    """RESULTS.md's section for a run with ``size`` images per set: each size keeps its own section."""
+    title = "Concepts: TCAV of the watermark, SGD and FastCAV CAVs"
+    return title if size == 50 else f"{title}, {size} images per set"
 
 
 def _cav_methods(support_shares: list[float]) -> dict[str, Callable[[Tensor, Tensor], Tensor]]:

@@ -385,13 +385,14 @@ def imagenet_descriptions(subset: str) -> tuple[str, ...]:
     return tuple(ImageNetInfo(subset).label_descriptions())
 
 
-def _class_index_tensor(target: Any, batch_size: int) -> tuple[Tensor, bool]:
-    """(N, K) indices from an int, a sequence of ints or a nested sequence; and whether K is kept."""
+def _class_index_tensor(target: Any, batch_size: int, device: torch.device) -> tuple[Tensor, bool]:
+    """(N, K) indices from an int, a sequence of ints or a nested sequence; and whether K is kept. An int's are made
+    on ``device`` (the model output's: no copy from the host), the others on the CPU."""
     if _contains_names(target):
         raise TypeError(f"target {target!r} names classes: here the target must be class indices. An explainer that "
                         "knows the model's class names (Explainer(..., class_names=...)) turns names into indices.")
     if _is_integer(target):
-        return torch.full((batch_size, 1), int(target), dtype=torch.long), False
+        return torch.full((batch_size, 1), int(target), dtype=torch.long, device=device), False
     if isinstance(target, (list, tuple)) and len(target) == batch_size and all(_is_integer(item) for item in target):
         indices = torch.tensor([[int(item)] for item in target], dtype=torch.long)  # one class per image, as (N, 1)
         if indices.is_inference():  # as below
@@ -481,7 +482,7 @@ def select_targets(
         indices = output.detach().argmax(dim=1, keepdim=True)
         keep = False
     else:
-        indices, keep = _class_index_tensor(target, count)
+        indices, keep = _class_index_tensor(target, count, output.device)
         _check_class_range(target, indices, num_classes)
         indices = indices.to(output.device)
     scores = output.gather(1, indices)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from typing import (
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     check_hookable,
     eager_model,
@@ -88,11 +88,11 @@ def warn_about_precision(explainer: "Explainer", precision: Optional[str], insta
         reason = ("per-pixel gradients, and maps made of them, differ from the float32 model's (on the shipped demo "
                   "CNN by up to 0.2 of the map's maximum for saliency and guided backprop, 0.1 for Integrated "
                   "Gradients and SmoothGrad, against ≤ 0.02 for Grad-CAM)")
-    warnings.warn(
+    warn_at_callers_line(
         f"{method} ran in {precision}: the model's forward and backward passes round to {bits} significant bits, so "
         f"{reason}. The sums over steps and samples are kept in float64 and the maps returned in float32. For "
         "float32 maps, call explain outside torch.autocast, or on a float32 copy of the model (model.float()).",
-        RuntimeWarning, stacklevel=3)
+        RuntimeWarning)
 
 
 Value = TypeVar("Value")

@@ -29,21 +29,24 @@ below, and R_k = Σ over positions of (u_k · a)(u_k · c). Channels are the cas
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor, nn
 
 from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state, run_model
 from ..core.layouts import Layout, channel_evidence, infer_layout
 from ..core.targets import Target
 from ..io.explanation import Diagnostic, Explanation
-from ..io.inputs import Inputs, as_preprocess, prepare_inputs
+from ..io.inputs import IMAGE_SUFFIXES, Inputs, as_preprocess, prepare_inputs
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from .attnlrp import AttnLRP
 from .base import Explainer
@@ -102,6 +105,17 @@ def _concept_dim(output: Tensor, channel_dim: Optional[int], layer: nn.Module, n
     return 1
 
 
+def _one_layer(model: nn.Module, layer: Any, caller: str) -> tuple[str, nn.Module]:
+    """The one layer ``layer`` selects (a name, a glob, a module or a module type) and its name in the model; a clear
+    error where it selects several (a glob or a type would otherwise silently mean the first of them)."""
+    found = find_layers(model, layer)
+    if len(found) != 1:
+        names = ", ".join(name for name, _ in found[:6]) + (" …" if len(found) > 6 else "")
+        raise ValueError(f"{caller} reads the concepts of one layer; {layer!r} selects {len(found)}: {names}. Give "
+                         "one layer's name.")
+    return found[0]
+
+
 def _layer_output(model: nn.Module, layer: nn.Module, name: str, batch: Tensor) -> Tensor:
     """``layer``'s output (detached, a copy: an in-place operation after the layer cannot change it) in one forward
     pass of ``model`` on ``batch`` in eval mode without a graph; another thread's forward passes are not seen. A clear
@@ -127,8 +141,10 @@ def _layer_output(model: nn.Module, layer: nn.Module, name: str, batch: Tensor) 
     return store[0]
 
 
-BYPASS_IN_MAPS = ("Each conditional map includes that relevance (diagnostics['bypass_map'], which you can subtract) "
-                  "and the concepts' maps do not add up to the unconditional map")
+BYPASS_IN_MAPS = ("Each conditional map includes that relevance, so the concepts' maps do not add up to the "
+                  "unconditional map; to keep only what flowed through a concept, subtract "
+                  "diagnostics['bypass_attributions'] from its attributions (not diagnostics['bypass_map'] from its "
+                  "map: a map is Σ |relevance| over colour channels, which does not subtract)")
 """What relevance around the layer does to ``ConceptRelevance.explain``'s maps (its warning)."""
 
 
@@ -161,12 +177,12 @@ class ConceptRelevance:
             raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
         self.explainer = explainer
         self.model = explainer.model
-        self.layer_name = layer
-        self.layer = find_layers(self.model, layer)[0][1]
+        self.layer_name, self.layer = _one_layer(self.model, layer, "ConceptRelevance")
         self.channel_dim = channel_dim
         self.directions = None if directions is None else _orthonormal_rows(directions)
         """(K, C) float64 on the CPU, or None (the channels are the concepts)."""
         self.batch_size = batch_size
+        self._this_thread = threading.local()  # per calling thread: whether the layer ran in the last pass
         self.relevance_is_gradient_times_activation = isinstance(explainer, AttnLRP)
         """AttnLRP's backward carries gradients (relevance = activation ⊙ gradient); LRP's carries relevance."""
 
@@ -182,6 +198,7 @@ class ConceptRelevance:
         appended to ``recorded``."""
 
         owner = threading.get_ident()  # another thread's forward passes on the model run it unchanged
+        self._this_thread.layer_ran = False  # read by layer_relevance: did the layer run at all?
 
         def on_output(module: nn.Module, args: Any, output: Any) -> None:
             if not isinstance(output, Tensor):
@@ -232,6 +249,7 @@ class ConceptRelevance:
 
         def before_layer(module: nn.Module, args: Any) -> None:
             if threading.get_ident() == owner:
+                self._this_thread.layer_ran = True
                 pending.append(module.register_forward_hook(on_output_last))
 
         handle = self.layer.register_forward_pre_hook(before_layer)
@@ -278,7 +296,9 @@ class ConceptRelevance:
         relevance. ``diagnostics``: "layer_relevance" (N, C) every channel's R_c, "explained_class" (N,),
         "explained_score" (N,), "unconditional_map" (N, H, W) the method's raw map without a condition, and with
         ``bypass`` (one more row per image) "bypass_map" (N, H, W): the relevance that reaches the input around the
-        layer (with every concept masked), 0 where every path from the input to the score goes through the layer.
+        layer (with every concept masked), 0 where every path from the input to the score goes through the layer,
+        and "bypass_attributions" (N, C, H, W), that relevance before the map's reduction over colour channels (what
+        to subtract from ``attributions``: a map of |relevance| does not subtract).
         Where it is not 0 (the layer is inside a residual branch) every conditional map includes it, the maps of all
         concepts do not add up to the unconditional map, and a warning says so.
         """
@@ -301,7 +321,11 @@ class ConceptRelevance:
                        "explained_score": unconditional.scores[:, 0].cpu(),
                        "unconditional_map": unconditional.raw_map_grid[:, 0].cpu()}
         if bypass:
-            diagnostics["bypass_map"] = self.bypass(batch, classes, channels, unconditional, stacklevel=2).cpu()
+            bypass_map, bypass_attributions = self._bypass(batch, classes, channels, unconditional, stacklevel=2,
+                                                           consequence=BYPASS_IN_MAPS)
+            diagnostics["bypass_map"] = bypass_map.cpu()
+            if bypass_attributions is not None:
+                diagnostics["bypass_attributions"] = bypass_attributions.cpu()
         height, width = unconditional.map_grid.shape[-2:]
         return Explanation(
             map_grid=maps.view(count, per_image, height, width),
@@ -325,13 +349,16 @@ class ConceptRelevance:
         the score goes through the layer). Where it is not 0 against ``unconditional`` (the same call without a
         condition), a RuntimeWarning says so, with ``consequence``, pointing ``stacklevel`` frames above the caller
         (1: the caller's line, as ``warnings.warn`` counts)."""
+        return self._bypass(batch, classes, channels, unconditional, stacklevel=stacklevel + 1,
+                            consequence=consequence)[0]
+
+    def _bypass(self, batch: Tensor, classes: Tensor, channels: int, unconditional: Explanation, *, stacklevel: int,
+                consequence: str) -> tuple[Tensor, Optional[Tensor]]:
+        """``bypass``'s raw maps (N, H, W) and the signed relevance they are made of, (N, C, H, W) (None where the
+        method gives no attributions)."""
         count = batch.shape[0]
-        self.explainer._thread_state.empty_maps_expected = True  # its maps are empty where all is well
-        try:
-            _, maps, attributions = self.conditional(batch, torch.arange(count), torch.full((count,), -1), classes,
-                                                     channels)
-        finally:
-            self.explainer._thread_state.empty_maps_expected = False
+        _, maps, attributions = self.conditional(batch, torch.arange(count), torch.full((count,), -1), classes,
+                                                 channels)  # its maps are empty where all is well: not warned of
         bypassing = maps if attributions is None else attributions
         reference = unconditional.attributions[:, 0] if unconditional.attributions is not None \
             else unconditional.raw_map_grid[:, 0]
@@ -342,11 +369,16 @@ class ConceptRelevance:
                           f"relevance still reaches the input around it (a skip connection; up to {share:.3g} of the "
                           f"unconditional map's largest value). {consequence}: choose a layer every path goes through "
                           "(a residual block's output).", RuntimeWarning, stacklevel=stacklevel + 1)
-        return maps
+        return maps, attributions
 
     def layer_relevance(self, recorded: list[Tensor]) -> Tensor:
         """(N, C) the relevance per channel that one unconditional pass recorded at the layer (``_at_layer``), on
         the CPU; a clear error where the layer received none or ran more than once."""
+        if not recorded and getattr(self._this_thread, "layer_ran", True) is False:
+            raise ValueError(f"layer {self.layer_name} did not run in the model's forward pass (a module the forward "
+                             "never calls, such as an auxiliary head that runs in training only: explanations run "
+                             "the model in eval mode): give a layer the prediction is computed through "
+                             "(`explain layers`).")
         if not recorded:
             raise ValueError(f"layer {self.layer_name} is not on the path from the input to the score (its output "
                              "received no relevance): give a layer the prediction depends on.")
@@ -362,17 +394,26 @@ class ConceptRelevance:
         ``rows_concept[r]`` (of ``channels``; -1: on none), ``batch_size`` rows per pass. Returns (maps (R, H, W)
         normalised like the method's, raw maps (R, H, W), attributions (R, C, H, W) or None)."""
         maps, raw_maps, attributions = [], [], []
-        for start in range(0, rows_image.shape[0], self.batch_size):
-            images = rows_image[start:start + self.batch_size]
-            concepts = rows_concept[start:start + self.batch_size].cpu()
-            masks = torch.nn.functional.one_hot(concepts.clamp_min(0), channels) * (concepts >= 0)[:, None]
-            with self._at_layer(masks.to(batch.device), []):
-                conditional = self.explainer.explain(batch[images.to(batch.device)],
-                                                     target=rows_class[start:start + self.batch_size].tolist())
-            maps.append(conditional.map_grid[:, 0])
-            raw_maps.append(conditional.raw_map_grid[:, 0])
-            if conditional.attributions is not None:
-                attributions.append(conditional.attributions[:, 0])
+        state = self.explainer._thread_state
+        expected_before = getattr(state, "empty_maps_expected", False)
+        # a concept that carried no relevance (a channel a ReLU silenced for this image: R_c = 0) has a map that is
+        # 0 everywhere, as it should; the explainer's warning about empty maps (which blames the model's weights and
+        # counts rows of this batch, not the caller's images) is for the unconditional pass
+        state.empty_maps_expected = True
+        try:
+            for start in range(0, rows_image.shape[0], self.batch_size):
+                images = rows_image[start:start + self.batch_size]
+                concepts = rows_concept[start:start + self.batch_size].cpu()
+                masks = torch.nn.functional.one_hot(concepts.clamp_min(0), channels) * (concepts >= 0)[:, None]
+                with self._at_layer(masks.to(batch.device), []):
+                    conditional = self.explainer.explain(batch[images.to(batch.device)],
+                                                         target=rows_class[start:start + self.batch_size].tolist())
+                maps.append(conditional.map_grid[:, 0])
+                raw_maps.append(conditional.raw_map_grid[:, 0])
+                if conditional.attributions is not None:
+                    attributions.append(conditional.attributions[:, 0])
+        finally:
+            state.empty_maps_expected = expected_before
         return torch.cat(maps), torch.cat(raw_maps), torch.cat(attributions) if attributions else None
 
     def _prepared(self, inputs: Inputs) -> Tensor:
@@ -386,20 +427,49 @@ class ConceptRelevance:
         count, channels = layer_relevance.shape
         if concepts is None:
             return torch.arange(channels).expand(count, -1).clone()
-        if isinstance(concepts, int) and not isinstance(concepts, bool):
-            if not 1 <= concepts <= channels:
-                raise ValueError(f"concepts={concepts}: the layer has {channels} concepts; give 1 to {channels}.")
-            return layer_relevance.topk(concepts, dim=1).indices
-        chosen = torch.as_tensor(concepts).long().cpu()
+        if _is_whole_number(concepts):
+            number = int(concepts)  # type: ignore[arg-type]
+            if not 1 <= number <= channels:
+                raise ValueError(f"concepts={number}: the layer has {channels} concepts; give 1 to {channels}.")
+            return layer_relevance.topk(number, dim=1).indices
+        chosen = _concept_indices(concepts, channels)
         if chosen.dim() == 1:
             chosen = chosen.expand(count, -1).clone()
         if chosen.dim() != 2 or chosen.shape[0] != count or chosen.shape[1] == 0:
             raise ValueError(f"concepts must be an int, (M,) channel indices or (N, M) per image for {count} images; "
                              f"got shape {tuple(chosen.shape)}.")
-        if bool(((chosen < 0) | (chosen >= channels)).any()):
-            raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
-                             f"{chosen.min().item()} … {chosen.max().item()}.")
         return chosen
+
+
+def _is_whole_number(value: object) -> bool:
+    """An int (a Python, numpy or 0-d integer torch one), not a bool: a count of concepts."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _concept_indices(concepts: Any, channels: int) -> Tensor:
+    """``concepts`` (channel indices: a list, an array, a tensor) as a long CPU tensor of the same shape, refused
+    where a value is not a whole number (a float such as 1.7 would be truncated to another channel silently; a
+    boolean mask would be read as the indices 0 and 1) or not a channel of the layer's ``channels``."""
+    values = torch.as_tensor(concepts.detach().cpu() if isinstance(concepts, Tensor) else concepts)
+    if values.numel() == 0:
+        raise ValueError("concepts is empty: give the channels' indices, an int k (the k most relevant) or None "
+                         "(every channel).")
+    if values.dtype == torch.bool:
+        raise ValueError("concepts is a boolean mask; give the channels' indices, e.g. mask.nonzero().flatten() "
+                         "(True at channel c is the index c, not 1).")
+    if values.is_floating_point() or values.is_complex():
+        if bool(torch.isfinite(values).all()) and bool((values == values.round()).all()):
+            values = values.long()  # 3.0 is channel 3
+        else:
+            raise ValueError(f"concept indices must be whole numbers (channel indices); got {values.tolist()}.")
+    values = values.long()
+    if bool(((values < 0) | (values >= channels)).any()):
+        raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
+                         f"{values.min().item()} … {values.max().item()}.")
+    return values
 
 
 def principal_directions(model: Union[nn.Module, LoadedModel], layer: str, images: Inputs, count: int = 8, *,
@@ -411,7 +481,7 @@ def principal_directions(model: Union[nn.Module, LoadedModel], layer: str, image
     block's features rather than single neurons. count: 1 to C, and at most P − 1 for P positions in all (what
     their centred features span). channel_dim as in ConceptRelevance."""
     module, loaded_preprocess, _, _ = loaded_model_parts(model)
-    target = find_layers(module, layer)[0][1]
+    layer, target = _one_layer(module, layer, "principal_directions")
     batch = prepare_inputs(images, as_preprocess(preprocess if preprocess is not None else loaded_preprocess),
                            model_device(module), model_dtype(module)).batch
     output = _layer_output(module, target, layer, batch)
@@ -483,12 +553,24 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
     """Relevance maximisation (Achtibat et al. 2023): for each concept of ``crp``'s layer, the ``top`` images of
     ``images`` (anything ``explain()`` accepts, one item per image) where it carried the most relevance for the
     image's own predicted class ("relevance"), or was most active ("activation", activation maximisation for
-    comparison), and the patch where it looked. concepts: channel indices, or None for all."""
+    comparison), and the patch where it looked. concepts: channel indices, or None for all. images may also be one
+    path, a folder (its image files, sorted by name), an (N, C, H, W) tensor or an (N, H, W, 3) array. top: ≥ 1 (at
+    most the number of images); batch_size: images per pass, ≥ 1."""
     if mode not in ("relevance", "activation"):
         raise ValueError(f"mode must be 'relevance' or 'activation'; got {mode!r}.")
-    items = list(images)
+    for name, value in (("top", top), ("batch_size", batch_size)):
+        if not _is_whole_number(value) or int(value) < 1:
+            raise ValueError(f"{name} must be a whole number ≥ 1; got {value!r}.")
+    top, batch_size = int(top), int(batch_size)
+    items = _reference_items(images)
     if not items:
         raise ValueError("give at least one image.")
+    if concepts is not None and _is_whole_number(concepts):
+        raise ValueError(f"concepts={concepts!r}: concept_references takes the channels' indices (a list), or None "
+                         "for all; for the k most relevant of an image, pass crp.explain(image, concepts=k)"
+                         ".class_indices[0].tolist().")
+    if concepts is not None:
+        _concept_indices(concepts, channels=2 ** 62)  # whole numbers, not empty: said before the set runs
     values: list[Tensor] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]
@@ -508,9 +590,7 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
             values.append(_largest_of(crp, output, batch.shape[-2:]))
     every = torch.cat(values)  # (N, C)
     channels = every.shape[1]
-    chosen = torch.arange(channels) if concepts is None else torch.as_tensor(concepts).long().flatten()
-    if bool(((chosen < 0) | (chosen >= channels)).any()):
-        raise ValueError(f"concept indices must be in 0 … {channels - 1}; got {chosen.tolist()}.")
+    chosen = torch.arange(channels) if concepts is None else _concept_indices(concepts, channels).flatten()
     count = min(top, len(items))
     best = every[:, chosen].topk(count, dim=0)  # (count, M)
     indices, best_values = best.indices.T, best.values.T.float()
@@ -528,6 +608,28 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
                                              torch.float32).display.get())
         patches.append([_crop(picture, heat.cpu()) for picture, heat in zip(pictures, heats)])
     return ConceptReferences(crp.layer_name, chosen, indices, best_values, patches, mode)
+
+
+def _reference_items(images: Any) -> list[Any]:
+    """The images of a reference set, one item each: a list as given; one path, or a folder's image files (sorted by
+    name); the images of an (N, C, H, W) tensor or an (N, H, W, 3) array (a string is not iterated character by
+    character)."""
+    if isinstance(images, (str, os.PathLike)):
+        path = Path(images)
+        if path.is_dir():
+            files = sorted(file for file in path.iterdir() if file.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+                raise ValueError(f"the folder {str(path)!r} holds no image files ({suffixes}).")
+            return [str(file) for file in files]
+        return [images]
+    if isinstance(images, Tensor) and images.dim() == 4:
+        return list(images.unbind(0))
+    if isinstance(images, np.ndarray) and images.ndim == 4:
+        return list(images)
+    if isinstance(images, (Tensor, np.ndarray, Image.Image)):
+        return [images]
+    return list(images)
 
 
 def _concept_activations(crp: ConceptRelevance, output: Tensor) -> Tensor:
@@ -602,7 +704,17 @@ def glocal_figure(explanation: Explanation, references: Optional[ReferencePatche
 
     from ..io import render
 
-    concepts = explanation.class_indices[image].tolist() if explanation.class_indices is not None else []
+    if (explanation.class_indices is None or explanation.class_indices.dim() != 2
+            or "explained_class" not in explanation.diagnostics or not explanation.method.startswith("CRP")):
+        raise ValueError(f"glocal_figure draws ConceptRelevance.explain's result (a map per concept); got "
+                         f"{explanation.method}'s. Explain with explain.ConceptRelevance(model, layer).explain(...).")
+    count = explanation.class_indices.shape[0]
+    if not _is_whole_number(image) or not -count <= int(image) < count:
+        raise ValueError(f"image={image!r}: the explanation holds {count} image(s); give 0 to {count - 1}.")
+    if not _is_whole_number(patches) or int(patches) < 0:
+        raise ValueError(f"patches must be a whole number ≥ 0 (reference patches per row); got {patches!r}.")
+    image, patches = int(image), int(patches)
+    concepts = explanation.class_indices[image].tolist()
     columns = 2 + (patches if references is not None else 0)
     figure, axes = plt.subplots(len(concepts), columns, figsize=(1.8 * columns, 1.8 * len(concepts)), squeeze=False)
     picture = explanation.images[image].numpy()

@@ -30,6 +30,7 @@ always right whatever the rest of the model reads (a residual connection around 
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -48,16 +49,18 @@ from ..core.capture import (
     run_model,
 )
 from ..core.scope import CallScope
-from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
+from ..io.inputs import Inputs, Preprocess, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
 from .factorization import nmf
 from .maps import upsample_maps
 
 
 def _whole_number(name: str, value: object, least: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    """``value`` as an int (a Python or numpy integer), refused where it is not one (a bool, a float) or below
+    ``least``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or int(value) < least:
         raise ValueError(f"{name} must be a whole number ≥ {least}; got {value!r}.")
-    return value
+    return int(value)
 
 
 # ------------------------------------------------------------------ the Sobol design and estimator
@@ -155,8 +158,12 @@ class CRAFT:
         self.patch_size = None if patch_size is None else _whole_number("patch_size", patch_size, 1)
         self.patch_stride = None if patch_stride is None else _whole_number("patch_stride", patch_stride, 1)
         self.batch_size = _whole_number("batch_size", batch_size, 1)
-        self.iterations, self.tolerance, self.seed = iterations, tolerance, seed
-        self.preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
+        self.iterations = _whole_number("iterations", iterations, 1)
+        self.seed = _whole_number("seed", seed, 0)
+        if not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool) or not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance must be a number in [0, 1); got {tolerance!r}.")
+        self.tolerance: float = float(tolerance)
+        self.preprocess: Preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
         self.concept_bank: Optional[Tensor] = None
         self.patch_coefficients: Optional[Tensor] = None
         self.patch_activations: Optional[Tensor] = None
@@ -189,6 +196,11 @@ class CRAFT:
             for start in range(0, batch.shape[0], self.batch_size):
                 count = len(recorded)
                 run_model(self.model, batch[start:start + self.batch_size])
+                if len(recorded) == count:
+                    raise LayerOutputError(
+                        f"layer {self.layer_name!r} did not run in the model's forward pass (a module the forward "
+                        "never calls, such as an auxiliary head that runs in training only: CRAFT runs the model in "
+                        "eval mode): give a layer the prediction is computed through (`explain layers`).")
                 if len(recorded) != count + 1:
                     raise LayerOutputError(
                         f"layer {self.layer_name!r} ran {len(recorded) - count} times in one forward pass; CRAFT "
@@ -238,6 +250,11 @@ class CRAFT:
             layer_output = self._activations(resized.to(batch.dtype))
             activations.append(layer_output.mean(dim=(2, 3)) if layer_output.dim() == 4 else layer_output)
         matrix = torch.cat(activations)  # (P, C)
+        if self.concepts > matrix.shape[1]:
+            raise ValueError(f"concepts={self.concepts} is more than layer {self.layer_name!r}'s {matrix.shape[1]} "
+                             "channels: a bank of more concepts than channels is not unique (an activation has many "
+                             "sets of coefficients, so its maps and importances would be arbitrary); give concepts ≤ "
+                             f"{matrix.shape[1]}.")
         if not bool((matrix > 0).any()):
             raise ValueError(f"layer {self.layer_name!r} is zero on every patch: there is nothing to factorise; "
                              "give a layer that responds to these images.")
@@ -304,8 +321,12 @@ class CRAFT:
         (``designs · (r + 2)`` forward passes per image). Also sets ``concept_importance`` and ``ranking``."""
         bank = self._fitted_bank()
         _whole_number("designs", designs, 2)
-        if not isinstance(target, int) or isinstance(target, bool):
+        if isinstance(target, Tensor) and target.dim() == 0 and not target.is_floating_point() \
+                and target.dtype != torch.bool:
+            target = int(target)  # a 0-d integer tensor, as argmax gives
+        if not isinstance(target, numbers.Integral) or isinstance(target, (bool, np.bool_)):
             raise TypeError(f"target must be a class index (an int); got {type(target).__name__}.")
+        target = int(target)
         batch, _ = self._prepared(class_images)
         coefficients = self._coefficients_of(self._activations(batch))  # (N, r, h, w) or (N, r)
         masks = sobol_masks(bank.shape[0], designs, self.seed).to(coefficients.device)

@@ -4,7 +4,6 @@ the checks on maps (finite; empty, and why)."""
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import (
     Callable,
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import (
     SelectedTargets,
 )
@@ -201,4 +201,4 @@ def warn_about_empty_maps(empty_map: Tensor, attribution: "Attribution", method:
     ]
     heading = ("returned maps that are zero everywhere" if bool(empty_map[empty_region].all())
                else "explained targets whose region is empty")
-    warnings.warn(f"{method} {heading}. " + " ".join(lines), RuntimeWarning, stacklevel=3)
+    warn_at_callers_line(f"{method} {heading}. " + " ".join(lines), RuntimeWarning)

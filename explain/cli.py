@@ -527,7 +527,7 @@ def run_concepts(argv: Sequence[str]) -> int:
     parser.add_argument("images", nargs="+", help="image files; or one folder: build its concept atlas in --out")
     _add_model_options(parser)
     parser.set_defaults(method="lrp")
-    parser.add_argument("--concepts", type=positive_int, default=4, help="concepts per image (default 4)")
+    parser.add_argument("--concepts", type=positive_int, help="concepts per image (default 4)")
     parser.add_argument("--references", metavar="FOLDER", help="a folder of images to find reference patches in")
     parser.add_argument("--top", type=positive_int, default=4, help="reference patches per concept (default 4)")
     parser.add_argument("--out", help="the figure (default concepts.png; several images: NAME-1.png, NAME-2.png, "
@@ -546,10 +546,20 @@ def run_concepts(argv: Sequence[str]) -> int:
     loaded = load_from_arguments(arguments)
     options = dict(parse_option(text, get_method(arguments.method)) for text in arguments.option)
     if len(arguments.images) == 1 and Path(arguments.images[0]).is_dir():
+        given = [option for option, value in (("--target", arguments.target), ("--concepts", arguments.concepts),
+                                              ("--references", arguments.references)) if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply to image files, not to a folder: a folder's concept atlas "
+                             "holds every concept's references for each image's predicted class. Leave them out, or "
+                             "give image files.")
         return _build_atlas_from_arguments(arguments, loaded, options)
+    if arguments.shard is not None:
+        raise ValueError("--shard splits a folder's concept atlas; give one folder, or leave --shard out for image "
+                         "files.")
     crp = ConceptRelevance(loaded, arguments.layer, arguments.method, **options)
     target = command_line_target(arguments, loaded)
-    explanations = [crp.explain(image, target=target, concepts=arguments.concepts) for image in arguments.images]
+    concept_count = 4 if arguments.concepts is None else arguments.concepts
+    explanations = [crp.explain(image, target=target, concepts=concept_count) for image in arguments.images]
     references: Any = None
     if arguments.references is not None and (Path(arguments.references) / "atlas.json").is_file():
         from .dataset_tools.concept_atlas import load_atlas

@@ -9,10 +9,16 @@ looked, and the classes that use it most; stored once, looked up for free, brows
 The run is resumable like ``explain batch``: each batch's per-channel relevance R_c (N, C), largest activations
 (N, C) and predicted classes go to OUT/batches/NNNNNN.pt in one atomic write, after which a kill loses nothing, and a
 rerun computes only what is missing; OUT/atlas-record.json holds the settings (layer, method, top, batch size, the
-model's parameters' fingerprint, the image list's fingerprint), and a rerun with other settings is an error that says
-what differs. ``shard=(i, n)`` computes only the batches b with b % n == i (several processes or machines share the
-data); a call without ``shard`` computes what is still missing and merges. The references' patches are written
-per concept (OUT/patches/), then OUT/atlas.json and OUT/atlas.html.
+model's parameters' fingerprint, its preprocessing, the image names' fingerprint and that of the files' sizes and
+modification times), and a rerun with other settings, another model or other images is an error that says what
+differs. ``shard=(i, n)`` computes only the batches b with b % n == i (several processes or machines share the
+data); a call without ``shard`` computes what is still missing and merges. One run at a time writes into OUT (it
+holds OUT/.explain.lock; the shards of one run share it). The references' patches are written per concept
+(OUT/patches/), then OUT/atlas.json and OUT/atlas.html.
+
+Files that cannot be read as images, or that the model's preprocessing refuses (an alpha channel, 16-bit pixels), are
+left out, listed with the reason in atlas.json's "skipped" and on the page, and a warning says how many; images whose
+preprocessed sizes differ are measured in groups of one size.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from PIL import Image
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..core.caller import warn_at_callers_line
 from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
 from ..io.loaded_model import LoadedModel
 from ..methods.concepts import (
@@ -41,7 +48,8 @@ from ..methods.concepts import (
     _layer_output,
     _uint8,
 )
-from .run_folder import write_atomically
+from ..methods.signatures import setting_text
+from .run_folder import Shard, display_name, error_line, folder_lock, write_atomically
 
 RECORD_FILE = "atlas-record.json"
 ATLAS_FILE = "atlas.json"
@@ -93,10 +101,10 @@ def image_files(data: Union[str, Path, Sequence[Union[str, Path]]]) -> tuple[lis
             raise ValueError(f"{root} is not a folder of images.")
         files = sorted(path for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
                        and not any(part.startswith(".") for part in path.relative_to(root).parts))
-        names = [str(path.relative_to(root)) for path in files]
+        names = [display_name(path.relative_to(root)) for path in files]
     else:
         files = [Path(path) for path in data]
-        names = [str(path) for path in files]
+        names = [display_name(path) for path in files]
     if not files:
         raise ValueError(f"{data} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
     return files, names
@@ -105,7 +113,7 @@ def image_files(data: Union[str, Path, Sequence[Union[str, Path]]]) -> tuple[lis
 def _fingerprint(texts: Sequence[str]) -> str:
     hasher = hashlib.sha256()
     for text in texts:
-        hasher.update(text.encode("utf-8") + b"\n")
+        hasher.update(text.encode("utf-8", "surrogateescape") + b"\n")
     return hasher.hexdigest()[:16]
 
 
@@ -115,6 +123,21 @@ def _model_fingerprint(model: nn.Module) -> str:
         hasher.update(name.encode())
         hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()[:16]
+
+
+def _files_fingerprint(files: Sequence[Path], names: Sequence[str]) -> str:
+    """A fingerprint of each file's name, size and modification time: another data folder with the same file names,
+    or files changed since, give another."""
+    texts = []
+    for path, name in zip(files, names):
+        status = path.stat()
+        texts.append(f"{name}\t{status.st_size}\t{status.st_mtime_ns}")
+    return _fingerprint(texts)
+
+
+RECORD_MEANINGS = {"model": "a fingerprint of the model's weights", "images": "a fingerprint of the image files' names",
+                   "files": "a fingerprint of the image files' sizes and modification times: other files, or the "
+                            "same ones changed since"}
 
 
 def _option_text(value: Any) -> str:
@@ -143,31 +166,47 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file; give a folder for the atlas (it is created if missing).")
-    (folder / "batches").mkdir(parents=True, exist_ok=True)
-    crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)
+    crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)  # a wrong layer: no folder
+    preprocess = " ".join(setting_text(crp.explainer.preprocess).split())  # on one line
     record = {"layer": layer, "method": method, "top": top, "batch_size": batch_size,
-              "model": _model_fingerprint(crp.model), "images": _fingerprint(names), "image_count": len(files)}
+              "model": _model_fingerprint(crp.model), "preprocess": preprocess,
+              "images": _fingerprint(names), "files": _files_fingerprint(files, names), "image_count": len(files)}
     if method_options:  # the composite, directions...: a resumed build must use the same
         record["options"] = {key: _option_text(value) for key, value in sorted(method_options.items())}
-    _check_record(folder, record)
-    batches = range(0, len(files), batch_size)
-    mine = [start for index, start in enumerate(batches) if shard is None or index % shard[1] == shard[0]]
-    with tqdm(total=len(mine), desc=f"atlas {layer}", unit="batch", disable=not progress) as bar:
-        for start in mine:
-            destination = folder / "batches" / f"{start // batch_size:06d}.pt"
-            if not destination.exists():
-                _measure_batch(crp, files[start:start + batch_size], destination)
-            bar.update(1)
-    if shard is not None:
-        return None
-    parts = [torch.load(folder / "batches" / f"{index:06d}.pt") for index in range(len(batches))]
-    relevance = torch.cat([part["relevance"] for part in parts])
-    activation = torch.cat([part["activation"] for part in parts])
-    classes = torch.cat([part["classes"] for part in parts])
-    entries = _entries(crp, files, names, relevance, activation, classes, top, folder, progress)
-    write_atomically(folder / ATLAS_FILE, lambda path: path.write_text(json.dumps(entries, indent=1),
-                                                                       encoding="utf-8"))
-    write_atomically(folder / PAGE_FILE, lambda path: path.write_text(_page(entries), encoding="utf-8"))
+    (folder / "batches").mkdir(parents=True, exist_ok=True)
+    with folder_lock(folder, None if shard is None else Shard(shard[0], shard[1])):
+        _check_record(folder, record)
+        batches = range(0, len(files), batch_size)
+        mine = [start for index, start in enumerate(batches) if shard is None or index % shard[1] == shard[0]]
+        with tqdm(total=len(mine), desc=f"atlas {layer}", unit="batch", disable=not progress) as bar:
+            for start in mine:
+                destination = folder / "batches" / f"{start // batch_size:06d}.pt"
+                if not destination.exists():
+                    _measure_batch(crp, files, start, batch_size, destination, folder, record)
+                bar.update(1)
+        if shard is not None:
+            return None
+        parts = [torch.load(folder / "batches" / f"{index:06d}.pt") for index in range(len(batches))]
+        measured = [part for part in parts if len(part["rows"])]
+        skipped = {int(row): reason for part in parts for row, reason in part["skipped"].items()}
+        if not measured:
+            raise ValueError(f"none of the {len(files)} files of {data} could be used: "
+                             + "; ".join(f"{names[row]}: {reason}" for row, reason in sorted(skipped.items())[:3]))
+        rows = torch.cat([part["rows"] for part in measured]).tolist()
+        relevance = torch.cat([part["relevance"] for part in measured])
+        activation = torch.cat([part["activation"] for part in measured])
+        classes = torch.cat([part["classes"] for part in measured])
+        entries = _entries(crp, [files[row] for row in rows], [names[row] for row in rows], relevance, activation,
+                           classes, top, folder, progress)
+        entries["skipped"] = [{"image": names[row], "reason": reason} for row, reason in sorted(skipped.items())]
+        write_atomically(folder / ATLAS_FILE, lambda path: path.write_text(json.dumps(entries, indent=1),
+                                                                           encoding="utf-8"))
+        write_atomically(folder / PAGE_FILE, lambda path: path.write_text(_page(entries), encoding="utf-8"))
+    if skipped:
+        warn_at_callers_line(
+            f"{len(skipped)} of the {len(files)} files of the atlas were left out, as they could not be used "
+            f"(e.g. {names[min(skipped)]}: {skipped[min(skipped)]}); atlas.json's \"skipped\" lists them all. Fix "
+            "or remove them and build the atlas again in a new folder to include them.", RuntimeWarning)
     return Atlas(folder, entries)
 
 
@@ -179,23 +218,71 @@ def _check_record(folder: Path, record: dict[str, Any]) -> None:
         except (OSError, ValueError) as error:
             raise ValueError(f"{path} is not an atlas record ({error}); delete it to start afresh.") from None
         if earlier != record and any((folder / "batches").iterdir()):
-            differences = [f"{key}: {earlier.get(key)!r} earlier, {value!r} now" for key, value in record.items()
-                           if earlier.get(key) != value]
+            keys = list(record) + [key for key in earlier if key not in record]
+            differences = [f"{key}: {earlier.get(key)!r} earlier, {record.get(key)!r} now"
+                           + (f" ({RECORD_MEANINGS[key]})" if key in RECORD_MEANINGS else "")
+                           for key in keys if earlier.get(key) != record.get(key)]
             raise ValueError(f"{folder} holds an atlas with other settings ({'; '.join(differences)}); rerun with "
                              "the earlier settings to resume it, or give another folder.")
     write_atomically(path, lambda target: target.write_text(json.dumps(record, indent=1), encoding="utf-8"))
 
 
-def _measure_batch(crp: ConceptRelevance, files: Sequence[Path], destination: Path) -> None:
-    """One batch's R_c (N, C) for its predicted classes, largest activations (N, C) and classes (N,), saved."""
-    recorded: list[Tensor] = []
-    with crp._at_layer(None, recorded):
-        explanation = crp.explainer.explain(list(files))
-    assert explanation.class_indices is not None, "class targets"
-    result = {"relevance": crp.layer_relevance(recorded).float(),
-              "activation": _activation_values(crp, crp._prepared(list(files))).float(),
-              "classes": explanation.class_indices[:, 0].cpu()}
+def _prepared_groups(crp: ConceptRelevance, files: Sequence[Path]) -> tuple[list[tuple[list[int], Tensor]],
+                                                                            dict[int, str]]:
+    """``files`` prepared for the model one by one: ([(positions, their batch)] grouped by size, {position: why it
+    could not be used} for the files that cannot be read as images or that the preprocessing refuses)."""
+    prepared: dict[int, Tensor] = {}
+    skipped: dict[int, str] = {}
+    for position, path in enumerate(files):
+        try:
+            prepared[position] = crp._prepared([path])
+        except (ValueError, OSError) as error:
+            skipped[position] = error_line(error)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for position, batch in prepared.items():
+        by_shape.setdefault(tuple(batch.shape), []).append(position)
+    groups = [(positions, torch.cat([prepared[position] for position in positions]))
+              for positions in by_shape.values()]
+    return groups, skipped
+
+
+def _measure_batch(crp: ConceptRelevance, files: Sequence[Path], start: int, batch_size: int, destination: Path,
+                   folder: Path, record: dict[str, Any]) -> None:
+    """Batch ``files[start:start + batch_size]``: the rows (indices in ``files``) of the images it could use, their
+    R_c (N, C) for their predicted classes, largest activations (N, C) and classes (N,), and {index: reason} for the
+    files left out, saved (after checking that no other run changed the folder's record)."""
+    groups, skipped = _prepared_groups(crp, files[start:start + batch_size])
+    rows: list[int] = []
+    relevance, activation, classes = [], [], []
+    for positions, batch in groups:
+        recorded: list[Tensor] = []
+        with crp._at_layer(None, recorded):
+            explanation = crp.explainer.explain(batch)
+        assert explanation.class_indices is not None, "class targets"
+        rows.extend(start + position for position in positions)
+        relevance.append(crp.layer_relevance(recorded).float())
+        activation.append(_activation_values(crp, batch).float())
+        classes.append(explanation.class_indices[:, 0].cpu())
+    order = torch.tensor(rows, dtype=torch.long).argsort()
+    result = {"rows": torch.tensor(rows, dtype=torch.long)[order],
+              "relevance": torch.cat(relevance)[order] if rows else None,
+              "activation": torch.cat(activation)[order] if rows else None,
+              "classes": torch.cat(classes)[order] if rows else None,
+              "skipped": {start + position: reason for position, reason in skipped.items()}}
+    _check_record_unchanged(folder, record)
     write_atomically(destination, lambda path: torch.save(result, path))
+
+
+def _check_record_unchanged(folder: Path, record: dict[str, Any]) -> None:
+    """Refuse to write a batch where another run (a shard started with other settings) rewrote the record."""
+    try:
+        now = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        now = None
+    if now != record:
+        raise ValueError(f"{folder}'s {RECORD_FILE} was changed by another run while this one was writing (another "
+                         "shard with other settings?); its batches would mix two settings. Give each setting its own "
+                         "folder.")
 
 
 def _activation_values(crp: ConceptRelevance, batch: Tensor) -> Tensor:
@@ -241,23 +328,26 @@ def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str],
         pairs = [(int(best[kind].indices[rank, concept]), concept, rank) for concept in range(channels)
                  for rank in range(count) if not (folder / patch_names[kind][concept][rank]).exists()]
         if kind == "relevance" and pairs:  # patches to make: say first if they would include relevance around the layer
-            _check_bypass(crp, files[:crp.batch_size], classes[:crp.batch_size], channels)
+            first = _prepared_groups(crp, files[:crp.batch_size])[0][0][0]  # the first images of one size
+            _check_bypass(crp, [files[image] for image in first], classes[first], channels)
         for start in tqdm(range(0, len(pairs), crp.batch_size), desc=f"{kind} patches", disable=not progress):
             chunk = pairs[start:start + crp.batch_size]
             unique = sorted({image for image, _, _ in chunk})
-            batch = crp._prepared([files[image] for image in unique])
-            pictures = _uint8(prepare_inputs([files[image] for image in unique], crp.explainer.preprocess,
-                                             torch.device("cpu"), torch.float32).display.get())
-            rows = torch.tensor([unique.index(image) for image, _, _ in chunk])
-            concepts = torch.tensor([concept for _, concept, _ in chunk])
-            if kind == "relevance":
-                rows_class = classes[torch.tensor([image for image, _, _ in chunk])]
-                _, heats, _ = crp.conditional(batch, rows, concepts, rows_class, channels)
-            else:
-                heats = _activation_heats(crp, batch, rows, concepts)
-            for (_, concept, rank), row, heat in zip(chunk, rows.tolist(), heats):
-                crop = _crop(pictures[row], heat.detach().cpu().float())
-                _write_png(folder / patch_names[kind][concept][rank], crop)
+            for positions, batch in _prepared_groups(crp, [files[image] for image in unique])[0]:  # one size each
+                images = [unique[position] for position in positions]
+                pictures = _uint8(prepare_inputs([files[image] for image in images], crp.explainer.preprocess,
+                                                 torch.device("cpu"), torch.float32).display.get())
+                group = [pair for pair in chunk if pair[0] in images]
+                rows = torch.tensor([images.index(image) for image, _, _ in group])
+                concepts = torch.tensor([concept for _, concept, _ in group])
+                if kind == "relevance":
+                    rows_class = classes[torch.tensor([image for image, _, _ in group])]
+                    _, heats, _ = crp.conditional(batch, rows, concepts, rows_class, channels)
+                else:
+                    heats = _activation_heats(crp, batch, rows, concepts)
+                for (_, concept, rank), row, heat in zip(group, rows.tolist(), heats):
+                    crop = _crop(pictures[row], heat.detach().cpu().float())
+                    _write_png(folder / patch_names[kind][concept][rank], crop)
     class_names = getattr(crp.explainer, "class_names", None)
     entries = []
     for concept in range(channels):
@@ -296,6 +386,11 @@ def _page(entries: dict[str, Any]) -> str:
             rows.append(f'<div class="row"><span class="kind">{kind}</span>{images}</div>')
         cards.append(f'<section class="card" id="concept-{entry["concept"]}"><h2>concept {entry["concept"]}</h2>'
                      f'<p>used most by: {classes}</p>{"".join(rows)}</section>')
+    skipped = entries.get("skipped", [])
+    if skipped:
+        cards.append(f'<section class="card" id="skipped"><h2>{len(skipped)} file(s) left out</h2><ul>'
+                     + "".join(f"<li>{html.escape(item['image'])}: {html.escape(item['reason'])}</li>"
+                               for item in skipped) + "</ul></section>")
     title = html.escape(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
     style = ("body{font-family:sans-serif;margin:1em}.card{border:1px solid #ccc;margin:.5em 0;padding:.5em}"
              ".row{display:flex;align-items:center;gap:4px}.kind{width:6em;font-size:80%}"

@@ -42,7 +42,15 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from ..core.capture import LayerOutputError, find_layers, model_device, model_dtype, preserved_model_state, run_model
+from ..core.capture import (
+    LayerOutputError,
+    LayerSpec,
+    find_layers,
+    model_device,
+    model_dtype,
+    preserved_model_state,
+    run_model,
+)
 from ..core.layouts import Layout, channel_evidence, infer_layout
 from ..core.targets import Target
 from ..io.explanation import Diagnostic, Explanation
@@ -152,8 +160,9 @@ class ConceptRelevance:
     """CRP conditional heatmaps of a layer's concepts, by LRP or AttnLRP.
 
     model: a module or ``explain.load_model``'s result. layer: the layer whose output holds the concepts (a name
-    of ``model.named_modules()``). method: "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model
-    (its composite and options are used). channel_dim: the dimension of the layer's output that indexes the
+    of ``model.named_modules()``, the module itself, or a glob or module type that selects exactly one layer).
+    method: "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model (its composite and options are
+    used). channel_dim: the dimension of the layer's output that indexes the
     concepts (None: 1 for (N, C, ...) feature maps and (N, D) vectors, the last for (N, T, D) tokens and for
     (N, h, w, C) channels-last maps such as Swin's stages; 0, the batch, is refused).
     directions: None (each channel is a concept) or (K, C) orthonormal rows, each a concept (see the module
@@ -161,7 +170,7 @@ class ConceptRelevance:
     named.
     """
 
-    def __init__(self, model: Union[nn.Module, LoadedModel], layer: str, method: Union[str, Explainer] = "lrp", *,
+    def __init__(self, model: Union[nn.Module, LoadedModel], layer: LayerSpec, method: Union[str, Explainer] = "lrp", *,
                  channel_dim: Optional[int] = None, directions: Optional[Tensor] = None, batch_size: int = 16,
                  **method_options: Any):
         if isinstance(method, str):
@@ -472,7 +481,7 @@ def _concept_indices(concepts: Any, channels: int) -> Tensor:
     return values
 
 
-def principal_directions(model: Union[nn.Module, LoadedModel], layer: str, images: Inputs, count: int = 8, *,
+def principal_directions(model: Union[nn.Module, LoadedModel], layer: LayerSpec, images: Inputs, count: int = 8, *,
                          channel_dim: Optional[int] = None, preprocess: Any = None) -> Tensor:
     """The ``count`` principal directions (K, C) of ``layer``'s features over ``images``: the right singular vectors of
     the centred (positions × channels) matrix of every image's every position (tokens, pixels of a feature map),

@@ -23,6 +23,7 @@ run (file names, class names, reasons) is escaped in the page, or set as text by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import hashlib
@@ -41,7 +42,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 from urllib.parse import quote
 
 import numpy as np
@@ -50,7 +51,7 @@ from PIL import Image
 from ..io import render
 from ..io.inputs import open_image, upright
 from .index import MapReader, read_index_contents
-from .run_folder import display_name, write_atomically
+from .run_folder import FolderInUseError, display_name, folder_lock, write_atomically
 from .run_record import RunRecord, read_run_record
 
 REPORT_PAGE = "report.html"
@@ -365,8 +366,9 @@ class _ThumbnailJob:
         """The image's (K, H, W) maps at the input's resolution, None when they cannot be read."""
         if self.map_file is None or self.reader is None:
             return None
-        try:
-            return self.reader.read({"id": self.image_id, "map": str(self.map_file)}).numpy()
+        try:  # the index's name of the file, relative to OUT (the reader joins it to OUT, which may be relative)
+            name = self.map_file.relative_to(self.reader.out).as_posix()
+            return self.reader.read({"id": self.image_id, "map": name}).numpy()
         except (OSError, ValueError, KeyError):
             return None
 
@@ -543,48 +545,72 @@ def report(
     if (out / REPORT_PAGE).is_dir():
         raise ValueError(f"{display_name(out / REPORT_PAGE)} is a folder; the report writes its page there.")
     folder.mkdir(exist_ok=True)
-    notes = list(run_index.notes)
-    images = default_order(run_index.images)
-    thumbnail_folder = f"thumbs-{thumbnail_size}"
-    files, made, reused = _write_thumbnails(out, images, folder / thumbnail_folder, thumbnail_size, notes)
-    strategies_file = out / "strategies.json"
-    strategies, strategies_method = _read_strategies(out, strategies_file, images, files, run_index.class_names,
-                                                     notes) if strategies_file.exists() else (None, None)
-    if strategies is not None and _modified(strategies_file) < _modified(out / "index.csv"):
-        notes.append("strategies.json is older than index.csv: images explained since then are not in the "
-                     "strategies. Run `explain strategies OUT` again, then this report.")
-    if method is None:
-        method = run_index.record.method_class if run_index.record is not None else strategies_method or ""
+    with _report_lock(out, folder):  # two reports at once would each remove the other's data folder
+        notes = list(run_index.notes)
+        images = default_order(run_index.images)
+        thumbnail_folder = f"thumbs-{thumbnail_size}"
+        files, made, reused = _write_thumbnails(out, images, folder / thumbnail_folder, thumbnail_size, notes)
+        strategies_file = out / "strategies.json"
+        strategies, strategies_method = _read_strategies(out, strategies_file, images, files, run_index.class_names,
+                                                         notes) if strategies_file.exists() else (None, None)
+        if strategies is not None and _modified(strategies_file) < _modified(out / "index.csv"):
+            notes.append("strategies.json is older than index.csv: images explained since then are not in the "
+                         "strategies. Run `explain strategies OUT` again, then this report.")
+        if method is None:
+            method = run_index.record.method_class if run_index.record is not None else strategies_method or ""
 
-    token = f"data-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
-    data_folder = folder / token
-    data_folder.mkdir()
-    summary = summarise(images, low_confidence)
-    key_files, chunk_files = _write_data(data_folder, images, files, chunk_size)
-    if strategies is not None:
-        _write_script(data_folder / "strategies.js", "addStrategies", strategies)
-    for asset in ("report.css", "report.js"):
-        _copy_atomically(ASSETS / asset, folder / asset)
-    meta = {
-        "images": len(images), "dataFolder": f"{REPORT_FOLDER}/{token}", "keyFiles": key_files,
-        "chunkFiles": chunk_files, "chunkSize": chunk_size, "pageSize": page_size, "method": method,
-        "hasLabels": any(record.label is not None for record in images),
-        "hasPredictions": any(record.predicted is not None for record in images),
-        "lowConfidence": low_confidence, "strategies": strategies is not None,
-        "classes": [[index, name] for index, name in run_index.class_names.items()],
-    }
-    page_text = _page(out, title, method, images, summary, meta, strategies, notes, run_index.has_label_columns,
-                      page_size, matrix_classes)
-    page = out / REPORT_PAGE
-    write_atomically(page, lambda temporary: temporary.write_text(page_text, encoding="utf-8"))
-    for old in folder.glob("data-*"):  # earlier reports' data, no longer referenced
-        if old.name != token and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-    _remove_unused_thumbnails(folder, thumbnail_folder, files)
-    if notes:
-        warnings.warn(f"the report of {display_name(out)} leaves things out ({len(notes)} note(s), listed at the top "
-                      f"of the page); the first: {notes[0]}", stacklevel=2)
-    return ReportResult(page, len(images), made, reused, notes, time.perf_counter() - started)
+        token = f"data-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+        data_folder = folder / token
+        data_folder.mkdir()
+        summary = summarise(images, low_confidence)
+        key_files, chunk_files = _write_data(data_folder, images, files, chunk_size)
+        if strategies is not None:
+            _write_script(data_folder / "strategies.js", "addStrategies", strategies)
+        for asset in ("report.css", "report.js"):
+            _copy_atomically(ASSETS / asset, folder / asset)
+        meta = {
+            "images": len(images), "dataFolder": f"{REPORT_FOLDER}/{token}", "keyFiles": key_files,
+            "chunkFiles": chunk_files, "chunkSize": chunk_size, "pageSize": page_size, "method": method,
+            "hasLabels": any(record.label is not None for record in images),
+            "hasPredictions": any(record.predicted is not None for record in images),
+            "lowConfidence": low_confidence, "strategies": strategies is not None,
+            "classes": [[index, name] for index, name in run_index.class_names.items()],
+        }
+        page_text = _page(out, title, method, images, summary, meta, strategies, notes, run_index.has_label_columns,
+                          page_size, matrix_classes)
+        page = out / REPORT_PAGE
+        write_atomically(page, lambda temporary: temporary.write_text(page_text, encoding="utf-8"))
+        for old in folder.glob("data-*"):  # earlier reports' data, no longer referenced
+            if old.name != token and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        _remove_unused_thumbnails(folder, thumbnail_folder, files)
+        if notes:
+            warnings.warn(f"the report of {display_name(out)} leaves things out ({len(notes)} note(s), listed at the "
+                          f"top of the page); the first: {notes[0]}", stacklevel=2)
+        return ReportResult(page, len(images), made, reused, notes, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _report_lock(out: Path, folder: Path) -> Iterator[None]:
+    """Hold OUT/report (``folder_lock`` on OUT/report/.explain.lock) while a report is written: a second report
+    into OUT at once is refused (FolderInUseError) rather than removing the data folder of the other's page, or its
+    thumbnails. An ``explain batch`` writing into OUT meanwhile holds OUT's own lock, not this one."""
+    try:
+        with folder_lock(folder):
+            yield
+    except FolderInUseError as error:
+        if "in use by another run of explain" not in str(error):
+            raise
+        raise FolderInUseError(
+            f"another explain report is being written into {display_name(out)} ({_holder(error)}): two at once would "
+            "each remove the other's data, and the page would show no images. Wait until it ends, then run this "
+            "one again.") from None
+
+
+def _holder(error: FolderInUseError) -> str:
+    """Who holds the lock, as ``folder_lock``'s error names it ("pid 123 on host, since ...")."""
+    found = re.search(r"another run of explain \((.*)\): two runs", str(error))
+    return found.group(1) if found else "a process that did not say which"
 
 
 def _copy_atomically(source: Path, destination: Path) -> None:

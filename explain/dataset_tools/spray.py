@@ -13,15 +13,18 @@ candidate. The steps, per class:
    relevance at the same places are equal however peaked they are, and the share of a cluster's relevance
    inside the object masks is the mean of its maps' shares. (Maps that are all zero become uniform.)
 2. An affinity graph joins each map to its ``neighbors`` nearest maps (Euclidean distance; 10 as scikit-learn's
-   ``SpectralClustering`` default), symmetrised as (C + Cᵀ) / 2: weight 1 for mutual neighbours, ½ for one-sided.
+   ``SpectralClustering`` default; at most half the class's maps, so that a class smaller than 2 × ``neighbors``,
+   analysed with a lower ``min_images``, does not get a complete graph, which shows no groups), symmetrised as
+   (C + Cᵀ) / 2: weight 1 for mutual neighbours, ½ for one-sided.
 3. The number of clusters is the eigengap of the graph's normalised Laplacian L = I − D^-½ A D^-½: with its
    smallest eigenvalues λ₀ ≤ λ₁ ≤ …, the count c in 1 … ``max_clusters`` with the largest λ_c − λ_(c−1)
    (c separate groups give c eigenvalues near 0, then a jump), unless ``clusters=`` says otherwise. Maps that
    vary continuously (objects anywhere in the image) form chains in the graph, which the eigengap may cut into
    several clusters by position: the flagging rules compare a cluster with its class's others for that reason.
 4. Spectral clustering (scikit-learn's ``SpectralClustering`` on that graph, k-means on the embedding, seeded)
-   gives the clusters, numbered by size, largest first. Each reports its mean map (scaled to max 1), its peak
-   and its members, the most typical first (nearest the cluster's mean map).
+   gives the clusters, numbered by size, largest first (``clusters=`` equal to the class's size: one map each).
+   Each reports its mean map (scaled to max 1), its peak and its members, the most typical first (nearest the
+   cluster's mean map).
 
 Flagging a cluster ("its relevance sits where the object is not"). The rules are heuristics: a flagged cluster
 is a candidate to look at (its mean map and examples), not a verdict.
@@ -622,6 +625,14 @@ def knn_affinity(features: np.ndarray, neighbors: int) -> sparse.csr_matrix:
     return sparse.csr_matrix((connectivity + connectivity.T) * 0.5)
 
 
+def class_neighbors(neighbors: int, count: int) -> int:
+    """The neighbours of each map in the graph of a class of ``count`` maps: ``neighbors``, at most half the class
+    (at least 1). Joined to ``count`` − 1 others, every map would be joined to every other: a complete graph, whose
+    eigengap is always 1 whatever the maps, and which splits no group of fewer than ``neighbors`` + 1 maps. Classes
+    of at least 2 × ``neighbors`` maps (every class at the defaults) use ``neighbors``."""
+    return max(1, min(neighbors, count // 2))
+
+
 def laplacian_eigenvalues(affinity: sparse.spmatrix, count: int, seed: int = 0) -> np.ndarray:
     """The ``count`` smallest eigenvalues, ascending, of the normalised Laplacian I − D^-½ A D^-½ of ``affinity``
     (N, N) symmetric with positive degrees: values in [0, 2]. Exact (dense) up to DENSE_LIMIT nodes, else ARPACK."""
@@ -653,6 +664,8 @@ def spectral_labels(affinity: sparse.spmatrix, count: int, seed: int) -> np.ndar
     nodes = affinity.shape[0]
     if count == 1:
         return np.zeros(nodes, np.int64)
+    if count >= nodes:  # one map per cluster (the spectral embedding cannot have as many dimensions as nodes)
+        return np.arange(nodes, dtype=np.int64)
     with _needs_scikit_learn():
         from sklearn.cluster import SpectralClustering
     with warnings.catch_warnings():
@@ -692,7 +705,7 @@ def analyse_class(maps: np.ndarray, ids: list[str], class_index: int, class_name
     or None: its clusters, flagged by the module's rules."""
     count = len(maps)
     features = maps.reshape(count, -1).astype(np.float64)
-    affinity = knn_affinity(features, min(neighbors, count - 1))
+    affinity = knn_affinity(features, class_neighbors(neighbors, count))
     spectrum_size = min(max_clusters, count - 1) + 1
     eigenvalues = laplacian_eigenvalues(affinity, spectrum_size, seed)
     chosen_by_gap = eigengap_count(eigenvalues, spectrum_size - 1)

@@ -202,11 +202,21 @@ class Explanation:
         return self._overlay_figure(alpha, cmap, **options)
 
     def show(self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.PanelOptions]) -> None:
-        """Draw the figure with matplotlib's pyplot (in a notebook or a window)."""
+        """Draw the figure with matplotlib's pyplot (in a notebook or a window). The figure is pyplot's until it
+        is shown: with a backend that cannot show figures (Agg, as in scripts without a display, where pyplot's
+        show does nothing) it is closed after ``plt.show()``, as a notebook closes it once shown, so that calls
+        in a loop do not pile figures up in pyplot; a figure whose drawing fails is closed too."""
         import matplotlib.pyplot as plt
 
-        self._overlay_figure(alpha, cmap, figure=plt.figure(), **options)
+        figure = plt.figure()
+        try:
+            self._overlay_figure(alpha, cmap, figure=figure, **options)
+        except BaseException:
+            plt.close(figure)
+            raise
         plt.show()
+        if render.non_interactive_backend() is not None:
+            plt.close(figure)
 
     def _overlay_figure(self, alpha: float, cmap: str, map_titles: Optional[Sequence[Sequence[str]]] = None,
                         title: Optional[str] = None, **layout: Any) -> Figure:
@@ -223,8 +233,10 @@ class Explanation:
         """Write the overlays to ``path``.
 
         PNG/JPG and other raster formats: the overlays at the input's own
-        resolution, images side by side, one row per target. PDF/SVG/EPS: the
-        titled figure of ``figure()`` as vector graphics.
+        resolution, images side by side, one row per target, tagged with ``dpi``
+        (so a document places them at width / dpi inches). PDF/SVG/EPS: the
+        titled figure of ``figure()`` as vector graphics (text as text, each
+        panel one embedded image drawn at ``dpi``). The folder must exist.
         """
         path = Path(path)
         if path.is_dir():
@@ -234,10 +246,11 @@ class Explanation:
         if suffix not in VECTOR_FORMATS and suffix not in Image.registered_extensions():
             raise ValueError(f"cannot tell which format to write from {path.name!r}: end the name with .png, .jpg, "
                              ".webp or .tif (the overlays as an image) or .pdf, .svg or .eps (the titled figure).")
+        render.check_writable(path, dpi)
         if suffix in VECTOR_FORMATS:
             render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
         else:
-            self.overlay_image(alpha=alpha, cmap=cmap).save(path)
+            self.overlay_image(alpha=alpha, cmap=cmap).save(path, dpi=(dpi, dpi))
         return path
 
     def _check_not_empty(self) -> None:

@@ -172,12 +172,11 @@ def figure(
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)
-    fig = render.shown_in_notebooks(Figure(
-        figsize=(panel_size * grid_shape[1] + (0.8 if colorbar else 0) + (0.3 if row_titles and rows == "images"
-                                                                          else 0), panel_size * grid_shape[0] + 0.3),
-        layout="constrained"))
-    axes = fig.subplots(*grid_shape, squeeze=False)
+    panel_width, panel_height = render.panel_inches(images.shape[1], images.shape[2], panel_size)
     scales = [method_scale(e) if normalize in ("method", "row") else None for e in explanations]
+    # every panel as (row, column, picture, title above it), then the labels left of the first column
+    placed: list[tuple[int, int, np.ndarray, str]] = []
+    labels: dict[int, str] = {}
     for image in range(count):
         panels: list[tuple[str, np.ndarray, str]] = []
         if show_image:
@@ -185,23 +184,35 @@ def figure(
         for number, (explanation, signed_map, scale) in enumerate(zip(explanations, signs, scales)):
             values = _panel_values(explanation, image, signed_map, clip_percentile, scale)
             panel_cmap = render.DIVERGING_CMAP if signed_map else cmap
-            drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode)
+            drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode, signed=signed_map)
             panels.append((headers[number], drawn, explanation.title(image) if texts is None else texts[image][number]))
         for position, (header, picture, subtitle) in enumerate(panels):
-            axis = axes[image, position] if rows == "images" else axes[position, image]
-            axis.imshow(picture, interpolation="bilinear")
-            axis.set_xticks([])
-            axis.set_yticks([])
             # the text above a panel: its column's heading (first row only) and its own title
             heading = (header if image == 0 else "") if rows == "images" else (
                 row_titles[image] if row_titles is not None and position == 0 else "")
-            title = "\n".join(text for text in (heading, subtitle) if text)
-            if title:
-                axis.set_title(title, fontsize=fontsize, parse_math=False)
+            title = "\n".join(render.wrap_title(text, panel_width, fontsize) for text in (heading, subtitle) if text)
+            placed.append((image, position, picture, title) if rows == "images" else (position, image, picture, title))
             if rows == "images" and position == 0 and row_titles is not None:
-                axis.set_ylabel(row_titles[image], fontsize=fontsize, parse_math=False)
+                labels[image] = row_titles[image]
             if rows == "methods" and image == 0:
-                axis.set_ylabel(header, fontsize=fontsize, parse_math=False)
+                labels[position] = header
+    labels = {row: render.wrap_title(text, panel_height, fontsize) for row, text in labels.items()}
+    titled_rows = [[title for row, _, _, title in placed if row == grid_row] for grid_row in range(grid_shape[0])]
+    fig = render.shown_in_notebooks(Figure(
+        figsize=(panel_width * grid_shape[1] + (0.8 if colorbar else 0) + (0.3 if row_titles and rows == "images"
+                                                                            else 0),
+                 render.rows_height(panel_height, panel_size, titled_rows, fontsize)),
+        layout="constrained"))
+    axes = fig.subplots(*grid_shape, squeeze=False)
+    for grid_row, grid_column, picture, title in placed:
+        axis = axes[grid_row, grid_column]
+        axis.imshow(picture, interpolation="bilinear")
+        axis.set_xticks([])
+        axis.set_yticks([])
+        if title:
+            axis.set_title(title, fontsize=fontsize, parse_math=False)
+    for grid_row, label in labels.items():
+        axes[grid_row, 0].set_ylabel(label, fontsize=fontsize, parse_math=False)
     if colorbar:  # one per colour map in use: the unsigned maps' (0 to 1), the signed maps' (-1 to 1)
         import matplotlib
 

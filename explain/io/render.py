@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, TypedDict, Union
 
 import matplotlib
@@ -123,11 +124,12 @@ DIVERGING_CMAP = "RdBu_r"
 
 def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     """Signed maps (..., H, W) → [0, 1] with 0 at 0.5, each map scaled by the ``clip_percentile``
-    percentile of its |values| and clipped (outliers saturate, as Captum's ``outlier_perc``)."""
+    percentile of its |values| and clipped (outliers saturate, as Captum's ``outlier_perc``). NaN pixels
+    are left out of the percentile and drawn at 0.5 (no evidence), as ``as_drawn`` draws them."""
     values = _as_float_tensor(maps)
     flat = values.reshape(-1, values.shape[-2] * values.shape[-1]).abs()
-    scale = torch.quantile(flat, clip_percentile / 100.0, dim=1).clamp_min(1e-12)
-    scaled = (values.reshape(flat.shape) / scale[:, None]).clamp(-1, 1).reshape(values.shape)
+    scale = torch.nanquantile(flat, clip_percentile / 100.0, dim=1).nan_to_num(0.0).clamp_min(1e-12)
+    scaled = (values.reshape(flat.shape) / scale[:, None]).nan_to_num(0.0).clamp(-1, 1).reshape(values.shape)
     return (scaled + 1) / 2
 
 
@@ -190,6 +192,7 @@ def overlay(
     mode: str = "blend",
     keep: float = 0.2,
     levels: Sequence[float] = (0.25, 0.5, 0.75),
+    signed: bool = False,
 ) -> np.ndarray:
     """Draw heatmaps on RGB images.
 
@@ -198,8 +201,13 @@ def overlay(
         With a K dimension each image gets K overlays.
     mode: "blend" ``(1 - alpha) * image + alpha * colour``; "alpha" the same with the opacity
         scaled by the map's value (alpha · m), so irrelevant pixels show the image; "mask" the
-        image where the map is in its top ``keep`` share of pixels, dimmed to 15 % elsewhere;
+        image where the map is in its top ``keep`` share of pixels and above 0 (an all-zero map
+        keeps nothing; ties at the threshold are all kept), dimmed to 15 % elsewhere;
         "contour" the image with the map's iso-lines at ``levels``, coloured by ``cmap``.
+    signed: the maps are signed maps drawn centred (``signed_to_unit``: 0.5 is no evidence, 0 and 1 the
+        strongest evidence against and for): "alpha" then scales the opacity by |2m − 1|, so evidence against
+        is drawn as strongly as evidence for and 0.5 shows the image; "mask" keeps the top ``keep`` share of
+        the evidence for (m > 0.5).
     Returns uint8 RGB, shape (..., H, W, 3) following the maps' leading dimensions.
     """
     if not 0.0 <= alpha <= 1.0:
@@ -218,13 +226,16 @@ def overlay(
     if image_tensor.dim() == 4 and extra_dims == 1:  # (N, H, W, 3) images with (N, K, H, W) maps
         image_tensor = image_tensor.unsqueeze(1)
     image_tensor = image_tensor.expand(*values.shape, 3)
+    strength = (2 * values - 1).abs() if signed else values  # how much evidence a pixel holds, 0 to 1
     if mode in ("blend", "alpha"):
-        opacity: Union[float, Tensor] = alpha if mode == "blend" else alpha * values[..., None]
+        opacity: Union[float, Tensor] = alpha if mode == "blend" else alpha * strength[..., None]
         result = (1.0 - opacity) * image_tensor + opacity * colorize(values, cmap)
     elif mode == "mask":
-        flat = values.reshape(-1, height * width)
+        evidence_for = (2 * values - 1).clamp_min(0) if signed else values
+        flat = evidence_for.reshape(-1, height * width)
         threshold = torch.quantile(flat, 1.0 - keep, dim=1).view(*values.shape[:-2], 1, 1)
-        result = torch.where((values >= threshold)[..., None], image_tensor, 0.15 * image_tensor)
+        kept = (evidence_for >= threshold) & (evidence_for > 0)  # no evidence is never shown as relevant
+        result = torch.where(kept[..., None], image_tensor, 0.15 * image_tensor)
     else:
         result = _contours(image_tensor, values, levels, cmap)
     return (result * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
@@ -254,6 +265,77 @@ def tile(images: np.ndarray) -> np.ndarray:
         return np.concatenate(list(images), axis=1)
     columns = [np.concatenate(list(per_image), axis=0) for per_image in images]
     return np.concatenate(columns, axis=1)
+
+
+def panel_inches(height: int, width: int, panel_size: float) -> tuple[float, float]:
+    """(width, height) in inches of a figure panel showing an image of ``height`` × ``width`` pixels: its longer
+    side ``panel_size`` (a wide image's panel is as wide as a square one's and less tall), a tall image's panel no
+    narrower than half of ``panel_size`` (room for its title), so that panels are not mostly blank."""
+    aspect = width / max(height, 1)
+    if aspect >= 1:
+        return panel_size, panel_size / aspect
+    return panel_size * max(aspect, 0.5), panel_size
+
+
+TITLE_LINE_HEIGHT = 1.3
+"""The height of a line of a panel's title, in multiples of its font size (with its spacing)."""
+
+
+def wrap_title(text: str, width_inches: float, fontsize: float) -> str:
+    """``text`` broken into lines no wider than ``width_inches`` at ``fontsize`` points (measured with
+    matplotlib's DejaVu Sans): at spaces where it can; a word longer than a line ("encoder.layers.block_3.ln_1",
+    a long class name without spaces) is cut after a ".", "_", "-", "/" or "," where one falls in the line, else
+    where the line is full. So a long class name or layer stays over its own panel instead of running over its
+    neighbours and off the figure, every character kept. Lines already in ``text`` are kept."""
+    font, _ = _caption_font(100)  # measured at 100 px, scaled to the font size
+    room = max(width_inches * 72.0, fontsize) * 100.0 / fontsize
+
+    def fits(line: str) -> bool:
+        return font.getlength(line) <= room
+
+    def longest_start(line: str) -> int:
+        """How many characters of ``line`` (wider than a line) to keep on this line: up to a separator if one
+        falls in what fits, else all that fits (at least one)."""
+        end = 1
+        while end < len(line) and fits(line[:end + 1]):
+            end += 1
+        separators = [index + 1 for index in range(end) if line[index] in "._-/,"]
+        return separators[-1] if separators and separators[-1] > end // 2 else end
+
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if fits(candidate):
+                line = candidate
+                continue
+            if fits(word):
+                lines.append(line)
+                line = word
+                continue
+            line = candidate  # a word wider than a line: start it here and cut it where it must be
+            while not fits(line):
+                cut = longest_start(line)
+                lines.append(line[:cut].rstrip())
+                line = line[cut:].lstrip()
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def title_inches(texts: Sequence[str], fontsize: float) -> float:
+    """The height in inches that the tallest of ``texts`` (panel titles of one row) takes, with its padding."""
+    lines = max((text.count("\n") + 1 for text in texts if text), default=0)
+    return lines * fontsize * TITLE_LINE_HEIGHT / 72.0 + (0.08 if lines else 0.0)
+
+
+def rows_height(panel_height: float, panel_size: float, titled_rows: Sequence[Sequence[str]], fontsize: float) -> float:
+    """The height in inches of a figure's rows of panels ``panel_height`` tall, with their titles (one list of texts per
+    row) and 0.3 in for the figure's margins. A square panel (``panel_height`` = ``panel_size``) gives up some of its
+    height to its title, as constrained layout shrinks it; a flatter panel cannot, so its title's room is added, in
+    the share that the panel is flatter than square."""
+    flatter = max(0.0, 1.0 - panel_height / panel_size)
+    return sum(panel_height + title_inches(row, fontsize) * flatter for row in titled_rows) + 0.3
 
 
 def overlay_figure(
@@ -296,27 +378,34 @@ def overlay_figure(
                                        for target in range(targets_per_image)]) for image in range(count)])
         pictures = [draw_boxes(as_uint8(images[image]), boxes[image], [str(index) for index in range(
             targets_per_image)]) for image in range(count)]
-    rows = targets_per_image + int(show_original)
-    size = (panel_size * count, panel_size * rows + 0.3)
+    panel_width, panel_height = panel_inches(overlays.shape[-3], overlays.shape[-2], panel_size)
+    fontsize = 9.0
+    # the panels' titles, one list per row, wrapped to the panel's width (a long class name stays over its panel)
+    titled_rows = ([[image_titles[index] if image_titles is not None else f"image {index}" for index in range(count)]]
+                   if show_original else [])
+    titled_rows += [[map_titles[index][target] for index in range(count)] for target in range(targets_per_image)]
+    titled_rows = [[wrap_title(str(text), panel_width, fontsize) for text in row] for row in titled_rows]
+    heading = wrap_title(title, panel_width * count, 10.0) if title != "" else ""
+    size = (panel_width * count, rows_height(panel_height, panel_size, titled_rows, fontsize))
     if figure is None:
         figure = shown_in_notebooks(Figure(figsize=size, layout="constrained"))
     else:
         figure.set_size_inches(*size)
         figure.set_layout_engine("constrained")
-    axes = figure.subplots(rows, count, squeeze=False)
+    axes = figure.subplots(len(titled_rows), count, squeeze=False)
     for image_index in range(count):
         if show_original:
             axes[0, image_index].imshow(pictures[image_index], interpolation="nearest")
-            heading = image_titles[image_index] if image_titles is not None else f"image {image_index}"
-            axes[0, image_index].set_title(heading, fontsize=9, parse_math=False)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
             axis.imshow(overlays[image_index, target_index], interpolation="nearest")
-            axis.set_title(map_titles[image_index][target_index], fontsize=9, parse_math=False)
+    for row, texts in enumerate(titled_rows):
+        for image_index, text in enumerate(texts):
+            axes[row, image_index].set_title(text, fontsize=fontsize, parse_math=False)
     for axis in axes.flat:
         axis.set_axis_off()
-    if title != "":
-        figure.suptitle(title, fontsize=10, parse_math=False)
+    if heading:
+        figure.suptitle(heading, fontsize=10, parse_math=False)
     return figure
 
 
@@ -345,10 +434,39 @@ def savefig_with_svg_text(figure: "Figure", *arguments: Any, **options: Any) -> 
         return Figure.savefig(figure, *arguments, **options)
 
 
-def save_figure(figure: "Figure", path: str, dpi: Optional[int] = 150) -> None:
+def save_figure(figure: "Figure", path: str, dpi: Optional[float] = 150) -> None:
     """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...). Text stays text in
-    SVG (searchable, editable), as it does in PDF."""
+    SVG (searchable, editable), as it does in PDF. A folder that does not exist and a dpi that is not a
+    positive number are errors that say so (before anything is drawn)."""
+    check_writable(Path(path), dpi)
     savefig_with_svg_text(figure, path, dpi=dpi)
+
+
+def check_writable(path: Path, dpi: Optional[float]) -> None:
+    """Refuse, with the fix, a file whose folder does not exist (FileNotFoundError) and a ``dpi`` that is not a
+    positive number (ValueError; None is matplotlib's default)."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"cannot write {path.name!r}: the folder {str(folder)!r} does not exist. Create it "
+                                f"first (Path({str(folder)!r}).mkdir(parents=True)) or save elsewhere.")
+    if dpi is not None and (isinstance(dpi, bool) or not isinstance(dpi, (int, float)) or not dpi > 0
+                            or not np.isfinite(dpi)):
+        raise ValueError(f"dpi must be a positive number of dots per inch, e.g. 300; got {dpi!r}.")
+
+
+def non_interactive_backend() -> Optional[str]:
+    """The name of pyplot's backend when it cannot show figures (Agg, PDF, SVG, ...: scripts without a display),
+    else None (a window toolkit, or a notebook's inline backend)."""
+    backend = matplotlib.get_backend()
+    try:
+        from matplotlib.backends import BackendFilter, backend_registry
+
+        non_interactive = set(backend_registry.list_builtin(BackendFilter.NON_INTERACTIVE))
+    except ImportError:  # matplotlib < 3.9
+        from matplotlib import rcsetup
+
+        non_interactive = {name.lower() for name in getattr(rcsetup, "non_interactive_bk", ())}
+    return backend if backend.lower() in non_interactive else None
 
 
 def label_text(class_index: Optional[int], class_names: Optional[Sequence[str]]) -> str:

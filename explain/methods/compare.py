@@ -99,9 +99,23 @@ def compare(
         raise ValueError(f"method_options {unknown} {'is' if len(unknown) == 1 else 'are'} taken by none of the "
                          f"methods compared ({', '.join(methods)}).{hints} Their options: {', '.join(sorted(known))}.")
     explanations: list[Explanation] = []
-    for cls, names in zip(classes, taken):
+    for method, cls, names in zip(methods, classes, taken):
         make: Callable[..., Explainer] = cls  # constructors differ: CAM methods take the layer after the model
         own = {name: value for name, value in options.items() if names is None or name in names}
-        explainer = make(model, layer, **own) if cls.needs_layer else make(model, **own)
-        explanations.append(explainer.explain(images, target=target))
+        try:
+            explainer = make(model, layer, **own) if cls.needs_layer else make(model, **own)
+            explanations.append(explainer.explain(images, target=target))
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise _naming_the_method(error, method) from error
     return Comparison(figure(explanations, **figure_options), explanations)
+
+
+def _naming_the_method(error: Exception, method: str) -> Exception:
+    """``error`` with its message prefixed by the method compared that raised it, of the same type (so that an
+    ``except LayerNotFoundError`` still catches it); ``error`` itself where its type cannot be rebuilt from a
+    message."""
+    try:
+        named = type(error)(f"compare: method {method!r} failed on this model: {error}")
+    except Exception:
+        return error
+    return named if str(named).startswith("compare: ") else error

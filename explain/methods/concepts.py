@@ -59,6 +59,7 @@ from ..io.loaded_model import LoadedModel, loaded_model_parts
 from .attnlrp import AttnLRP
 from .base import Explainer
 from .lrp import LRP
+from .options import is_whole_number
 from .registry import get_method
 
 ConceptSpec = Union[int, Sequence[int], Tensor, None]
@@ -436,7 +437,7 @@ class ConceptRelevance:
         count, channels = layer_relevance.shape
         if concepts is None:
             return torch.arange(channels).expand(count, -1).clone()
-        if _is_whole_number(concepts):
+        if is_whole_number(concepts):
             number = int(concepts)  # type: ignore[arg-type]
             if not 1 <= number <= channels:
                 raise ValueError(f"concepts={number}: the layer has {channels} concepts; give 1 to {channels}.")
@@ -450,18 +451,11 @@ class ConceptRelevance:
         return chosen
 
 
-def _is_whole_number(value: object) -> bool:
-    """An int (a Python, numpy or 0-d integer torch one), not a bool: a count of concepts."""
-    if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
-            and value.dtype != torch.bool
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _concept_indices(concepts: Any, channels: int) -> Tensor:
+def _concept_indices(concepts: Any, channels: Optional[int]) -> Tensor:
     """``concepts`` (channel indices: a list, an array, a tensor) as a long CPU tensor of the same shape, refused
     where a value is not a whole number (a float such as 1.7 would be truncated to another channel silently; a
-    boolean mask would be read as the indices 0 and 1) or not a channel of the layer's ``channels``."""
+    boolean mask would be read as the indices 0 and 1) or not a channel of the layer's ``channels`` (None: not known
+    yet, not checked)."""
     values = torch.as_tensor(concepts.detach().cpu() if isinstance(concepts, Tensor) else concepts)
     if values.numel() == 0:
         raise ValueError("concepts is empty: give the channels' indices, an int k (the k most relevant) or None "
@@ -475,7 +469,7 @@ def _concept_indices(concepts: Any, channels: int) -> Tensor:
         else:
             raise ValueError(f"concept indices must be whole numbers (channel indices); got {values.tolist()}.")
     values = values.long()
-    if bool(((values < 0) | (values >= channels)).any()):
+    if channels is not None and bool(((values < 0) | (values >= channels)).any()):
         raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
                          f"{values.min().item()} … {values.max().item()}.")
     return values
@@ -568,18 +562,18 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
     if mode not in ("relevance", "activation"):
         raise ValueError(f"mode must be 'relevance' or 'activation'; got {mode!r}.")
     for name, value in (("top", top), ("batch_size", batch_size)):
-        if not _is_whole_number(value) or int(value) < 1:
+        if not is_whole_number(value) or int(value) < 1:
             raise ValueError(f"{name} must be a whole number ≥ 1; got {value!r}.")
     top, batch_size = int(top), int(batch_size)
     items = _reference_items(images)
     if not items:
         raise ValueError("give at least one image.")
-    if concepts is not None and _is_whole_number(concepts):
+    if concepts is not None and is_whole_number(concepts):
         raise ValueError(f"concepts={concepts!r}: concept_references takes the channels' indices (a list), or None "
                          "for all; for the k most relevant of an image, pass crp.explain(image, concepts=k)"
                          ".class_indices[0].tolist().")
     if concepts is not None:
-        _concept_indices(concepts, channels=2 ** 62)  # whole numbers, not empty: said before the set runs
+        _concept_indices(concepts, channels=None)  # whole numbers, not empty: said before the set runs
     values: list[Tensor] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]
@@ -718,9 +712,9 @@ def glocal_figure(explanation: Explanation, references: Optional[ReferencePatche
         raise ValueError(f"glocal_figure draws ConceptRelevance.explain's result (a map per concept); got "
                          f"{explanation.method}'s. Explain with explain.ConceptRelevance(model, layer).explain(...).")
     count = explanation.class_indices.shape[0]
-    if not _is_whole_number(image) or not -count <= int(image) < count:
+    if not is_whole_number(image) or not -count <= int(image) < count:
         raise ValueError(f"image={image!r}: the explanation holds {count} image(s); give 0 to {count - 1}.")
-    if not _is_whole_number(patches) or int(patches) < 0:
+    if not is_whole_number(patches) or int(patches) < 0:
         raise ValueError(f"patches must be a whole number ≥ 0 (reference patches per row); got {patches!r}.")
     image, patches = int(image), int(patches)
     concepts = explanation.class_indices[image].tolist()

@@ -53,6 +53,7 @@ from ..io.inputs import Inputs, Preprocess, PreprocessSpec, as_preprocess, prepa
 from ..io.loaded_model import ModelSource, loaded_model_parts
 from .factorization import nmf
 from .maps import upsample_maps
+from .options import is_whole_number
 
 
 def _whole_number(name: str, value: object, least: int) -> int:
@@ -321,10 +322,7 @@ class CRAFT:
         (``designs · (r + 2)`` forward passes per image). Also sets ``concept_importance`` and ``ranking``."""
         bank = self._fitted_bank()
         _whole_number("designs", designs, 2)
-        if isinstance(target, Tensor) and target.dim() == 0 and not target.is_floating_point() \
-                and target.dtype != torch.bool:
-            target = int(target)  # a 0-d integer tensor, as argmax gives
-        if not isinstance(target, numbers.Integral) or isinstance(target, (bool, np.bool_)):
+        if not is_whole_number(target):  # a 0-d integer tensor too, as argmax gives
             raise TypeError(f"target must be a class index (an int); got {type(target).__name__}.")
         target = int(target)
         batch, _ = self._prepared(class_images)

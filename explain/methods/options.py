@@ -7,11 +7,21 @@ import math
 import numbers
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
 SEED_RANGE = (-(2**63), 2**64)
 """The seeds a torch generator takes: ints in [−2⁶³, 2⁶⁴)."""
+
+
+def is_whole_number(value: object) -> bool:
+    """Whether ``value`` is an int: a Python or numpy integer, or a 0-d integer tensor (what ``argmax`` returns); not a
+    bool."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def int_option(name: str, value: object, minimum: int) -> int:

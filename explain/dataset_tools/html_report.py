@@ -53,6 +53,7 @@ from ..io.inputs import open_image, upright
 from .index import MapReader, read_index_contents
 from .run_folder import FolderInUseError, display_name, folder_lock, write_atomically
 from .run_record import RunRecord, read_run_record
+from .spray import other_method_note
 
 REPORT_PAGE = "report.html"
 REPORT_FOLDER = "report"
@@ -553,6 +554,9 @@ def report(
         strategies_file = out / "strategies.json"
         strategies, strategies_method = _read_strategies(out, strategies_file, images, files, run_index.class_names,
                                                          notes) if strategies_file.exists() else (None, None)
+        stale = other_method_note(strategies_method, run_index.record) if strategies is not None else None
+        if stale is not None:
+            notes.append(stale)
         if strategies is not None and _modified(strategies_file) < _modified(out / "index.csv"):
             notes.append("strategies.json is older than index.csv: images explained since then are not in the "
                          "strategies. Run `explain strategies OUT` again, then this report.")

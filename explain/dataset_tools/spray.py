@@ -372,7 +372,7 @@ def strategies(
             out = folder
     with contextlib.ExitStack() as held:
         locked = out is not None and Path(out).is_dir()
-        if locked:  # a second run into out is refused before it reads and clusters the maps
+        if out is not None and locked:  # a second run into out is refused before it reads and clusters the maps
             held.enter_context(writing_lock(out))
         if folder is not None:
             record = _run_record_or_note(folder, notes)
@@ -381,6 +381,7 @@ def strategies(
             if method is None and record is not None:
                 method = record.method or record.method_class  # "" for a method that is not registered
         else:
+            assert not isinstance(source, (str, Path)), "a folder's maps are loaded above"
             loaded = _load_arrays(source, classes, ids, class_names, size)
         objects = _object_fractions(masks, boxes, loaded, size)
         if objects is not None:
@@ -770,7 +771,8 @@ def _border_band(height: int, width: int, border: float) -> np.ndarray:
 
 def _border_share(mean_map: np.ndarray, border: float) -> float:
     """The share of the relevance of the hottest HOT_SHARE of ``mean_map``'s pixels inside the border band."""
-    band = _border_band(*mean_map.shape, border)
+    height, width = mean_map.shape
+    band = _border_band(height, width, border)
     hottest = mean_map >= np.quantile(mean_map, 1.0 - HOT_SHARE)
     total = float(mean_map[hottest].sum())
     return float(mean_map[hottest & band].sum()) / total if total > 0 else 0.0

@@ -159,6 +159,9 @@ class _ModuleRun:
     depends_on_image: bool = True
     reaches_output: bool = True
     too_small: bool = False
+    read_by_convention: bool = False
+    """A 4-D output read channels-last whose channels equal its width (ConvNeXt's first stage at 384 px: 96 channels
+    on 96 × 96): either reading fits, so it is no evidence of a transformer's block."""
     """Whether the output has the batch's rows and a map layout, but h or w below 2 (a last stage at a small input)."""
     bypassed: bool = False
     """Whether the module runs inside a block too small to draw that reaches the image by another path too (a
@@ -267,6 +270,8 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
             passes_input_through=_passes_input_through(modules[name], args, output), layout=layout,
             fingerprint=None if main is None or layout is None else _fingerprint(main.detach()),
             too_small=grid is not None and layout is None,
+            read_by_convention=(layout == "channels_last" and main is not None and main.dim() == 4
+                                and main.shape[1] == main.shape[3]),
             layout_error=None if grid is not None or main is None else _token_layout_error(
                 main, modules[name], name, count, input_size, tokens),
         )
@@ -380,13 +385,15 @@ def _last_block_first_norm(
     modules = dict(model.named_modules())
     first_norms: dict[str, str] = {}  # block → its first norm, in the order the norms ran
     for candidate in candidates:
-        if candidate.layout in ("tokens", "channels_last") and _is_norm(candidate.module):
+        if candidate.layout in ("tokens", "channels_last") and _is_norm(candidate.module) \
+                and not candidate.read_by_convention:
             block = _block_of(candidate.name, modules)
             if block is not None and block not in first_norms:
                 first_norms[block] = candidate.name
     blocks = [
         block for block in first_norms
         if block in runs and runs[block].calls == 1 and runs[block].layout in ("tokens", "channels_last")
+        and not runs[block].read_by_convention
         and not any(other.startswith(block + ".") for other in first_norms)  # a stage holding blocks
     ]
     if not blocks:

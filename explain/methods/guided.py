@@ -11,7 +11,6 @@ that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not ca
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import LayerSpec
 from ..core.rules import CallRules, Rule
 from ..core.scope import CallScope
@@ -107,11 +107,10 @@ class _RectifiedGradient(GradientExplainer):
         gradients, selected = self.gradients(batch, target, topk)
         relu_calls, self._relu_calls = self._relu_calls, 0
         if relu_calls == 0:
-            warnings.warn(
+            warn_at_callers_line(
                 f"{type(self).__name__} found no ReLU in the model's forward pass (GELU, SiLU and "
                 "clamp(min=0) are not ReLUs), so its map is the plain gradient (saliency).",
                 RuntimeWarning,
-                stacklevel=4,
             )
         return self.attribution_from(gradients, selected, zero_gradient=all_zero(gradients),
                                      relu_calls=torch.tensor(relu_calls))

@@ -6,7 +6,6 @@ copies per pass) and show a progress bar on long runs.
 
 from __future__ import annotations
 
-import warnings
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import ModelInputError
 from ..core.edit import edit
 from ..core.targets import SelectedTargets
@@ -263,11 +263,10 @@ class AblationCAM(PerturbationCAM):
             ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference,
                                                           layouts[layer_index].channel_dim)
         except _ReplayNotPossible as reason:
-            warnings.warn(
+            warn_at_callers_line(
                 f"Ablation-CAM cannot replay only the part of the model after layer "
                 f"{layers[layer_index][0]!r} ({reason}); running full forward passes instead (slower).",
                 RuntimeWarning,
-                stacklevel=6,
             )
             ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected,
                                                          layouts[layer_index].channel_dim)

@@ -1,0 +1,83 @@
+"""Found by the sixth session's model-zoo sweep: the automatic layer of a ConvNeXt whose first stage has as many
+channels as pixels per side, and warnings that pointed inside the package."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import explain
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def small_convnext(first_channels: int) -> nn.Module:
+    """torchvision's ConvNeXt, two stages: ``first_channels`` channels at 1/4 of the input, then twice as many."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    torch.manual_seed(0)
+    settings = [CNBlockConfig(first_channels, 2 * first_channels, 1), CNBlockConfig(2 * first_channels, None, 1)]
+    return ConvNeXt(settings, num_classes=5).eval()
+
+
+@pytest.mark.parametrize("first_channels, size", [(16, 64), (24, 96)])
+def test_a_convnext_whose_first_stage_has_as_many_channels_as_pixels_per_side_is_explained_at_its_last_stage(
+        first_channels: int, size: int) -> None:
+    # the first stage's (N, C, C, C) output reads channels-last as well as channels-first: it was taken for a
+    # transformer's block, and its LayerNorm chosen (features.1.0.block.2) instead of the last stage
+    model = small_convnext(first_channels)
+    explanation = explain.GradCAM(model).explain(torch.rand(1, 3, size, size), target=1)
+    assert explanation.layer == "features"
+    # at another size the same model is read the same way
+    assert explain.GradCAM(model).explain(torch.rand(1, 3, size + 32, size + 32), target=1).layer == "features"
+
+
+def test_a_swin_whose_first_stage_is_as_ambiguous_still_gets_its_last_blocks_first_norm() -> None:
+    # Swin-T at 384 px: stage 0 is 96 channels on 96 × 96 too; its last block is not ambiguous, and is chosen
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=[4, 4],
+                            num_classes=5).eval()
+    explanation = explain.GradCAM(model).explain(torch.rand(1, 3, 64, 64), target=1)  # stage 0: 16 on 16 × 16
+    assert explanation.layer == "features.3.0.norm1"
+
+
+def caught(call: Callable[[], object]) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        call()
+    return [warning for warning in found if issubclass(warning.category, RuntimeWarning)]
+
+
+def test_guided_methods_warn_about_a_model_without_relu_at_the_callers_line() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 4, 3, padding=1), nn.SiLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).eval()
+    for explainer in (explain.GuidedGradCAM(model, "2"), explain.GuidedBackprop(model)):
+        call = lambda explainer=explainer: explainer.explain(torch.rand(1, 3, 8, 8), target=1)  # noqa: E731
+        found = [warning for warning in caught(call) if "no ReLU" in str(warning.message)]
+        assert found and all(warning.filename == __file__ for warning in found), [w.filename for w in found]
+
+
+def test_ablation_cam_warns_about_a_full_forward_fallback_at_the_callers_line() -> None:
+    class Tail(nn.Module):  # the part after the layer reads the model's input again: cannot be replayed alone
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            features = torch.relu(self.conv(x))
+            return self.head((features * x.mean(1, keepdim=True)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Tail().eval()
+    found = [warning for warning in caught(
+        lambda: explain.AblationCAM(model, "conv").explain(torch.rand(2, 3, 8, 8), target=1))
+        if "replay" in str(warning.message)]
+    assert found and all(warning.filename == __file__ for warning in found), [w.filename for w in found]

@@ -12,9 +12,13 @@ rerun computes only what is missing; OUT/atlas-record.json holds the settings (l
 model's parameters' fingerprint, its preprocessing, the image names' fingerprint and that of the files' sizes and
 modification times), and a rerun with other settings, another model or other images is an error that says what
 differs. ``shard=(i, n)`` computes only the batches b with b % n == i (several processes or machines share the
-data); a call without ``shard`` computes what is still missing and merges. One run at a time writes into OUT (it
-holds OUT/.explain.lock; the shards of one run share it). The references' patches are written per concept
-(OUT/patches/), then OUT/atlas.json and OUT/atlas.html.
+data); a call without ``shard`` computes what is still missing and merges. Every call skips the batches already
+stored, whatever layout wrote them, and the batch another process is measuring (it holds the batch's claim,
+OUT/batches/.NNNNNN.claim): shards of other n at once (shard=(1, 2) beside shard=(2, 3), whose batches overlap)
+measure each batch once, as do ``explain batch``'s shards, which skip the images done whatever world size did them.
+One run at a time writes into OUT (it holds OUT/.explain.lock; the shards of one run share it, and two shards of
+the same i are refused). The references' patches are written per concept (OUT/patches/), then OUT/atlas.json and
+OUT/atlas.html.
 
 Files that cannot be read as images, or that the model's preprocessing refuses (an alpha channel, 16-bit pixels), are
 left out, listed with the reason in atlas.json's "skipped" and on the page, and a warning says how many; images whose
@@ -23,12 +27,15 @@ preprocessed sizes differ are measured in groups of one size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import html
+import inspect
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -39,6 +46,7 @@ from tqdm.auto import tqdm
 from ..core.caller import warn_at_callers_line
 from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
 from ..io.loaded_model import LoadedModel
+from ..methods.base import Explainer
 from ..methods.concepts import (
     ConceptRelevance,
     _activation_maps,
@@ -49,11 +57,18 @@ from ..methods.concepts import (
     _uint8,
 )
 from ..methods.signatures import setting_text
-from .run_folder import Shard, display_name, error_line, folder_lock, write_atomically
+from .run_folder import LOCKS_UNSUPPORTED, Shard, display_name, error_line, folder_lock, write_atomically
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so shards measuring at once are not kept off each other's batches
+    fcntl = None  # type: ignore[assignment]
 
 RECORD_FILE = "atlas-record.json"
 ATLAS_FILE = "atlas.json"
 PAGE_FILE = "atlas.html"
+RECORD_LOCK = ".atlas-record.lock"
+"""Held by the process checking or writing the record (``_check_record``), one at a time."""
 
 
 @dataclass
@@ -137,7 +152,10 @@ def _files_fingerprint(files: Sequence[Path], names: Sequence[str]) -> str:
 
 RECORD_MEANINGS = {"model": "a fingerprint of the model's weights", "images": "a fingerprint of the image files' names",
                    "files": "a fingerprint of the image files' sizes and modification times: other files, or the "
-                            "same ones changed since"}
+                            "same ones changed since",
+                   "settings": "the class and options of the explainer given as method, None for a method given by "
+                               "its name: an atlas begun with an explainer resumes with an explainer of the same "
+                               "class and options, one begun with a name with that name and options"}
 
 
 def _option_text(value: Any) -> str:
@@ -149,13 +167,33 @@ def _option_text(value: Any) -> str:
 
 
 def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[str, Path, Sequence[Union[str, Path]]],
-                out: Union[str, Path], *, method: str = "lrp", top: int = 8, batch_size: int = 32,
+                out: Union[str, Path], *, method: Union[str, Explainer] = "lrp", top: int = 8, batch_size: int = 32,
                 shard: Optional[tuple[int, int]] = None, progress: bool = True, **method_options: Any
                 ) -> Optional[Atlas]:
     """The concept atlas of ``layer`` over the images of ``data`` (a folder, read recursively, or a list of files),
-    written to ``out`` (see the module docstring). method: "lrp" or "attnlrp" (``ConceptRelevance``); top: references
-    per concept; batch_size: images per pass. Returns the Atlas, or None for a shard's call (the merge is a call
-    without ``shard``)."""
+    written to ``out`` (see the module docstring). top: references per concept; batch_size: images per pass.
+    Returns the Atlas, or None for a shard's call (the merge is a call without ``shard``).
+
+    method: "lrp" or "attnlrp" (``ConceptRelevance``), its options in ``method_options``; or an LRP / AttnLRP
+    explainer built on ``model`` (its composite, options and preprocessing are used; ``method_options`` then holds
+    only ConceptRelevance's own, ``directions`` or ``channel_dim``). The record (OUT/atlas-record.json) keeps a name
+    as given, with its options; an explainer by its registered name ("lrp") and its settings (``setting_text``: its
+    class and every option), as ``explain batch``'s run.json does. A resume must give the method the same way: an
+    explainer of the same class and options (a new one will do) for an atlas begun with one, the same name and
+    options for one begun with a name; any other method is refused, saying what differs. A class (``LRP``), an
+    explainer built on another model, or anything else is refused before anything is written."""
+    if inspect.isclass(method):
+        name = getattr(method, "name", "") or "lrp"
+        raise ValueError(f"method is the class {method.__name__}: give its name (method={name!r}, with its options "
+                         f"as keyword arguments) or an explainer built on the model ({method.__name__}(model, ...)).")
+    if not isinstance(method, (str, Explainer)):
+        raise ValueError(f"method must be a method's name (\"lrp\", \"attnlrp\") or an LRP / AttnLRP explainer built "
+                         f"on the model; got {type(method).__name__}.")
+    if isinstance(method, Explainer) and method.model is not (model.model if isinstance(model, LoadedModel) else model):
+        kind = type(method).__name__
+        raise ValueError(f"the explainer given as method ({kind}) was built on another model than the one given: the "
+                         f"atlas would be that model's. Build it on this model ({kind}(model, ...)), or give the "
+                         "method's name and its options.")
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top must be a whole number ≥ 1; got {top!r}.")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -168,9 +206,12 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
         raise ValueError(f"{folder} is a file; give a folder for the atlas (it is created if missing).")
     crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)  # a wrong layer: no folder
     preprocess = " ".join(setting_text(crp.explainer.preprocess).split())  # on one line
-    record = {"layer": layer, "method": method, "top": top, "batch_size": batch_size,
-              "model": _model_fingerprint(crp.model), "preprocess": preprocess,
-              "images": _fingerprint(names), "files": _files_fingerprint(files, names), "image_count": len(files)}
+    record: dict[str, Any] = {"layer": layer, "method": method if isinstance(method, str) else method.name}
+    if isinstance(method, Explainer):  # by its class and options, as ``explain batch``'s run.json records it
+        record["settings"] = " ".join(setting_text(method).split())
+    record.update({"top": top, "batch_size": batch_size, "model": _model_fingerprint(crp.model),
+                   "preprocess": preprocess, "images": _fingerprint(names), "files": _files_fingerprint(files, names),
+                   "image_count": len(files)})
     if method_options:  # the composite, directions...: a resumed build must use the same
         record["options"] = {key: _option_text(value) for key, value in sorted(method_options.items())}
     (folder / "batches").mkdir(parents=True, exist_ok=True)
@@ -181,8 +222,9 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
         with tqdm(total=len(mine), desc=f"atlas {layer}", unit="batch", disable=not progress) as bar:
             for start in mine:
                 destination = folder / "batches" / f"{start // batch_size:06d}.pt"
-                if not destination.exists():
-                    _measure_batch(crp, files, start, batch_size, destination, folder, record)
+                with _batch_claim(destination) as claimed:  # not stored, and no other shard measuring it
+                    if claimed:
+                        _measure_batch(crp, files, start, batch_size, destination, folder, record)
                 bar.update(1)
         if shard is not None:
             return None
@@ -211,13 +253,22 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
 
 
 def _check_record(folder: Path, record: dict[str, Any]) -> None:
+    """Refuse ``record`` where the folder holds batches measured with other settings, else write it (where it
+    differs), one process at a time: shards starting together neither both pass nor write one file together."""
+    with _exclusive(folder / RECORD_LOCK):
+        _check_and_write_record(folder, record)
+
+
+def _check_and_write_record(folder: Path, record: dict[str, Any]) -> None:
     path = folder / RECORD_FILE
     if path.exists():
         try:
             earlier = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise ValueError(f"{path} is not an atlas record ({error}); delete it to start afresh.") from None
-        if earlier != record and any((folder / "batches").iterdir()):
+        if earlier == record:
+            return
+        if any((folder / "batches").glob("[0-9]*.pt")):
             keys = list(record) + [key for key in earlier if key not in record]
             differences = [f"{key}: {earlier.get(key)!r} earlier, {record.get(key)!r} now"
                            + (f" ({RECORD_MEANINGS[key]})" if key in RECORD_MEANINGS else "")
@@ -225,6 +276,61 @@ def _check_record(folder: Path, record: dict[str, Any]) -> None:
             raise ValueError(f"{folder} holds an atlas with other settings ({'; '.join(differences)}); rerun with "
                              "the earlier settings to resume it, or give another folder.")
     write_atomically(path, lambda target: target.write_text(json.dumps(record, indent=1), encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """While inside, this process alone holds ``path`` (created if missing; an exclusive ``flock``, waited for).
+    Nothing is held without ``fcntl`` (Windows) or on a file system that cannot lock (``folder_lock`` warned)."""
+    if fcntl is None:
+        yield
+        return
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in LOCKS_UNSUPPORTED:
+                raise
+        yield
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def _batch_claim(destination: Path) -> Iterator[bool]:
+    """Whether this process is to measure the batch stored at ``destination``: False where it is stored, or where
+    another process (a shard of this atlas, of any layout) holds its claim, OUT/batches/.NNNNNN.claim, an exclusive
+    ``flock``; else True, and the claim is held while inside (others get False), then removed once the batch is
+    stored. A claim held by a process that was killed is free again (the kernel releases it), so a rerun measures the
+    batch. Without ``fcntl`` (Windows), or where the file system cannot lock, only the stored batches are skipped."""
+    if destination.exists():
+        yield False
+        return
+    if fcntl is None:
+        yield True
+        return
+    claim = destination.with_name(f".{destination.stem}.claim")
+    descriptor = os.open(claim, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # the claim of a batch just stored was removed: this descriptor's file is no longer it
+                current = os.path.samestat(os.stat(claim), os.fstat(descriptor))
+            except FileNotFoundError:
+                current = False
+        except BlockingIOError:
+            current = False  # another process is measuring it
+        except OSError as error:
+            if error.errno not in LOCKS_UNSUPPORTED:
+                raise
+            current = True
+        claimed = current and not destination.exists()
+        yield claimed
+        if claimed and destination.exists():
+            claim.unlink(missing_ok=True)  # while held: a process that opened it before finds the batch stored
+    finally:
+        os.close(descriptor)
 
 
 def _prepared_groups(crp: ConceptRelevance, files: Sequence[Path]) -> tuple[list[tuple[list[int], Tensor]],

@@ -81,3 +81,27 @@ def test_ablation_cam_warns_about_a_full_forward_fallback_at_the_callers_line() 
         lambda: explain.AblationCAM(model, "conv").explain(torch.rand(2, 3, 8, 8), target=1))
         if "replay" in str(warning.message)]
     assert found and all(warning.filename == __file__ for warning in found), [w.filename for w in found]
+
+
+def test_a_colormap_object_draws_as_its_name_and_anything_else_is_refused_clearly(tmp_path) -> None:
+    import matplotlib
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 3)).eval()
+    explanation = explain.GradCAM(model, "1").explain(torch.rand(1, 3, 16, 16), target=1)
+    by_name = explanation.overlay(cmap="magma")
+    by_object = explanation.overlay(cmap=matplotlib.colormaps["magma"])
+    assert np.array_equal(by_name, by_object)
+    assert not np.array_equal(by_name, explanation.overlay(cmap="jet"))
+    # a listed colour map made by the user (no registered name): its own colours are used
+    two_colours = matplotlib.colors.ListedColormap([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    picture = explanation.overlay(alpha=1.0, cmap=two_colours)
+    assert set(map(tuple, picture.reshape(-1, 3).tolist())) <= {(255, 0, 0), (0, 0, 255)}
+    explanation.save(tmp_path / "magma.png", cmap=matplotlib.colormaps["magma"])
+    assert (tmp_path / "magma.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="not a matplotlib colour map"):
+        explanation.overlay(cmap="no-such-map")
+    with pytest.raises(TypeError, match="name .* or a matplotlib.colors.Colormap"):
+        explanation.overlay(cmap=3)  # type: ignore[arg-type]

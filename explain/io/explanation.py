@@ -177,14 +177,14 @@ class Explanation:
         layer = ", ".join(self.layer) if isinstance(self.layer, list) else self.layer
         return f"{self.method} @ {layer}"
 
-    def overlay(self, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+    def overlay(self, alpha: float = 0.5, cmap: render.ColormapSpec = "jet") -> np.ndarray:
         """RGB uint8 images with the heatmap blended: (N, H, W, 3), or (N, K, H, W, 3) for K targets. ``cmap``
         colours maps in [0, 1]; an image's signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle
         (``render.as_drawn``), here and in ``save``, ``figure``, ``show`` and the notebook display."""
         self._check_not_empty()
         return self._overlays(self.maps, alpha, cmap)
 
-    def _overlays(self, maps: Tensor, alpha: float, cmap: str) -> np.ndarray:
+    def _overlays(self, maps: Tensor, alpha: float, cmap: render.ColormapSpec) -> np.ndarray:
         """``render.overlay_explained`` of ``maps`` (the maps, or the map grid), with each explained instance's box
         outlined on its own map where the explanation has boxes."""
         overlays = render.overlay_explained(self.images, maps, alpha=alpha, cmap=cmap)
@@ -196,12 +196,13 @@ class Explanation:
                          for pictures, image_boxes in zip(overlays, boxes)])
 
     def figure(
-        self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.ExplanationFigureOptions]
+        self, alpha: float = 0.5, cmap: render.ColormapSpec = "jet", **options: Unpack[render.ExplanationFigureOptions]
     ) -> Figure:
         """A matplotlib Figure: each image with its overlays under it, titled with class and score."""
         return self._overlay_figure(alpha, cmap, **options)
 
-    def show(self, alpha: float = 0.5, cmap: str = "jet", **options: Unpack[render.PanelOptions]) -> None:
+    def show(self, alpha: float = 0.5, cmap: render.ColormapSpec = "jet",
+             **options: Unpack[render.PanelOptions]) -> None:
         """Draw the figure with matplotlib's pyplot (in a notebook or a window). The figure is pyplot's until it
         is shown: with a backend that cannot show figures (Agg, as in scripts without a display, where pyplot's
         show does nothing) it is closed after ``plt.show()``, as a notebook closes it once shown, so that calls
@@ -218,8 +219,9 @@ class Explanation:
         if render.non_interactive_backend() is not None:
             plt.close(figure)
 
-    def _overlay_figure(self, alpha: float, cmap: str, map_titles: Optional[Sequence[Sequence[str]]] = None,
-                        title: Optional[str] = None, **layout: Any) -> Figure:
+    def _overlay_figure(self, alpha: float, cmap: render.ColormapSpec,
+                        map_titles: Optional[Sequence[Sequence[str]]] = None, title: Optional[str] = None,
+                        **layout: Any) -> Figure:
         """``render.overlay_figure`` of this explanation: its maps titled with class and score (or ``map_titles``),
         the figure titled with the method and its layer (or ``title``)."""
         grid = self.map_grid  # (N, K, H, W)
@@ -229,7 +231,8 @@ class Explanation:
         return render.overlay_figure(self.images, grid, map_titles, self.description() if title is None else title,
                                      alpha=alpha, cmap=cmap, boxes=self.boxes, **layout)
 
-    def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: str = "jet", dpi: int = 150) -> Path:
+    def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: render.ColormapSpec = "jet",
+             dpi: int = 150) -> Path:
         """Write the overlays to ``path``.
 
         PNG/JPG and other raster formats: the overlays at the input's own
@@ -258,7 +261,7 @@ class Explanation:
             raise ValueError("this explanation holds no image (an empty selection, e.g. e[mask] with no image "
                              "chosen): there is nothing to draw.")
 
-    def overlay_image(self, alpha: float = 0.5, cmap: str = "jet") -> Image.Image:
+    def overlay_image(self, alpha: float = 0.5, cmap: render.ColormapSpec = "jet") -> Image.Image:
         """The overlays as one RGB image at the input's resolution: images side by side, one row per
         target (what ``save`` writes to a raster file)."""
         self._check_not_empty()

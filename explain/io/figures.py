@@ -33,7 +33,7 @@ class FigureOptions(TypedDict, total=False):
 
     rows: str
     show_image: bool
-    cmap: str
+    cmap: render.ColormapSpec
     alpha: float
     mode: str
     normalize: str
@@ -101,7 +101,7 @@ def figure(
     *,
     rows: str = "images",
     show_image: bool = True,
-    cmap: str = "jet",
+    cmap: render.ColormapSpec = "jet",
     alpha: float = 0.5,
     mode: str = "blend",
     normalize: str = "map",

@@ -101,13 +101,32 @@ def resize_maps(maps: ArrayLike, size: tuple[int, int]) -> Tensor:
     return resized.reshape(*leading, *size)
 
 
-def colormap_table(cmap: str = "jet") -> Tensor:
-    """The 256 RGB colours of a matplotlib colour map, (256, 3) float in [0, 1]."""
-    colours = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, 256))[:, :3]
+ColormapSpec = Union[str, "matplotlib.colors.Colormap"]
+"""A colour map: a matplotlib colour map's name ("jet", "magma", ...) or a ``matplotlib.colors.Colormap``."""
+
+
+def resolved_colormap(cmap: ColormapSpec) -> matplotlib.colors.Colormap:
+    """The ``matplotlib.colors.Colormap`` that ``cmap`` (a name or a Colormap) stands for; ValueError for a name
+    matplotlib does not know, TypeError for anything else."""
+    if isinstance(cmap, matplotlib.colors.Colormap):
+        return cmap
+    if not isinstance(cmap, str):
+        raise TypeError(f"cmap must be a matplotlib colour map's name (such as 'jet' or 'magma') or a "
+                        f"matplotlib.colors.Colormap; got {type(cmap).__name__} {cmap!r}.")
+    try:
+        return matplotlib.colormaps[cmap]
+    except KeyError:
+        raise ValueError(f"cmap {cmap!r} is not a matplotlib colour map: give one of matplotlib.colormaps' names "
+                         "(such as 'jet', 'viridis', 'magma') or a matplotlib.colors.Colormap.") from None
+
+
+def colormap_table(cmap: ColormapSpec = "jet") -> Tensor:
+    """The 256 RGB colours of a matplotlib colour map (a name or a Colormap), (256, 3) float in [0, 1]."""
+    colours = resolved_colormap(cmap)(np.linspace(0.0, 1.0, 256))[:, :3]
     return torch.as_tensor(colours, dtype=torch.float32)
 
 
-def colorize(maps: ArrayLike, cmap: str = "jet") -> Tensor:
+def colorize(maps: ArrayLike, cmap: ColormapSpec = "jet") -> Tensor:
     """Maps (..., H, W) in [0, 1] → RGB (..., H, W, 3) float in [0, 1] through a colour map.
 
     A value v takes the colour map's entry round(v * 255); values outside [0, 1] are clipped; uint8 maps are
@@ -133,7 +152,7 @@ def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     return (scaled + 1) / 2
 
 
-def as_drawn(maps: ArrayLike, cmap: str) -> tuple[Tensor, str]:
+def as_drawn(maps: ArrayLike, cmap: ColormapSpec) -> tuple[Tensor, ColormapSpec]:
     """(values in [0, 1], colour map) with which one image's maps (any shape) are drawn: maps in [0, 1] as they
     are, with ``cmap``; signed maps (any value below 0: [-1, 1] after the default normalisation) centred, 0 at
     0.5, with the diverging DIVERGING_CMAP, so that negative evidence is not drawn as no evidence. NaN is drawn
@@ -144,7 +163,7 @@ def as_drawn(maps: ArrayLike, cmap: str) -> tuple[Tensor, str]:
     return values, cmap
 
 
-def overlay_explained(images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+def overlay_explained(images: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: ColormapSpec = "jet") -> np.ndarray:
     """``overlay`` of an explanation's maps, (N, H, W) or (N, K, H, W), on its (N, H, W, 3) images, each image's
     maps drawn as ``as_drawn`` decides for that image alone (an image's drawing never depends on the others of
     its batch). Returns uint8 (N, H, W, 3) or (N, K, H, W, 3)."""
@@ -178,7 +197,7 @@ def draw_boxes(pictures: np.ndarray, boxes: ArrayLike, labels: Optional[Sequence
     return drawn
 
 
-def overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: str = "jet") -> np.ndarray:
+def overlay_drawn(image: ArrayLike, maps: ArrayLike, alpha: float = 0.5, cmap: ColormapSpec = "jet") -> np.ndarray:
     """``overlay`` of one image's maps (any leading dimensions, e.g. its K targets), drawn as ``as_drawn`` says."""
     values, colours = as_drawn(maps, cmap)
     return overlay(image, values, alpha=alpha, cmap=colours)
@@ -188,7 +207,7 @@ def overlay(
     images: ArrayLike,
     maps: ArrayLike,
     alpha: float = 0.5,
-    cmap: str = "jet",
+    cmap: ColormapSpec = "jet",
     mode: str = "blend",
     keep: float = 0.2,
     levels: Sequence[float] = (0.25, 0.5, 0.75),
@@ -241,7 +260,7 @@ def overlay(
     return (result * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def _contours(images: Tensor, values: Tensor, levels: Sequence[float], cmap: str) -> Tensor:
+def _contours(images: Tensor, values: Tensor, levels: Sequence[float], cmap: ColormapSpec) -> Tensor:
     """Iso-lines of each map drawn on its image with OpenCV, one colour per level."""
     import cv2
 
@@ -344,7 +363,7 @@ def overlay_figure(
     map_titles: Sequence[Sequence[str]],
     title: str,
     alpha: float = 0.5,
-    cmap: str = "jet",
+    cmap: ColormapSpec = "jet",
     panel_size: float = 2.4,
     show_original: bool = True,
     image_titles: Optional[Sequence[str]] = None,

@@ -105,3 +105,21 @@ def test_a_colormap_object_draws_as_its_name_and_anything_else_is_refused_clearl
         explanation.overlay(cmap="no-such-map")
     with pytest.raises(TypeError, match="name .* or a matplotlib.colors.Colormap"):
         explanation.overlay(cmap=3)  # type: ignore[arg-type]
+
+
+def test_deeplifts_warning_about_an_unruled_operation_points_at_the_callers_line() -> None:
+    class Sorting(nn.Module):  # torch.sort has no DeepLIFT rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.sort(self.conv(x).flatten(2), dim=2).values.mean(2))
+
+    torch.manual_seed(0)
+    model = Sorting().eval()
+    for images in (torch.rand(1, 3, 8, 8), torch.rand(2, 3, 6, 6)):
+        found = [warning for warning in caught(lambda images=images: explain.DeepLift(model).explain(images, target=1))
+                 if "no DeepLIFT rule" in str(warning.message)]
+        assert found and all(warning.filename == __file__ for warning in found), [w.filename for w in found]

@@ -10,13 +10,13 @@ SigLIP towers, Swin's window attention, hybrids with convolutional stems, and CN
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import Target, select_targets
 from ..io.loaded_model import ModelSource
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
@@ -109,8 +109,7 @@ class AttnLRP(GradientExplainer):
             return
         names = list(rules.unruled)
         listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        warnings.warn(
+        warn_at_callers_line(
             f"{self.method_name}: no AttnLRP rule for {listed} on the input's path: there the relevance follows the "
             "plain gradient, so relevance is not conserved there (rules cover attention, softmax, products, norms, "
-            "elementwise activations, linear layers, convolutions, sums, pooling and reshaping).",
-            RuntimeWarning, stacklevel=4)
+            "elementwise activations, linear layers, convolutions, sums, pooling and reshaping).", RuntimeWarning)

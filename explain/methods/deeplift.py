@@ -34,13 +34,13 @@ is named in one warning per call, as the summation may then fail there. No modul
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar, Optional, Union
 
 import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import SelectedTargets, Target, select_targets
 from ..io.loaded_model import ModelSource
 from ._deeplift_rules import deeplift_rules, detached_output
@@ -137,10 +137,10 @@ class DeepLift(GradientExplainer):
             return
         named = [f"{name} ({why})" for name, why in unruled.items()]
         listed = "; ".join(named[:6]) + (f"; and {len(named) - 6} more" if len(named) > 6 else "")
-        warnings.warn(
+        warn_at_callers_line(
             f"{self.method_name}: no DeepLIFT rule for {listed}. There the multipliers are the plain gradient, so "
             "the attributions need not sum to y(x) − y(x′) (diagnostics['summation_error'] says by how much).",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning)
 
     def check_summation(self, attributions: Tensor, summation_error: Tensor, score_change: Tensor, scores: Tensor,
                         unruled: dict[str, str]) -> None:
@@ -170,11 +170,11 @@ class DeepLift(GradientExplainer):
             pairs = ", ".join(f"image {n}, target {k}: the attributions sum to "
                               f"{(summation_error[n, k] + score_change[n, k]).item():.3g}, y(x) − y(x′) = "
                               f"{score_change[n, k].item():.3g}" for n, k in wrong.nonzero().tolist()[:6])
-            warnings.warn(
+            warn_at_callers_line(
                 f"{self.method_name}: the attributions do not sum to the score change ({pairs}; "
                 "diagnostics['summation_error']): DeepLIFT's multipliers grew from layer to layer against this "
                 f"baseline until rounding lost the score change, so the map is not to be trusted. {advice}",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning)
 
 
 @register

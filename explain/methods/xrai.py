@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import Target, select_targets
 from ..io.loaded_model import LoadedModel
 from .base import Explainer
@@ -418,9 +418,9 @@ class XRAI(Explainer):
                 gains[image, column] = regions.gain_map().float()
                 ranks[image, column] = regions.rank_map()
         for cause, where in single_region.items():
-            warnings.warn(f"{self.method_name} ranked a single region, so the map is constant, for (image, target) "
-                          f"{', '.join(where[:8])}{' and more' if len(where) > 8 else ''}: {cause}", RuntimeWarning,
-                          stacklevel=3)
+            more = " and more" if len(where) > 8 else ""
+            warn_at_callers_line(f"{self.method_name} ranked a single region, so the map is constant, for (image, "
+                                 f"target) {', '.join(where[:8])}{more}: {cause}", RuntimeWarning)
         return Attribution(
             maps=maps,
             selected=selected,

@@ -292,20 +292,43 @@ def test_squeeze_excitation_cnns_conserve_relevance(name):
     assert applied["gate"] == str(SE_MODELS[name]) and "uniform" not in applied, applied
 
 
+def input_times_gradient_precision_gap(model: nn.Module, x: Tensor, targets: list[int]) -> float:
+    """How far the model's own input × gradient of the batch's first image is between float32 and float64 (relative to
+    its maximum): a ReLU input that rounds to the other side of 0 in float32 changes the gradient itself (on an AMD
+    EPYC, RegNet's batch of 4, run channels-last, has one ReLU input of exactly 0 in float64 and above 0 in float32:
+    1.2e-2 apart; on an Intel Xeon none). The model is left in float32."""
+    def input_times_gradient(images: Tensor) -> Tensor:
+        images = images.clone().requires_grad_(True)
+        scores = model(images)[torch.arange(len(targets)), targets]
+        (gradient,) = torch.autograd.grad(scores.sum(), images)
+        return (gradient * images).detach()[0]
+
+    single = input_times_gradient(x)
+    model.double()
+    try:
+        double = input_times_gradient(x.double())
+    finally:
+        model.float()
+    return relative_error(single, double)
+
+
 @pytest.mark.parametrize("name", SE_MODELS)
 def test_squeeze_excitation_cnns_give_the_same_maps_in_float32_and_float64_and_alone(name):
     """A gate pre-activation 1e-6 from 0 (first image): the maps in float32 and float64, and of a batch of 4 (which
     runs channels-last on the CPU) and of each image alone, agree to float32 rounding, 5e-6 of the map's maximum
-    (measured); they were 11 % to 200 % apart. The other images' maps agree to 1e-2 in L2 (the worst, 3e-3, is
-    RegNet's third image, where input × gradient itself is 9e-3 apart: a ReLU input at its kink)."""
+    (measured on an Intel Xeon), plus twice the model's own float32/float64 gap of input × gradient where a ReLU input
+    rounds across 0 (1.2e-2 for RegNet's first image on an AMD EPYC); they were 11 % to 200 % apart. The other
+    images' maps agree to 1e-2 in L2 (the worst, 3e-3, is RegNet's third image, where input × gradient itself is 9e-3
+    apart: a ReLU input at its kink)."""
     x = images()
     model = with_a_gate_near_zero(se_model(name), x)
     targets = [1, 2, 3, 4]
     single = strictly(explain.AttnLRP(model).explain, x, target=targets).attributions
     alone = torch.cat([strictly(explain.AttnLRP(model).explain, x[i : i + 1], target=[targets[i]]).attributions
                        for i in range(4)])
+    kink = input_times_gradient_precision_gap(model, x, targets)
     double = strictly(explain.AttnLRP(model.double()).explain, x.double(), target=targets).attributions
     for other, label in ((double, "float64"), (alone, "alone")):
-        assert relative_error(single[0], other[0]) <= 1e-4, label
+        assert relative_error(single[0], other[0]) <= 1e-4 + 2 * kink, (label, kink)
         l2 = ((single.double() - other.double()).flatten(1).norm(dim=1) / other.double().flatten(1).norm(dim=1))
-        assert l2.max() <= 1e-2, (label, l2)
+        assert l2.max() <= 1e-2 + 2 * kink, (label, l2, kink)

@@ -375,25 +375,25 @@ def test_k_targets_per_image_equal_one_call_per_target():
         torch.testing.assert_close(both[:, k], lrp(model, x, [[1, 3][k], [0, 2][k]]).attributions[:, 0])
 
 
-class Gated(nn.Module):
-    """Squeeze-and-excitation style gating: a product of two tensors that both depend on the input."""
+class Scaled(nn.Module):
+    """A product of two tensors that both depend on the input, neither a sigmoid gate (which LRP holds constant)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
-        self.gate = nn.Linear(4, 4)
+        self.scale = nn.Linear(4, 4)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):
         features = torch.relu(self.conv(x))
-        weights = torch.sigmoid(self.gate(features.mean(dim=(2, 3))))
+        weights = torch.tanh(self.scale(features.mean(dim=(2, 3))))
         return self.head((features * weights[:, :, None, None]).mean(dim=(2, 3)))
 
 
 def test_a_function_without_an_lrp_rule_gets_a_warning_naming_it_and_its_module():
     x = torch.randn(1, 3, 8, 8).clamp(-1.5, 1.5)
     with pytest.warns(RuntimeWarning, match=r"no rule for model: mul on the input's path.*not LRP"):
-        explanation = lrp(Gated().eval(), x, 0)
+        explanation = lrp(Scaled().eval(), x, 0)
     assert explanation.diagnostics["unruled"] == ["model: mul"]
     softmax_model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(72, 3), nn.Softmax(dim=1)).eval()
     with pytest.warns(RuntimeWarning, match=r"no rule for 3: softmax"):

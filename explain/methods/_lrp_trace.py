@@ -11,6 +11,7 @@ whose backward is the rule. Hooks registered through the scope (on this thread o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
@@ -47,7 +48,12 @@ ADDITIONS = torch_functions("add", "add_", "__add__", "__radd__", "__iadd__", "s
 SCALINGS = torch_functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "div", "div_", "divide",
                       "true_divide", "true_divide_", "__truediv__", "__itruediv__", "neg", "neg_", "negative",
                       "__neg__")
-"""Products: by a constant, relevance passes unchanged; of two path tensors, no rule."""
+"""Products: by a constant, relevance passes unchanged; of two path tensors, no rule (but see ``GATES``)."""
+MULTIPLICATIONS = torch_functions("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__")
+GATES = torch_functions("sigmoid", "sigmoid_", "hardsigmoid")
+"""Activations whose output is a gate: in a product with a path tensor that is not a gate (squeeze-and-excitation's
+x · σ(W s), CBAM's, ECA's), the gate is held constant and all the relevance passes to the gated tensor, as LRP treats
+the gates of LSTMs (Arras et al. 2017, "signal-take-all") and as AttnLRP treats these gates."""
 SUMS = torch_functions("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                   "adaptive_avg_pool3d", "mean", "sum", "interpolate", "upsample", "upsample_bilinear",
                   "upsample_nearest", "fold")
@@ -68,6 +74,10 @@ ROUTING = torch_functions(
 )
 """Functions that only move, copy or select values: the plain gradient routes the relevance."""
 
+PRODUCT_NAMES = ("mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "div", "div_", "divide",
+                 "true_divide", "true_divide_", "__truediv__", "__itruediv__")
+"""The endings of the unruled calls that are a product (or quotient) of two path tensors: AttnLRP has a rule for
+products (its uniform rule; a gate held constant)."""
 TRANSFORMER_FUNCTIONS = ("scaled_dot_product_attention", "multi_head_attention_forward", "softmax", "log_softmax",
                          "layer_norm", "rms_norm", "group_norm", "matmul", "bmm", "baddbmm", "einsum")
 """The endings of the unruled calls (``CallTrace.where``'s "module: function") that mark a transformer's attention,
@@ -318,6 +328,14 @@ def _box_bound(bound: Tensor, inputs: Tensor, which: str) -> Tensor:
 # ------------------------------------------------------------------ following the forward pass
 
 
+def _routes_a_gate(func: Callable, args: tuple, path: Sequence[Tensor], gates: WeakIdKeyDictionary) -> bool:
+    """Whether a routing call moves a gate's values: its path tensors are all gates, or it is ``g.expand_as(x)``
+    (``view_as``, ``reshape_as``, ``type_as``) of a gate ``g``, whose other tensor only gives the shape."""
+    if function_name(func).endswith("_as") and args and isinstance(args[0], Tensor):
+        return args[0] in gates
+    return all(tensor in gates for tensor in path)
+
+
 def mark_on_path(path: Any, value: Any) -> bool:
     """Mark the floating-point tensors of ``value`` that require grad in ``path`` (a weak tensor-keyed mapping);
     whether there were any."""
@@ -336,14 +354,20 @@ class _Trace(Rule):
     functions = frozenset(KINDS)
     sees_every_call = True  # the input's path runs through functions it has no rule for too: noticed, named
 
-    def __init__(self, composite: Composite, stabilizer: float, low: Optional[Tensor], high: Optional[Tensor]):
+    def __init__(self, composite: Composite, stabilizer: float, low: Optional[Tensor], high: Optional[Tensor],
+                 hold_gates: bool = False):
         self.composite, self.stabilizer, self.low, self.high = composite, stabilizer, low, high
+        self.hold_gates = hold_gates
         self.path: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.layer_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.passes = _Passes()
         self.modules: list[str] = [""]
         self.recorded: list[_CallRule] = []
         self.unruled: dict[str, None] = {}
+        self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """The path tensors that are gates (``GATES``): outputs of a sigmoid or hard sigmoid, and views of them."""
+        self.gate_products: dict[str, None] = {}
+        """The products of a gate and a path tensor that is not one, left without a rule (``hold_gates`` off)."""
         self.first_done = False
         self.layer_count = 0
         self.outside_box = False
@@ -377,6 +401,13 @@ class _Trace(Rule):
         if not seen:
             return func(*args, **kwargs)
         path = list(seen.values())
+        if func in MULTIPLICATIONS and len(path) > 1:
+            gated = [tensor for tensor in path if tensor not in self.gates]
+            if gated and len(gated) < len(path):  # x · gate
+                if self.hold_gates:  # the gate is a constant of the call (a weight): R_x = R
+                    path = gated
+                else:
+                    self.gate_products.setdefault(self.where(func))
         kind = KINDS.get(func)
         in_place = writes_in_place(func, args, kwargs)
         target = args[0] if args else kwargs.get("input")
@@ -389,6 +420,9 @@ class _Trace(Rule):
             followed = self.follow(result) | (in_place and self.follow(target))
             if followed and kind != "route":
                 self.unruled.setdefault(self.where(func))
+            if kind == "route" and _routes_a_gate(func, args, path, self.gates):
+                for tensor in tensors_in(result):
+                    self.gates[tensor] = True
             return result
         inputs = list(path)
         if target_index is not None and rule.keeps_inputs:  # the saved value must outlive the in-place write
@@ -397,6 +431,8 @@ class _Trace(Rule):
         if target_index is not None:
             result = path[target_index].copy_(result)
         self.follow(result)
+        if func in GATES:
+            self.gates[result] = True
         if isinstance(rule, _LayerRule):
             rule.output_version = result._version
             self.layer_outputs[result] = rule
@@ -519,20 +555,37 @@ class _Trace(Rule):
                 "(Grad-CAM, ODAM, D-RISE).", RuntimeWarning)
         return structured
 
-    def warn_about_gaps(self, output: Any, method: str) -> None:
-        """Warn where the map is not LRP: calls without a rule, no linear layer, inputs outside the z^B box."""
-        problems = []
-        if self.unruled:
-            names = list(self.unruled)
-            listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            problems.append(
-                f"it has no rule for {listed} on the input's path: there the relevance follows the plain gradient, "
+    def unruled_text(self) -> str:
+        """What the calls without a rule are, and what to do about them ("" where there are none)."""
+        if not self.unruled:
+            return ""
+        names = list(self.unruled)
+        listed = ", ".join(names[:6])
+        if len(names) > 6:
+            counts = Counter(name.rsplit(": ", 1)[-1] for name in names)
+            listed += f" and {len(names) - 6} more (in all: " + ", ".join(f"{function} ×{count}"
+                                                               for function, count in counts.most_common()) + ")"
+        text = (f"it has no rule for {listed} on the input's path: there the relevance follows the plain gradient, "
                 "so the map is not LRP and relevance is not conserved (rules cover convolutions, linear layers, "
-                "BatchNorm, elementwise activations, sums, average pooling and reshaping)"
-                + (". These are a transformer's attention, softmax or normalisation: explain it with AttnLRP "
-                   "(explain.AttnLRP, --method attnlrp), whose rules cover them, in one backward pass as LRP"
-                   if any(name.endswith(TRANSFORMER_FUNCTIONS) for name in names) else "")
-            )
+                "BatchNorm, elementwise activations, sums, average pooling and reshaping)")
+        transformer = any(name.endswith(TRANSFORMER_FUNCTIONS) for name in names)
+        products = any(name.endswith(PRODUCT_NAMES) for name in names if name not in self.gate_products)
+        if transformer or products:
+            what = ("a transformer's attention, softmax or normalisation" if transformer else
+                    "products of two tensors that both depend on the input")
+            text += (f". Among them are {what}: explain it with AttnLRP (explain.AttnLRP, --method attnlrp), whose "
+                     "rules cover them, in one backward pass as LRP")
+        if self.gate_products:
+            gates = list(self.gate_products)
+            text += (f". {len(gates)} of them ({', '.join(gates[:2])}{', ...' if len(gates) > 2 else ''}) multiply a "
+                     "tensor by a sigmoid gate computed from it (squeeze-and-excitation): pass hold_gates=True "
+                     "(--option hold_gates=true) to hold the gates constant, so that the gated tensor keeps all the "
+                     "relevance (as LRP treats an LSTM's gates, and as AttnLRP does)")
+        return text
+
+    def gaps(self, output: Any) -> list[str]:
+        """Where the map is not LRP: calls without a rule, no linear layer, inputs outside the z^B box."""
+        problems = [self.unruled_text()] if self.unruled else []
         if isinstance(output, Tensor) and output.requires_grad and output not in self.path:
             problems.append("the model's output depends on the input through functions it cannot follow (not "
                             "torch functions), so the map is not LRP")
@@ -545,8 +598,24 @@ class _Trace(Rule):
                 "which makes its relevance unreliable: pass low= and high= in model-input units, or another "
                 "composite such as 'epsilon_plus'"
             )
+        return problems
+
+    def warn_about_gaps(self, output: Any, method: str, problems: Optional[list[str]] = None) -> None:
+        """Warn where the map is not LRP (``gaps``, or the problems given, found earlier)."""
+        problems = self.gaps(output) if problems is None else problems
         if problems:
             warn_at_callers_line(f"{method}: " + "; ".join(problems) + ".", RuntimeWarning)
+
+    def non_finite_error(self, pairs: Sequence[Sequence[int]], method: str, dtype: torch.dtype) -> ValueError:
+        """The error for maps with NaN or inf where relevance went through calls without a rule: those calls are
+        the likely cause (the plain gradient there need not stay bounded), not the model's precision."""
+        listed = ", ".join(f"image {n}, target {k}" for n, k in pairs[:6]) + (" and more" if len(pairs) > 6 else "")
+        return ValueError(
+            f"{method} computed a map with NaN or inf values ({listed}): the relevance overflowed on its way back "
+            f"through the model, where {self.unruled_text()}."
+            + (f" The model also runs in {dtype}, whose range is small: float32 gives the relevance more room."
+               if dtype in (torch.float16, torch.bfloat16) else "")
+        )
 
     def layer_diagnostics(self, count: int, targets: int) -> dict[str, Any]:
         """Per rule-carrying call, in forward order: Σ relevance received and passed on, (N, K, L) each."""

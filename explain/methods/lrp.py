@@ -25,9 +25,18 @@ its end get their rules too. (zennit's composites leave those two functional cal
 ``SequentialMergeBatchNorm`` fails on DenseNet: it pairs each layer's last convolution with the next layer's
 BatchNorm, whose input is a concatenation.)
 
-Anything else on the path (a product of two path tensors as in squeeze-excitation, softmax, layer norm, attention)
-has no rule: the call is computed plainly, its relevance follows the gradient there, and LRP warns, naming the
-function and the module. No module is replaced and nothing is written to the model.
+A squeeze-and-excitation gate x · σ(W s) (EfficientNet, MobileNetV3, RegNetY): by default (``hold_gates=True``) the
+gate (the output of a sigmoid or hard sigmoid, or a view of it) is held constant, a weight of the product, so x keeps
+all the relevance and none flows into the gate's branch: the "signal-take-all" rule of LRP for an LSTM's gates (Arras
+et al. 2017, "Explaining recurrent neural network predictions in sentiment analysis"), and what AttnLRP does with such
+gates. With ``hold_gates=False`` the product has no rule (as in zennit, whose relevance follows the gradient there:
+on torchvision's EfficientNet-B0, RegNetY and MobileNetV3 with random weights it overflows or sums to up to 1e17
+times the score) and a warning names it.
+
+Anything else on the path (another product of two path tensors, softmax, layer norm, attention) has no rule: the call
+is computed plainly, its relevance follows the gradient there, and LRP warns, naming the function and the module (and
+AttnLRP or ``hold_gates`` where they cover it). Where a map holds NaN or inf and relevance went through such calls,
+the error names them. No module is replaced and nothing is written to the model.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from ._lrp_rules import COMPOSITES, Composite, make_composite
 from ._lrp_trace import _RelevanceRules, _Trace
 from .gradients import GradientExplainer, all_zero
 from .maps import Attribution
+from .options import bool_option
 from .registry import register
 
 __all__ = ["COMPOSITES", "LRP", "Composite", "make_composite"]
@@ -71,6 +81,9 @@ class LRP(GradientExplainer):
         low = −mean/std and high = (1 − mean)/std per channel). A warning says when an input lies outside.
     reduce: how the (N, K, C, H, W) relevance becomes a map: "sumabs" (default) Σ_c |R_c|; "sum" Σ_c R_c, the signed
         relevance of each pixel (the maps then lie in [−1, 1]); or "maxabs".
+    hold_gates: True (default): hold each squeeze-and-excitation gate (a sigmoid's or hard sigmoid's output times a
+        tensor that is not one) constant, so that the gated tensor keeps all the relevance (see
+        ``explain.methods.lrp``); False: such a product has no rule, and a warning names it.
 
     The relevance starts at the model's output as output ⊙ ∂score/∂output: for a class target, the logit of that
     class (zennit's attributor given one-hot × output). ``Explanation.attributions`` (N, K, C, H, W) is the relevance
@@ -99,9 +112,11 @@ class LRP(GradientExplainer):
         low: Union[float, Sequence[float], Tensor, None] = None,
         high: Union[float, Sequence[float], Tensor, None] = None,
         reduce: str = "sumabs",
+        hold_gates: bool = True,
         **options: Any,
     ):
         super().__init__(model, reduce=reduce, **options)
+        self.hold_gates = bool_option("hold_gates", hold_gates)
         for label, value in (("epsilon", epsilon), ("stabilizer", stabilizer), ("gamma", gamma)):
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{label} must be a non-negative number; got {value!r}.")
@@ -134,13 +149,13 @@ class LRP(GradientExplainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
-        trace = _Trace(self.composite, self.stabilizer, self.low, self.high)
+        trace = _Trace(self.composite, self.stabilizer, self.low, self.high, self.hold_gates)
         with torch.enable_grad():
             inputs = batch.detach().requires_grad_(True)
             with _RelevanceRules(self.model, trace):  # the rules act on the forward only; autograd keeps them
                 trace.follow(inputs)
                 output = self.call_model(inputs)
-            trace.warn_about_gaps(output, self.method_name)
+            problems = trace.gaps(output)
             output = trace.start(output)
             selected = select_targets(output, target, topk, batch_size=count)
             targets = selected.scores.shape[1]
@@ -157,6 +172,10 @@ class LRP(GradientExplainer):
         selected.scores = selected.scores.detach()
         self._disconnected = torch.stack(disconnected, dim=1)
         relevance_sum = attributions.detach().double().flatten(2).sum(dim=2).cpu()
+        non_finite = ~torch.isfinite(relevance_sum)  # float32 relevance sums overflow in float64 only if inf or NaN
+        if trace.unruled and bool(non_finite.any()):
+            raise trace.non_finite_error(non_finite.nonzero().tolist(), self.method_name, attributions.dtype)
+        trace.warn_about_gaps(output, self.method_name, problems)
         output_relevance = trace.output_relevance(count, targets)
         return self.attribution_from(
             attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum,

@@ -285,6 +285,15 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def model_input_channels(model: nn.Module) -> Optional[int]:
+    """The channels of the images a model takes, as its first 2-D convolution (in module order: the stem of a CNN,
+    a ViT's patch embedding) states them; None for a model without one (or with a lazy one not yet built)."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            return int(module.in_channels) or None
+    return None
+
+
 def preserved_model_state(model: nn.Module, eval_mode: bool = True) -> CallScope:
     """A scope that runs its block with the model in eval mode and restores every module's flag after.
 

@@ -110,7 +110,7 @@ except ImportError:  # Windows: no flock, so runs into one folder are not locked
     fcntl = None  # type: ignore[assignment]
 
 from ..core.caller import warn_at_callers_line
-from ..core.capture import ModelInputError, model_device, model_dtype, preserved_model_state
+from ..core.capture import ModelInputError, model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import Target, class_index, class_probabilities
 from ..io import render
 from ..io.explanation import Explanation
@@ -657,7 +657,8 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
         summary.already_done = len(files) - len(todo)
         chunks = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
         loaded = load_batches(files, chunks, explainer.preprocess, workers, pin_memory=device.type == "cuda",
-                              displays=overlays)  # the workers start here, before the threads below
+                              displays=overlays, channels=model_input_channels(explainer.model))
+        # the workers start at load_batches, before the threads below
         groups = _folder_groups(loaded, chunks, files, file_ids, folder, None if read is None else read.by_path,
                                 device, summary, nothing_explained)
     else:
@@ -704,7 +705,8 @@ def _predictions(explainer: Explainer, inputs: Tensor, plan: _TargetPlan) -> Opt
         return None
     model = explainer.model
     with preserved_model_state(model), torch.no_grad():
-        prepared = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model))
+        prepared = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model),
+                                  channels=model_input_channels(model))
         output = explainer.call_model(prepared.batch)
     if not isinstance(output, Tensor) or output.dim() != 2:
         plan.classifier = False

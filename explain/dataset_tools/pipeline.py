@@ -77,8 +77,8 @@ class FileImages(torch.utils.data.Dataset):
     """A run's image files by position: each read (``load_image``) and prepared with the explainer's
     preprocess, as ``explain`` prepares an image; a file that fails gives a LoadFailure instead."""
 
-    def __init__(self, files: Sequence[Path], preprocess: Preprocess, displays: bool):
-        self.files, self.preprocess, self.displays = list(files), preprocess, displays
+    def __init__(self, files: Sequence[Path], preprocess: Preprocess, displays: bool, channels: Optional[int] = None):
+        self.files, self.preprocess, self.displays, self.channels = list(files), preprocess, displays, channels
 
     def __len__(self) -> int:
         return len(self.files)
@@ -89,7 +89,7 @@ class FileImages(torch.utils.data.Dataset):
         except Exception as error:  # corrupt, empty, truncated, not an image, RGBA, decompression bomb ...
             return position, None, None, LoadFailure(position, "read", _sendable(error))
         try:
-            prepared = prepare_inputs(image, self.preprocess, torch.device("cpu"))
+            prepared = prepare_inputs(image, self.preprocess, torch.device("cpu"), channels=self.channels)
         except Exception as error:
             return position, None, None, LoadFailure(position, "prepare", _sendable(error))
         display = prepared.images[0] if self.displays else None
@@ -152,16 +152,18 @@ Item = TypeVar("Item")
 
 
 def load_batches(files: Sequence[Path], batches: Sequence[Sequence[int]], preprocess: Preprocess, workers: int,
-                 pin_memory: bool, displays: bool) -> Generator[LoadedBatch, None, None]:
+                 pin_memory: bool, displays: bool, channels: Optional[int] = None
+                 ) -> Generator[LoadedBatch, None, None]:
     """Each batch of positions (in ``files``) decoded and preprocessed, in order: by ``workers`` worker
     processes, started now (before the caller starts threads of its own), the next batches loaded while
     this one is used; 0: in this process, when asked for. The model input is in pinned memory with
-    ``pin_memory``, the display images made with ``displays``. The workers end when the iteration ends or
+    ``pin_memory``, the display images made with ``displays``, images 1-channel where ``channels`` (the model's) is 1.
+    The workers end when the iteration ends or
     the iterator is closed."""
     if not batches:
         return _batches_of(iter(()))
     loader = torch.utils.data.DataLoader(
-        FileImages(files, preprocess, displays), batch_sampler=[list(batch) for batch in batches],
+        FileImages(files, preprocess, displays, channels), batch_sampler=[list(batch) for batch in batches],
         num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
         prefetch_factor=2 if workers > 0 else None)
     return _batches_of(iter(loader))

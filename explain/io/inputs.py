@@ -2,7 +2,9 @@
 
 Images (paths, PIL, ndarrays) are RGB, turned into float tensors in [0, 1] and
 passed through a ``preprocess`` callable (default: ImageNet mean/std
-normalisation, size kept). Float tensors are taken as already preprocessed model
+normalisation, size kept); for a model whose first convolution takes 1 channel
+(``explain.core.capture.model_input_channels``) grayscale images stay 1-channel instead, and colour
+images are refused. Float tensors are taken as already preprocessed model
 input; uint8 tensors, channels first ((3, H, W) or (N, 3, H, W), as
 ``torchvision.io.read_image`` gives), are images of 0-255 pixels like uint8
 ndarrays, and go through the preprocess. For every input the toolkit keeps a display image, (H, W, 3) float in
@@ -63,6 +65,11 @@ class Normalize:
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std})"
+
+    def grayscale(self) -> "Normalize":
+        """This normalisation for 1-channel images (a 1-channel model's): the mean and std averaged over the
+        channels (ImageNet's: 0.449, 0.226)."""
+        return Normalize((sum(self.mean) / len(self.mean),), (sum(self.std) / len(self.std),))
 
 
 def _conversion_hint(array: np.ndarray) -> str:
@@ -243,6 +250,11 @@ def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     """Open an image file as an RGB PIL image, turned as viewers show it (its EXIF orientation applied: a phone
     photo stored sideways is explained upright); palette, grayscale and CMYK files are converted. The file is
     closed before this returns (the first frame of an animation is kept)."""
+    return _checked_rgb(_read_image(path), source=str(path))
+
+
+def _read_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
+    """An image file as a PIL image in its own mode, upright (see ``load_image``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {str(path)!r}.")
@@ -255,7 +267,7 @@ def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
                          "e.g. PIL.Image.MAX_IMAGE_PIXELS = None.") from error
     except (OSError, SyntaxError) as error:  # PIL raises SyntaxError for some malformed headers
         raise ValueError(f"{str(path)!r} could not be read as an image: {error}") from error
-    return _checked_rgb(image, source=str(path))
+    return image
 
 
 def upright(image: Image.Image) -> Image.Image:
@@ -281,6 +293,25 @@ def _checked_rgb(image: Image.Image, source: str = "the image") -> Image.Image:
     return image.convert("RGB")  # grayscale, palette, CMYK, YCbCr: unambiguous conversions
 
 
+def _colour_for_grayscale_model(source: str) -> ValueError:
+    return ValueError(
+        f"{source} is a colour (RGB) image, and the model takes 1-channel (grayscale) images (its first convolution "
+        "has in_channels=1). Convert it to grayscale first, e.g. image.convert('L') for a PIL image, or "
+        "np.asarray(Image.fromarray(array).convert('L')) for a uint8 array; or pass model input as a float "
+        "(1, H, W) tensor.")
+
+
+def _checked_gray(image: Image.Image, source: str = "the image") -> Image.Image:
+    """A PIL image as mode "L", for a 1-channel model: grayscale images as they are, RGB images whose three channels
+    are equal taken as the gray image they hold; colour images refused (a ValueError saying how to convert)."""
+    if image.mode in ("L", "1"):
+        return image.convert("L")
+    rgb = np.asarray(_checked_rgb(image, source))  # alpha and 16-bit images refused as for RGB models
+    if not (rgb == rgb[..., :1]).all():
+        raise _colour_for_grayscale_model(source)
+    return Image.fromarray(np.ascontiguousarray(rgb[..., 0]), mode="L")
+
+
 def _pixel_tensor_as_array(pixels: Tensor) -> np.ndarray:
     """A uint8 tensor of pixels, channels first ((3, H, W), (1, H, W)) or (H, W), → an (H, W, C) or (H, W) ndarray."""
     if pixels.dim() == 3 and pixels.shape[0] in (1, 3):
@@ -298,16 +329,17 @@ def _pixel_tensor_as_array(pixels: Tensor) -> np.ndarray:
                      f"as torchvision.io.read_image gives, or (H, W) grayscale; got shape {shape}.{hint}")
 
 
-def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
+def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor], channels: int = 3) -> Tensor:
     """A PIL image, an (H, W), (H, W, 1) or (H, W, 3) ndarray, or a channels-first (3, H, W) uint8
-    tensor → (3, H, W) float32 tensor in [0, 1].
+    tensor → (3, H, W) float32 tensor in [0, 1], or (1, H, W) with ``channels=1`` (a 1-channel model's).
 
     uint8 arrays and tensors are divided by 255; float arrays must already lie in [0, 1].
-    Grayscale arrays are repeated to three channels; other channel counts,
-    16-bit arrays and out-of-range floats are refused with an error.
+    Grayscale arrays are repeated to three channels (kept on one with ``channels=1``, where colour
+    images are refused); other channel counts, 16-bit arrays and out-of-range floats are refused with an error.
     """
     if isinstance(image, Image.Image):
-        array = np.asarray(_checked_rgb(image, source="the PIL image"))
+        checked = _checked_gray if channels == 1 else _checked_rgb
+        array = np.asarray(checked(image, source="the PIL image"))
     elif isinstance(image, Tensor):
         array = _pixel_tensor_as_array(image)
     else:
@@ -315,10 +347,10 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
     if array.ndim == 2:
         array = array[:, :, None]
     if array.ndim != 3 or array.shape[2] not in (1, 3):
-        channels = f" with {array.shape[2]} channels" if array.ndim == 3 else ""
+        counted = f" with {array.shape[2]} channels" if array.ndim == 3 else ""
         hint = " (RGBA: drop or composite the alpha channel)" if array.ndim == 3 and array.shape[2] == 4 else ""
         raise ValueError(
-            f"an image array must be (H, W, 3) RGB, or (H, W) grayscale; got shape {array.shape}{channels}{hint}. "
+            f"an image array must be (H, W, 3) RGB, or (H, W) grayscale; got shape {array.shape}{counted}{hint}. "
             "A channels-first image is a tensor input: torch.as_tensor(array)."
         )
     if array.dtype == np.uint8:
@@ -339,7 +371,11 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
             + _conversion_hint(array)
         )
     tensor = tensor.permute(2, 0, 1)
-    if tensor.shape[0] == 1:
+    if channels == 1 and tensor.shape[0] == 3:
+        if not bool((tensor == tensor[:1]).all()):
+            raise _colour_for_grayscale_model("the image array")
+        tensor = tensor[:1]
+    elif channels != 1 and tensor.shape[0] == 1:
         tensor = tensor.expand(3, -1, -1)
     return tensor.contiguous()
 
@@ -352,6 +388,8 @@ def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = N
     """
     batch = batch.detach().to("cpu", torch.float32)
     channels = batch.shape[1]
+    if isinstance(preprocess, Normalize) and channels == 1:  # how it normalises a 1-channel model's images
+        preprocess = preprocess.grayscale()
     mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
     if mean is not None and std is not None and len(mean) == channels == len(std):
         images = batch * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
@@ -431,49 +469,58 @@ def _flatten(inputs: Inputs) -> list[ImageInput]:
     )
 
 
-def _prepare_one(item: ImageInput, preprocess: Preprocess) -> tuple[Tensor, Tensor]:
-    """One input → (model input (C, H, W), display image (H, W, 3))."""
+def _prepare_one(item: ImageInput, preprocess: Preprocess, channels: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """One input → (model input (C, H, W), display image (H, W, 3)); images 1-channel where ``channels`` is 1."""
     if isinstance(item, Tensor) and item.dtype != torch.uint8:
         model_input = item.unsqueeze(0) if item.dim() == 2 else item
         return model_input, display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
+    gray = channels == 1
+    checked = _checked_gray if gray else _checked_rgb
     pil_image: Optional[Image.Image]
     if isinstance(item, (str, os.PathLike)):
-        pil_image = load_image(item)
-        image = image_to_tensor(pil_image)
+        pil_image = checked(_read_image(item), source=str(item))
+        image = image_to_tensor(pil_image, 1 if gray else 3)
     elif isinstance(item, Image.Image):
-        pil_image = _checked_rgb(item, source="the PIL image")
-        image = image_to_tensor(pil_image)
+        pil_image = checked(item, source="the PIL image")
+        image = image_to_tensor(pil_image, 1 if gray else 3)
     else:  # an ndarray, or a uint8 tensor of pixels
-        image = image_to_tensor(item)
+        image = image_to_tensor(item, 1 if gray else 3)
         pil_image = None
     if isinstance(preprocess, Normalize):
-        model_input = preprocess(image)
-    else:  # user pipelines (torchvision transforms) expect PIL images
+        model_input = (preprocess.grayscale() if gray else preprocess)(image)
+    else:  # user pipelines (torchvision transforms) expect PIL images (mode "L" for a 1-channel model)
         if pil_image is None:
-            pil_image = Image.fromarray((image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+            pixels = (image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+            pil_image = Image.fromarray(pixels[..., 0] if gray else pixels)
         model_input = preprocess(pil_image)
         if not isinstance(model_input, Tensor):
             raise TypeError(f"preprocess must return a tensor; it returned a {type(model_input).__name__}.")
     if model_input.dim() == 4 and model_input.shape[0] == 1:
         model_input = model_input[0]
     if tuple(model_input.shape[-2:]) == tuple(image.shape[-2:]):
-        display = image.permute(1, 2, 0)
+        display = image.expand(3, -1, -1).permute(1, 2, 0)  # a 1-channel image shown gray
     else:  # the preprocess resized or cropped: show what the model saw
         display = display_from_model_input(model_input.unsqueeze(0), preprocess)[0]
     return model_input, display
 
 
 def prepare_inputs(
-    inputs: Inputs, preprocess: Preprocess, device: torch.device, dtype: torch.dtype = torch.float32
+    inputs: Inputs, preprocess: Preprocess, device: torch.device, dtype: torch.dtype = torch.float32,
+    channels: Optional[int] = None,
 ) -> PreparedInputs:
-    """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images."""
+    """Turn any supported input into a (N, C, H, W) batch on ``device`` and (N, H, W, 3) display images.
+
+    channels: the channels of the model's images (``explain.core.capture.model_input_channels``). 1: images
+    (paths, PIL images, arrays, uint8 tensors) are made 1-channel grayscale, and colour images are refused; None or
+    another count: RGB.
+    Float tensors are model input as they are."""
     if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0 and inputs.dtype != torch.uint8:
         # a model-ready batch: no split into images and re-stacking; display images when first drawn
         return _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
     items = _flatten(inputs)
     if not items:
         raise ValueError("there is nothing to explain: the input batch is empty.")
-    prepared = [_prepare_one(item, preprocess) for item in items]
+    prepared = [_prepare_one(item, preprocess, channels) for item in items]
     shapes = {tuple(model_input.shape) for model_input, _ in prepared}
     if len(shapes) > 1:
         raise ValueError(

@@ -226,7 +226,9 @@ def overlay(
     signed: the maps are signed maps drawn centred (``signed_to_unit``: 0.5 is no evidence, 0 and 1 the
         strongest evidence against and for): "alpha" then scales the opacity by |2m − 1|, so evidence against
         is drawn as strongly as evidence for and 0.5 shows the image; "mask" keeps the top ``keep`` share of
-        the evidence for (m > 0.5).
+        the evidence for (m > 0.5); "contour" draws each level on both signs, where the evidence for reaches it
+        (2m − 1 = level) and where the evidence against does (1 − 2m = level), each line in ``cmap``'s colour
+        there (a diverging map's negative colour for evidence against).
     Returns uint8 RGB, shape (..., H, W, 3) following the maps' leading dimensions.
     """
     if not 0.0 <= alpha <= 1.0:
@@ -256,12 +258,22 @@ def overlay(
         kept = (evidence_for >= threshold) & (evidence_for > 0)  # no evidence is never shown as relevant
         result = torch.where(kept[..., None], image_tensor, 0.15 * image_tensor)
     else:
-        result = _contours(image_tensor, values, levels, cmap)
+        result = _contours(image_tensor, values, _contour_levels(levels, signed), cmap)
     return (result * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def _contours(images: Tensor, values: Tensor, levels: Sequence[float], cmap: ColormapSpec) -> Tensor:
-    """Iso-lines of each map drawn on its image with OpenCV, one colour per level."""
+def _contour_levels(levels: Sequence[float], signed: bool) -> list[tuple[float, bool]]:
+    """The iso-lines to draw, (map value, whether the line bounds the values above it): ``levels`` as they are, or
+    for signed maps (0.5 no evidence) each level of evidence on both signs, 0.5 ± level / 2."""
+    if not signed:
+        return [(float(level), True) for level in levels]
+    lines = [(0.5 + float(level) / 2, True) for level in levels]
+    return lines + [(0.5 - float(level) / 2, False) for level in levels]
+
+
+def _contours(images: Tensor, values: Tensor, levels: Sequence[tuple[float, bool]], cmap: ColormapSpec) -> Tensor:
+    """Iso-lines of each map drawn on its image with OpenCV, one colour per level (``_contour_levels``: a line around
+    the values at or above its level, or at or below it)."""
     import cv2
 
     table = colormap_table(cmap)
@@ -269,8 +281,9 @@ def _contours(images: Tensor, values: Tensor, levels: Sequence[float], cmap: Col
     flat_values = values.reshape(-1, *values.shape[-2:]).numpy()
     thickness = max(1, round(min(flat_values.shape[-2:]) / 100))
     for canvas, heat in zip(flat_images, flat_values):
-        for level in levels:
-            contours, _ = cv2.findContours((heat >= level).astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
+        for level, above in levels:
+            region = heat >= level if above else heat <= level
+            contours, _ = cv2.findContours(region.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
             colour = tuple(int(c) for c in (table[round(level * 255)] * 255).round())
             cv2.drawContours(canvas, contours, -1, colour, thickness)
     return torch.from_numpy(flat_images).float().reshape(images.shape) / 255.0

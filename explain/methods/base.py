@@ -30,6 +30,7 @@ from ..core.capture import (
     is_out_of_memory,
     model_device,
     model_dtype,
+    model_input_channels,
     run_model,
 )
 from ..core.checks import check, deferred_checks
@@ -130,7 +131,9 @@ class Explainer(ABC):
         as found afterwards (modes, flags, hooks), also when the call raises.
     preprocess: turns an RGB image (PIL) into model input: a callable (torchvision's
         ``weights.transforms()``) or a HuggingFace image processor; default: ImageNet mean/std
-        normalisation with the size kept. Tensors are taken as model input and skip it.
+        normalisation with the size kept. Tensors are taken as model input and skip it. For a model whose
+        first convolution takes 1 channel, images are grayscale (PIL mode "L"; the default normalisation's
+        statistics averaged over the channels) and colour images are refused.
     normalize: "max" (default: each map divided by its largest |value|, so maps lie in [0, 1],
         signed ones in [-1, 1]), "minmax" ([0, 1]) or None (raw values).
     class_names: names of the model's classes, for titles.
@@ -348,7 +351,8 @@ class Explainer(ABC):
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
                 scope.enter(torch.inference_mode(False))
             device = model_device(self.model)
-            prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model))
+            prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model),
+                                      channels=model_input_channels(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
             scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
             self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,

@@ -48,6 +48,7 @@ from ..core.capture import (
     find_layers,
     model_device,
     model_dtype,
+    model_input_channels,
     preserved_model_state,
     run_model,
 )
@@ -429,7 +430,7 @@ class ConceptRelevance:
     def _prepared(self, inputs: Inputs) -> Tensor:
         """The model-input batch the explainer builds from ``inputs`` (its preprocessing), for the repeated rows."""
         return prepare_inputs(inputs, self.explainer.preprocess, model_device(self.model),
-                              model_dtype(self.model)).batch
+                              model_dtype(self.model), channels=model_input_channels(self.model)).batch
 
     @staticmethod
     def _concepts(concepts: ConceptSpec, layer_relevance: Tensor) -> Tensor:
@@ -486,7 +487,7 @@ def principal_directions(model: Union[nn.Module, LoadedModel], layer: LayerSpec,
     module, loaded_preprocess, _, _ = loaded_model_parts(model)
     layer, target = _one_layer(module, layer, "principal_directions")
     batch = prepare_inputs(images, as_preprocess(preprocess if preprocess is not None else loaded_preprocess),
-                           model_device(module), model_dtype(module)).batch
+                           model_device(module), model_dtype(module), channels=model_input_channels(module)).batch
     output = _layer_output(module, target, layer, batch)
     dim = _concept_dim(output, channel_dim, target, layer)
     features = output.movedim(dim, -1).reshape(-1, output.shape[dim]).double().cpu()

@@ -46,6 +46,7 @@ from ..core.capture import (
     find_layers,
     model_device,
     model_dtype,
+    model_input_channels,
     run_model,
 )
 from ..core.scope import CallScope
@@ -176,8 +177,9 @@ class CRAFT:
     # ------------------------------------------------------------------ the layer's activations
 
     def _prepared(self, images: Inputs) -> tuple[Tensor, Tensor]:
-        """The model batch (N, 3, H, W) and display images (N, H, W, 3) in [0, 1] of ``images``."""
-        prepared = prepare_inputs(images, self.preprocess, model_device(self.model), model_dtype(self.model))
+        """The model batch (N, C, H, W) and display images (N, H, W, 3) in [0, 1] of ``images``."""
+        prepared = prepare_inputs(images, self.preprocess, model_device(self.model), model_dtype(self.model),
+                                  channels=model_input_channels(self.model))
         return prepared.batch, prepared.images
 
     def _checked_output(self, output: object) -> Tensor:

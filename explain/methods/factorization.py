@@ -33,6 +33,7 @@ from ..core.capture import (
     find_layers,
     model_device,
     model_dtype,
+    model_input_channels,
     run_model,
 )
 from ..core.layouts import Reshape, infer_layout
@@ -222,7 +223,8 @@ class DeepFeatureFactorization:
         """Factorise the layer's activations over ``inputs`` (anything ``explain`` takes: paths, PIL
         images, arrays, tensors, a list of these) into the concepts."""
         with CallScope(self.model, eval_mode=True), torch.no_grad():
-            prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model))
+            prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model),
+                                      channels=model_input_channels(self.model))
             with capture(self.model, self.module) as captured:
                 run_model(self.model, prepared.batch)
             output = captured[self.layer_name].output

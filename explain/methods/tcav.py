@@ -39,7 +39,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import ActivationCapture, LayerNotRunError, find_layers, model_device, model_dtype
+from ..core.capture import (
+    ActivationCapture,
+    LayerNotRunError,
+    find_layers,
+    model_device,
+    model_dtype,
+    model_input_channels,
+)
 from ..core.scope import CallScope
 from ..core.targets import OutputSelector, select_output
 from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, prepare_inputs
@@ -227,7 +234,8 @@ class TCAV:
     def _batches(self, images: ImageSet) -> list[Tensor]:
         items = self._images(images)
         device, dtype = model_device(self.model), model_dtype(self.model)
-        return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype).batch
+        channels = model_input_channels(self.model)
+        return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype, channels).batch
                 for start in range(0, len(items), self.batch_size)]
 
     def _logits_and_layers(self, batch: Tensor) -> tuple[Tensor, list[Tensor]]:

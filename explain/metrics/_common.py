@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.capture import model_device, model_dtype, preserved_model_state
+from ..core.capture import model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import OutputSelector, Target, class_probabilities, select_output, select_targets
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
@@ -186,7 +186,8 @@ def run_model(model: nn.Module, inputs: Tensor, options: Mapping[str, Any], coun
 
 def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -> Tensor:
     """Anything ``explain()`` accepts → the (N, C, H, W) model batch on the model's device."""
-    return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model)).batch
+    return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model),
+                          channels=model_input_channels(model)).batch
 
 
 def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target, output: OutputSelector = None

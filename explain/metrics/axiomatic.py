@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.capture import find_layers, model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import OutputSelector, Target, class_probabilities, select_targets
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, prepare_inputs
@@ -340,7 +340,8 @@ def input_invariance(
     rtol = number_option("rtol", rtol)
     options = dict(explain_options or {})
     model = explainer.model
-    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model),
+                           channels=model_input_channels(model)).batch
     original = explainer.explain(batch, target, **options)
     if original.map_grid.shape[1] != 1:
         raise ValueError("input invariance takes one target per image; give one class (or none) per image.")

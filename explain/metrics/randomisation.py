@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..core.capture import model_device, model_dtype, preserved_model_state
+from ..core.capture import model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import Target
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, prepare_inputs
@@ -296,7 +296,8 @@ def smooth_mprt(
         raise TypeError(f"generator must be a torch.Generator (on the CPU); got {short_repr(generator)}.")
     options = dict(explain_options or {})
     model = explainer.model
-    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model),
+                           channels=model_input_channels(model)).batch
     reference = explained_reference(explainer, batch, target, None, options, "sMPRT")  # and the classes explained
     flat = batch.reshape(batch.shape[0], -1)
     spread = (flat.amax(dim=1) - flat.amin(dim=1)).view(-1, 1, 1, 1) * noise_level

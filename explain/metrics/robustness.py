@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.capture import find_layers, model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import OutputSelector, Target
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, prepare_inputs
@@ -97,7 +97,8 @@ def explained_reference(explainer: Explainer, inputs: Inputs, target: Target, ex
     """The model batch, its raw maps and classes: ``explanation``'s when given (of these images by this
     explainer, one class each), else explained here for ``target``."""
     model = explainer.model
-    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model),
+                           channels=model_input_channels(model)).batch
     if explanation is None:
         explained = explainer.explain(batch, target, **options)
     elif not isinstance(explanation, Explanation):

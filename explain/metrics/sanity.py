@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.capture import find_layers, model_device, model_dtype, preserved_model_state
+from ..core.capture import find_layers, model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import Target
 from ..io.inputs import Inputs, prepare_inputs
 from ..methods.base import Explainer
@@ -213,7 +213,8 @@ def cascading_randomization(
     Returns one RandomizationStage per layer.
     """
     model = explainer.model
-    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model)).batch
+    batch = prepare_inputs(inputs, explainer.preprocess, model_device(model), model_dtype(model),
+                           channels=model_input_channels(model)).batch
     options = explain_options or {}
     trained = explainer.explain(batch, target, **options)
     classes = trained.class_indices if trained.class_indices is not None else target

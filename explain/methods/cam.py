@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..core.attention import StepwiseAttention
+from ..core.caller import warn_at_callers_line
 from ..core.capture import ActivationCapture, LayerNotRunError, LayerSpec, find_layers
 from ..core.layers import default_layer
 from ..core.layouts import Layout, Reshape, infer_layout, model_tokens
@@ -29,6 +30,7 @@ from ..io.loaded_model import LoadedModel, ModelSource
 from ._eval_batch_norm import contiguous_batch_norm_gradients
 from .base import Explainer, PerThread
 from .maps import Attribution, Flags, flags_of, normalize_maps, upsample_maps
+from .passes import autocast_dtype
 from .registry import register
 from .signatures import ExplainerOptions
 
@@ -76,12 +78,13 @@ def principal_component(terms: Tensor) -> Tensor:
     """(..., C, h, w) → (..., h, w): the terms projected on their first principal component.
 
     Channels are the variables and positions the samples (centred over positions), as in
-    Eigen-CAM. The SVD's sign is arbitrary; it is fixed so that the projection correlates
-    positively with Σ_k terms_k (the map without smoothing): evidence stays positive.
+    Eigen-CAM. The SVD's sign is arbitrary; it is fixed by ``oriented_like``: the projection
+    correlates positively with Σ_k terms_k (the map without smoothing: evidence stays positive),
+    or, where Σ_k terms_k is constant over positions up to rounding, its larger extreme is positive.
     """
     *leading, channels, height, width = terms.shape
     projection, samples = first_component_scores(terms)
-    return oriented_like(projection, samples.sum(dim=2)).reshape(*leading, height, width)
+    return oriented_like(projection, samples).reshape(*leading, height, width)
 
 
 def first_component_scores(terms: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,11 +97,32 @@ def first_component_scores(terms: Tensor) -> tuple[Tensor, Tensor]:
     return torch.einsum("bpc,bc->bp", centred, right_vectors[:, 0]), samples
 
 
-def oriented_like(projection: Tensor, reference: Tensor) -> Tensor:
-    """(B, P) projections, each negated where it correlates negatively with its (B, P) reference."""
+UNINFORMATIVE_SPREAD = 2.0 ** -6
+"""``oriented_like``: Σ_k A_k decides the sign only where its spread over positions exceeds this fraction of ‖A‖
+(4 × bfloat16's unit roundoff; rounding A to bfloat16 moves Σ_k A_k by about 2^-10 ‖A‖, to float16 by 2^-13 ‖A‖)."""
+
+
+def oriented_like(projection: Tensor, samples: Tensor) -> Tensor:
+    """(B, P) projections of (B, P, C) samples, each signed to correlate positively with its reference Σ_c samples.
+
+    Where the reference is constant over positions up to rounding (its centred norm at most
+    ``UNINFORMATIVE_SPREAD`` ‖samples‖: after a LayerNorm without affine weights Σ_c A_c ≡ 0; before a LayerNorm
+    Σ_c G_c A_c ≡ 0), its correlation is rounding noise that flips between float32 and autocast or between a batch
+    and an image alone; the projection is then signed by its larger extreme, as Seg-Eigen-CAM's Eq. 13
+    (``peak_is_negative``).
+    The threshold does not depend on the dtype, so the same convention holds in float32 and under autocast.
+    """
+    reference = samples.sum(dim=2)
     centred_reference = reference - reference.mean(1, keepdim=True)
     correlation = ((projection - projection.mean(1, keepdim=True)) * centred_reference).sum(1)
-    return projection * torch.where(correlation < 0, -1.0, 1.0).to(projection.dtype)[:, None]
+    informative = centred_reference.norm(dim=1) > UNINFORMATIVE_SPREAD * samples.flatten(1).norm(dim=1)
+    flip = torch.where(informative, correlation < 0, peak_is_negative(projection))
+    return torch.where(flip[:, None], -projection, projection)
+
+
+def peak_is_negative(projection: Tensor) -> Tensor:
+    """(B, P) → (B,) bool: whether the minimum is larger in magnitude than the maximum (Seg-Eigen-CAM's Eq. 13)."""
+    return projection.amin(dim=1).abs() > projection.amax(dim=1).abs()
 
 
 def augmented_attribution(attribute: Callable[[Tensor, Target, Optional[int]], Attribution], batch: Tensor,
@@ -235,7 +259,7 @@ class CAM(Explainer):
 
     def reduce_channels(self, terms: Tensor) -> Tensor:
         """(..., C, h, w) per-channel terms → (..., h, w): Σ_k terms_k, or with smooth="eigen" their first
-        principal component (sign following Σ_k terms_k)."""
+        principal component (sign following Σ_k terms_k; see ``oriented_like``)."""
         return principal_component(terms).to(terms.dtype) if self.smooth == "eigen" else terms.sum(dim=-3)
 
     def weighted_maps(self, channel_weights: Tensor, activations: Tensor) -> Tensor:
@@ -445,19 +469,96 @@ class GradCAMPlusPlus(CAM):
 class XGradCAM(CAM):
     """XGrad-CAM (Fu et al. 2020): w_k = Σ_ij (A_k,ij / Σ_ab A_k,ab) G_k,ij (0 for a channel summing to 0).
 
-    The paper's activations are non-negative (after a ReLU). At a layer with signed activations a
-    channel whose values nearly cancel gets a large weight that float32 rounding can change (a batch
-    and its images one by one then differ by up to ~1e-3 of the map); explain the ReLU's output."""
+    The paper's activations are non-negative (after a ReLU), where the formula is well conditioned. At a layer
+    with signed activations (a LayerNorm or BatchNorm output, a residual stream) a channel whose values nearly
+    cancel gets a large weight that rounding decides (under bfloat16 autocast a random swin_t's features.7 map
+    moves by 0.3 of its maximum, resnet18's layer4.1.bn2 map by 1.0). Where rounding at the precision the model
+    ran in can move a map by more than ``ROUNDING_TOLERANCE`` of its maximum (``rounding_decides``), one
+    RuntimeWarning per call says so; the maps keep the paper's formula. Float32 maps at such a layer can also
+    differ between a batch and its images one by one (by ~1e-3 of the map).
+    Explain a layer after a ReLU/GELU, or use Grad-CAM."""
 
     name = "xgradcam"
     summary = "XGrad-CAM: gradients weighted by normalised activations (axiom-based)"
+    layer_maps_reduce_channels = True  # its layer_maps is CAM's, with the rounding check around it
+
+    _unit_roundoff: PerThread[float] = PerThread()
+    """During a call: the unit roundoff of the lowest precision the layers' activations were computed in."""
+    _rounding_decides: PerThread[bool] = PerThread()
+    """During a call: whether a map may differ from its exact value by more than ``ROUNDING_TOLERANCE``."""
+
+    def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
+        outer = self._unit_roundoff, self._rounding_decides
+        roundoff = working_unit_roundoff(activations)
+        self._unit_roundoff, self._rounding_decides = roundoff, False
+        try:
+            maps = super().layer_maps(batch, activations, selected)
+            rounding_decides = self._rounding_decides
+        finally:
+            self._unit_roundoff, self._rounding_decides = outer
+        if rounding_decides:
+            names = self.layer_names
+            layers = f"layer {names[0]!r}" if len(names) == 1 else f"one of the layers {', '.join(map(repr, names))}"
+            warn_at_callers_line(
+                f"{self.method_name} divides each channel's gradient mass by its activation sum Σ A_k, which assumes "
+                f"non-negative activations; at {layers} the activations are signed and channels nearly cancel, "
+                f"so rounding in {precision_name(roundoff)} can change the map by more "
+                f"than {ROUNDING_TOLERANCE} of its maximum. Choose a layer after a ReLU/GELU, use Grad-CAM, or call "
+                "explain outside torch.autocast (on a float32 model).", RuntimeWarning)
+        return maps
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         gradients = required(gradients)
         channel_sums = activations.sum(dim=(2, 3))
         safe = torch.where(channel_sums != 0, channel_sums, torch.ones_like(channel_sums))
         weights = torch.where(channel_sums != 0, (activations * gradients).sum(dim=(2, 3)) / safe, 0.0)
+        if not self._rounding_decides:
+            roundoff = self._unit_roundoff or working_unit_roundoff([activations])
+            self._rounding_decides = rounding_decides(activations, gradients, weights, channel_sums, roundoff)
         return channel_weighted(weights, activations)
+
+
+ROUNDING_GROWTH = 4.0
+"""XGrad-CAM: the relative error of a layer's activations, in units of the unit roundoff u of the precision the
+model ran in (under bfloat16 autocast a random swin_t's features.7 differs from float32 by 1-5 % of Σ|A_k|: 3-13 u)."""
+
+ROUNDING_TOLERANCE = 0.02
+"""XGrad-CAM warns where rounding can move a map by more than this fraction of its maximum (the bound that
+docs/guarantees.md gives CAMs under autocast)."""
+
+
+def rounding_decides(activations: Tensor, gradients: Tensor, weights: Tensor, channel_sums: Tensor,
+                     unit_roundoff: float) -> bool:
+    """Whether rounding A (relative error ``ROUNDING_GROWTH`` u) can move an XGrad-CAM map Σ_k w_k A_k by more than
+    ``ROUNDING_TOLERANCE`` of its maximum through the weights' cancelling denominators (first order).
+
+    w_k = Σ_p A_p G_p / Σ_p A_p has ∂w_k/∂A_p = (G_p − w_k) / Σ A_k, so rounding moves w_k by at most
+    ε Σ_p |A_p| |G_p − w_k| / |Σ A_k|; the part beyond a non-negative channel's (Σ|A_k| = |Σ A_k|, as Grad-CAM's
+    weights move) is counted: 0 at a ReLU layer, and 0 where G is constant over positions (w_k = G, exactly)."""
+    magnitudes = activations.abs().sum(dim=(2, 3))
+    deviations = (activations.abs() * (gradients - weights[:, :, None, None]).abs()).sum(dim=(2, 3))
+    nonzero = channel_sums != 0
+    excess = torch.where(nonzero, deviations * (1 / torch.where(nonzero, channel_sums.abs(), 1.0)
+                                                - 1 / torch.where(nonzero, magnitudes, 1.0)), 0.0)
+    spread = ROUNDING_GROWTH * unit_roundoff * weighted_sum(excess, activations.abs())
+    extent = weighted_sum(weights, activations).abs().flatten(1).amax(1)
+    return bool((spread.flatten(1).amax(1) > ROUNDING_TOLERANCE * extent).any())
+
+
+def working_unit_roundoff(activations: Sequence[Tensor]) -> float:
+    """The unit roundoff (half the machine epsilon) of the lowest precision among the activations' dtypes and
+    torch.autocast's dtype where autocast is on for their device: 2^-24 for float32, 2^-8 for bfloat16."""
+    dtypes = [activation.dtype for activation in activations if activation.is_floating_point()]
+    dtypes += [dtype for dtype in (autocast_dtype(activation.device.type) for activation in activations) if dtype]
+    return max((torch.finfo(dtype).eps / 2 for dtype in dtypes), default=torch.finfo(torch.float32).eps / 2)
+
+
+def precision_name(unit_roundoff: float) -> str:
+    """'bfloat16', 'float16', 'float32' or 'float64' from its unit roundoff."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        if unit_roundoff >= torch.finfo(dtype).eps / 2:
+            return str(dtype).removeprefix("torch.")
+    return "float64"
 
 
 @register
@@ -599,7 +700,9 @@ class EigenCAM(CAM):
     component (channels as variables, positions as samples); gradient-free and class-agnostic.
 
     The SVD's sign is arbitrary; it is fixed so that the map correlates positively with the
-    activation mass Σ_k A_k (other libraries return inverted maps for about half the images).
+    activation mass Σ_k A_k (other libraries return inverted maps for about half the images). Where
+    Σ_k A_k is constant over positions up to rounding (after a LayerNorm, e.g. a transformer block's
+    norm1), the map's larger extreme is made positive instead, as Seg-Eigen-CAM (see ``oriented_like``).
     smooth="eigen" changes nothing (the map already is a principal component).
     """
 
@@ -614,8 +717,9 @@ class EigenCAM(CAM):
 @register
 class EigenGradCAM(CAM):
     """Eigen-Grad-CAM (pytorch-grad-cam): the first principal component of G ⊙ A (class-specific
-    Eigen-CAM), sign fixed to correlate positively with Σ_k G_k ⊙ A_k (HiResCAM's map).
-    pytorch-grad-cam leaves the sign arbitrary."""
+    Eigen-CAM), sign fixed to correlate positively with Σ_k G_k ⊙ A_k (HiResCAM's map), or where that
+    is constant up to rounding (the input of a LayerNorm, where Σ_k G_k A_k ≡ 0) so that the map's
+    larger extreme is positive (see ``oriented_like``). pytorch-grad-cam leaves the sign arbitrary."""
 
     name = "eigengradcam"
     summary = "Eigen-Grad-CAM: first principal component of gradient × activation (class-specific)"
@@ -636,7 +740,8 @@ class KernelPCACAM(CAM):
     kernel: "sigmoid" (default, tanh(γ x·y + c₀)), "rbf" (exp(−γ‖x − y‖²)), "poly" ((γ x·y + c₀)^degree),
     "linear" (x·y: Eigen-CAM) or "cosine"; gamma: γ, default 1 / channels; coef0: c₀. As scikit-learn's
     KernelPCA: the Gram matrix is double-centred, the score is eigenvector · √eigenvalue. Sign fixed
-    to correlate positively with the activation mass Σ_k A_k. Class-agnostic, no gradient; costs an
+    as Eigen-CAM's: correlating positively with the activation mass Σ_k A_k, or the larger extreme
+    positive where Σ_k A_k is constant up to rounding (``oriented_like``). Class-agnostic, no gradient; costs an
     eigendecomposition of an (h·w)² matrix per image.
     """
 
@@ -674,7 +779,7 @@ class KernelPCACAM(CAM):
         centred = gram - gram.mean(1, keepdim=True) - gram.mean(2, keepdim=True) + gram.mean((1, 2), keepdim=True)
         eigenvalues, eigenvectors = torch.linalg.eigh(centred)  # ascending
         scores = eigenvectors[..., -1] * eigenvalues[..., -1:].clamp_min(0).sqrt()
-        return oriented_like(scores, samples.sum(dim=2)).reshape(count, height, width).to(activations.dtype)
+        return oriented_like(scores, samples).reshape(count, height, width).to(activations.dtype)
 
 
 @register
@@ -691,8 +796,7 @@ class SegEigenCAM(CAM):
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         count, _, height, width = activations.shape
         projection, _ = first_component_scores(required(gradients).abs() * activations)
-        flip = projection.amin(dim=1).abs() > projection.amax(dim=1).abs()
-        signed = torch.where(flip[:, None], -projection, projection)
+        signed = torch.where(peak_is_negative(projection)[:, None], -projection, projection)
         return signed.reshape(count, height, width).to(activations.dtype)
 
 

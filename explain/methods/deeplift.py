@@ -91,6 +91,7 @@ class DeepLift(GradientExplainer):
         summation_error = attributions.double().sum(dim=(2, 3, 4)) - score_change
         self.check_summation(attributions, summation_error, score_change, selected.scores, unruled)
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(attributions),
+                                     baseline_is_input=lambda: batch.eq(baseline).flatten(1).all(dim=1),
                                      summation_error=summation_error.float(), score_change=score_change.float())
 
     def rescaled(self, inputs: Tensor, baselines: Tensor, targets: SelectedTargets | tuple[Target, Optional[int]],

@@ -7,6 +7,7 @@ gradient), and reduces the channels to one map per image and target.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import SelectedTargets, Target, select_targets
 from ..core.units import BoundUnits
 from ..io.blur import reflect_blur
@@ -22,7 +24,7 @@ from ..io.explanation import Diagnostic
 from ..io.loaded_model import ModelSource
 from .base import Explainer, PerThread
 from .maps import Attribution, Flags
-from .options import check_finite_reference
+from .options import bool_option, check_finite_reference, int_option, number_option
 from .passes import checked_batch_size, rows_per_pass
 from .registry import register
 from .signatures import ExplainerOptions
@@ -306,6 +308,11 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
         raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
     if not isinstance(baseline, (str, Tensor)):
         raise TypeError(f"baseline must be 'zeros', 'blur' or a tensor; got {type(baseline).__name__}.")
+    if isinstance(baseline, Tensor) and baseline.dim() in (1, 2):  # (C,) broadcasts along the width: say which
+        raise ValueError(
+            f"the baseline has shape {tuple(baseline.shape)}: a baseline is a (C, H, W) or (N, C, H, W) tensor in the "
+            "model's input space (after preprocessing), or a number as a 0-d tensor; per-channel values are "
+            "baseline.view(-1, 1, 1), one value per pixel for all channels baseline[None].")
     if batch is None:
         return torch.empty(0)
     if isinstance(baseline, Tensor):
@@ -324,6 +331,48 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
     return reflect_blur(batch, max(batch.shape[-2:]) / 8)
 
 
+INCOMPLETE = 0.5
+"""The share of y(x) − y(x′) that a path method's attributions may miss before it warns: its discretisation error
+shrinks with more points (a few percent at the default steps on CNNs); missing half or more means the points did not
+sample where the score changes."""
+
+BASELINE_ADVICE = ("Where the score jumps next to the baseline, as in a model that normalises its input's scale away "
+                   "(a LayerNorm after a stem convolution without bias, as timm's ConvNeXt: y(αx) hardly changes for "
+                   "α > 0 and y(0) differs), more points do not help: use another baseline (baseline='blur', or the "
+                   "data mean).")
+
+
+def warn_about_incompleteness(method: str, completeness_error: Tensor, score_change: Tensor, scores: Tensor,
+                              allowed: float, what: str, advice: str) -> None:
+    """One RuntimeWarning naming the (image, target) pairs whose attributions miss more than ``allowed`` of the score
+    change y(x) − y(x′) (beyond what rounding of the scores explains). completeness_error, score_change, scores:
+    (N, K); what: the points used (e.g. "32 steps"); advice: what to do. Pairs whose attributions are all 0 (their sum
+    exactly 0: the empty-map warning says why), that are not finite (an input or score with NaN, refused by the call's
+    checks) or whose score does not change (within rounding: no share of it can be missed) are left out. The check
+    runs on the host, in Python (three operations dispatched, whatever N, K)."""
+    errors, changes, values = torch.stack([completeness_error.double(), score_change.double(),
+                                           scores.detach().double().to(score_change.device)]).tolist()
+    rounding = 1e3 * torch.finfo(torch.float32).eps  # float32 scores of ~1000 differ by ulps of 1000, whatever Δ
+
+    def misses(error: float, change: float, value: float) -> bool:
+        if not (math.isfinite(error) and math.isfinite(change)) or error + change == 0:
+            return False
+        noise = rounding * max(abs(value) + abs(change), 1.0)
+        return abs(change) > noise and abs(error) > max(allowed * abs(change), noise)  # no share of a change of 0
+
+    missed = [(n, k) for n, row in enumerate(errors) for k, error in enumerate(row)
+              if misses(error, changes[n][k], values[n][k])]
+    if not missed:
+        return
+    pairs = ", ".join(f"image {n}, target {k}: they sum to {errors[n][k] + changes[n][k]:.3g}, y(x) − y(x′) = "
+                      f"{changes[n][k]:.3g}" for n, k in missed[:6])
+    more = f" and {len(missed) - 6} more" if len(missed) > 6 else ""
+    warn_at_callers_line(
+        f"{method}: the attributions miss more than {100 * allowed:g}% of the score change ({pairs}{more}; "
+        f"diagnostics['completeness_error']): with {what} the path integral did not sample where the score changes, "
+        f"so the map is not to be trusted. {advice}", RuntimeWarning)
+
+
 RULE_ALIASES = {"riemann": "midpoint", "riemann_middle": "midpoint", "riemann_left": "left",
                 "riemann_right": "right", "riemann_trapezoid": "trapezoid"}
 """Other spellings of the rules (Captum's names; "riemann" was this toolkit's midpoint rule)."""
@@ -336,7 +385,7 @@ def integration_nodes(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
     steps ≥ 2) or "gausslegendre"; Captum's names ("riemann_middle", ...) are accepted too.
     """
     rule = RULE_ALIASES.get(rule, rule)
-    if not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int of at least 1; got {steps!r}.")
     if rule == "midpoint":
         return (np.arange(steps) + 0.5) / steps, np.full(steps, 1.0 / steps)
@@ -410,13 +459,14 @@ class IntegratedGradients(GradientExplainer):
         integration_nodes(steps, rule)  # validates
         baseline_like(baseline, None)  # validates
         checked_batch_size(batch_size)
-        if tolerance is not None and not tolerance > 0:
-            raise ValueError(f"tolerance must be positive (a relative completeness error); got {tolerance!r}.")
-        if max_steps < steps:
+        if tolerance is not None:
+            tolerance = number_option("tolerance (a relative completeness error)", tolerance, allow_minimum=False)
+        if int_option("max_steps", max_steps, 1) < steps:
             raise ValueError(f"max_steps ({max_steps}) must be at least steps ({steps}).")
         self.baseline, self.steps, self.batch_size = baseline, steps, batch_size
         self.rule = RULE_ALIASES.get(rule, rule)
-        self.tolerance, self.max_steps, self.multiply_by_inputs = tolerance, max_steps, multiply_by_inputs
+        self.tolerance, self.max_steps = tolerance, int(max_steps)
+        self.multiply_by_inputs = bool_option("multiply_by_inputs", multiply_by_inputs)
 
     def baseline_for(self, batch: Tensor) -> Tensor:
         """The baseline x' for a (N, C, H, W) batch, same shape."""
@@ -447,6 +497,14 @@ class IntegratedGradients(GradientExplainer):
                 disconnected[on_device] = flag_values(again.disconnected)
                 steps[these] = doubled
         completeness_error = (difference * integral).sum(dim=(2, 3, 4)) - score_change
+        if self.tolerance is None:
+            warn_about_incompleteness(self.method_name, completeness_error, score_change, selected.scores, INCOMPLETE,
+                                      f"{self.steps} steps", "Use more steps, or tolerance= (which doubles them up to "
+                                      f"max_steps where needed). {BASELINE_ADVICE}")
+        else:  # the images that reached max_steps without the tolerance
+            reached = f"{int(steps.max())} steps (max_steps={self.max_steps}; tolerance={self.tolerance:g} not reached)"
+            warn_about_incompleteness(self.method_name, completeness_error, score_change, selected.scores,
+                                      self.tolerance, reached, f"Raise max_steps. {BASELINE_ADVICE}")
         attributions = (difference * integral if self.multiply_by_inputs else integral).to(batch.dtype)
         self._disconnected = disconnected
         return self.attribution_from(attributions, selected, zero_gradient=all_zero(integral),

@@ -37,7 +37,14 @@ from ..core.units import UnitTarget
 from ..io.loaded_model import ModelSource
 from .base import Explainer, Result
 from .cam import check_batch_dimension, gradients_at
-from .gradients import RULE_ALIASES, baseline_like, integration_nodes
+from .gradients import (
+    BASELINE_ADVICE,
+    INCOMPLETE,
+    RULE_ALIASES,
+    baseline_like,
+    integration_nodes,
+    warn_about_incompleteness,
+)
 from .maps import Attribution
 from .passes import checked_batch_size
 from .registry import register
@@ -261,6 +268,8 @@ class LayerPathExplainer(Explainer):
         selected.scores = selected.scores.detach()
         score_change = selected.scores.double() - baseline_scores.detach().double()
         completeness_error = path.complete.flatten(2).sum(2) - score_change
+        warn_about_incompleteness(self.method_name, completeness_error, score_change, selected.scores, INCOMPLETE,
+                                  f"{self.steps} steps", f"Use more steps. {BASELINE_ADVICE}")
         dtype = torch.promote_types(end.dtype, torch.float32)
         units = self.as_feature_maps(layout, path.attributions).to(dtype)  # (N, K, C, h, w)
         maps = units.sum(dim=2)

@@ -8,7 +8,11 @@ Blur IG (Xu et al. 2020, "Attribution in scale and space"): the path of decreasi
 from the image blurred with σ = max_sigma to the image itself.
 
 Both are path methods: the attributions sum to y(x) − y(start of the path) up to the error of the
-discrete sum, which ``Explanation.diagnostics["completeness_error"]`` reports. They follow Google
+discrete sum, which ``Explanation.diagnostics["completeness_error"]`` reports (not warned about, unlike Integrated
+Gradients). Their sums converge slowly or not at all as their authors' code computes them: on the demo CNN Guided IG
+(a left sum along a path chosen from the gradient at each step) misses 62 % of the score change at 8 steps and 157 %
+at 32 and 64; Blur IG misses up to 64 % at 16 steps, 30 % at 50, 37 % at 100 and 8 % at 200 (with ``sqrt=True``
+up to 16 times the score change). They follow Google
 PAIR's ``saliency`` 0.2 (its option names and its discretisation), computed in float64 along the
 path, on the model's device, with the model's calls batched over images and targets.
 """
@@ -24,7 +28,12 @@ from torch import Tensor
 from ..core.targets import SelectedTargets, Target, select_targets
 from ..io.blur import gaussian_blur
 from ..io.loaded_model import ModelSource
-from .gradients import GradientExplainer, all_zero, baseline_like, flag_values, input_gradients
+from .gradients import (
+    GradientExplainer,
+    baseline_like,
+    flag_values,
+    input_gradients,
+)
 from .maps import Attribution, Flags
 from .options import bool_option, check_finite_reference, int_option, number_option
 from .passes import checked_batch_size, rows_per_pass
@@ -192,7 +201,7 @@ class GuidedIG(GradientExplainer):
             attributions = guided_ig_paths(inputs, starts, gradient_at, self.steps, self.fraction, self.max_dist)
         attributions = attributions.view(count, targets, *batch.shape[1:])
         score_change = selected.scores.detach().double() - baseline_scores.double()
-        completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
+        completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change  # no warning: not complete by design
         self._disconnected = disconnected.view(count, targets)
         return self.attribution_from(attributions.to(batch.dtype), selected,
                                      zero_gradient=zero_gradient.view(count, targets),
@@ -281,6 +290,7 @@ class BlurIG(GradientExplainer):
         step_of_row = list(range(self.steps)) * count
         integral = torch.zeros(count, targets, *batch.shape[1:], dtype=torch.float64, device=batch.device)
         disconnected = torch.ones(count, targets, dtype=torch.bool, device=batch.device)
+        nonzero_gradients = torch.zeros(count, targets, dtype=torch.float64, device=batch.device)  # points, per pair
 
         def path_terms(rows: slice) -> tuple[Tensor, Flags]:  # the rows' terms of the integral, float64
             images, at_steps = image_of_row[rows], step_of_row[rows]
@@ -290,6 +300,7 @@ class BlurIG(GradientExplainer):
             velocity = (further - points) / self.grad_step  # ∂x/∂σ
             weights = torch.tensor([widths[step] for step in at_steps], dtype=torch.float64, device=batch.device)
             gradients, unreachable = self.copies_gradients(points.to(batch.dtype), selected, images)
+            nonzero_gradients.index_add_(0, images, gradients.flatten(2).ne(0).any(dim=2).double())
             return gradients.double() * (velocity * weights.view(-1, 1, 1, 1))[:, None], unreachable
 
         for rows, (terms, unreachable) in self.row_passes(len(image_of_row), self.batch_size, batch.device,
@@ -298,7 +309,15 @@ class BlurIG(GradientExplainer):
             disconnected[image_of_row[rows]] &= flag_values(unreachable)
         attributions = -integral
         score_change = selected.scores.detach().double() - blurred_scores.double()
-        completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change
+        completeness_error = attributions.sum(dim=(2, 3, 4)) - score_change  # reported, not warned about (see above)
         self._disconnected = disconnected
-        return self.attribution_from(attributions.to(batch.dtype), selected, zero_gradient=all_zero(attributions),
-                                     completeness_error=completeness_error.float(), score_change=score_change.float())
+        attribution = self.attribution_from(attributions.to(batch.dtype), selected,
+                                            zero_gradient=nonzero_gradients == 0,
+                                            baseline_is_input=lambda: most_blurred.eq(batch).flatten(1).all(dim=1),
+                                            completeness_error=completeness_error.float(),
+                                            score_change=score_change.float())
+        attribution.empty_reason = (
+            f"the path's {self.steps} point(s) gave no attribution: blurring them further (∂x/∂σ) changes nothing "
+            f"where they lie, as at σ near max_sigma = {self.max_sigma:g} on a small image. Use more steps, or a "
+            "smaller max_sigma")
+        return attribution

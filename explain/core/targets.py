@@ -448,6 +448,12 @@ def select_targets(
             raise ValueError(
                 f"the target callable returned {scores.shape[0]} scores for a batch of {batch_size} images."
             )
+        if not scores.is_floating_point():
+            raise TypeError(
+                f"the target callable must return floating-point scores; got {str(scores.dtype)[len('torch.'):]}. "
+                "Integer and bool scores have no gradient: return the score itself (lambda out: out[:, 0], not "
+                "out[:, 0].long() or out[:, 0] > 0), or call .float() on the logits you compare."
+            )
         keep = scores.dim() == 2
         scores = scores.reshape(scores.shape[0], -1)
         check_finite_scores(scores)

@@ -80,8 +80,10 @@ def compare(
     Returns a ``Comparison``: the figure and the explanations, which a notebook shows as the figure;
     ``.save("figure.pdf")`` writes it.
     """
-    if isinstance(methods, str):  # one method by name, not its letters
-        methods = (methods,)
+    methods = (methods,) if isinstance(methods, str) else tuple(methods)  # one name is one method, not its letters
+    if not methods:
+        raise ValueError(f"compare got methods=[] (no method to compare): name at least one (`explain methods` lists "
+                         f"them), or leave methods out for the default {CHEAP_METHODS}.")
     unknown_figure_options = sorted(set(figure_options) - set(FigureOptions.__annotations__))
     if unknown_figure_options:
         raise TypeError(f"compare got the keyword(s) {', '.join(unknown_figure_options)}, which neither the methods "

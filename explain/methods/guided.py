@@ -15,11 +15,11 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..core.caller import warn_at_callers_line
-from ..core.capture import LayerSpec
+from ..core.capture import LayerSpec, find_layers
 from ..core.rules import CallRules, Rule
 from ..core.scope import CallScope
 from ..core.targets import Target
@@ -160,6 +160,8 @@ class GuidedGradCAM(GradientExplainer):
         if isinstance(cam, CAM):
             if cam.model is not model:
                 raise ValueError("the CAM given to GuidedGradCAM must be built on the same model.")
+            if layer is not None:
+                _check_same_layers(self.model, layer, cam)
             self.cam = cam
         elif isinstance(cam, type) and issubclass(cam, CAM):
             self.cam = cam(model, layer, normalize=None, output=self.output)  # layer None: chosen on first call
@@ -190,6 +192,19 @@ class GuidedGradCAM(GradientExplainer):
             disconnected=_either(cam.disconnected, guided.disconnected),
             negative_everywhere=cam.negative_everywhere,
         )
+
+
+def _check_same_layers(model: nn.Module, layer: Union[LayerSpec, Sequence[LayerSpec]], cam: CAM) -> None:
+    """Refuse a ``layer`` that the given CAM instance would not use (it runs on its own layers)."""
+    asked = [name for name, _ in find_layers(model, layer)]
+    if cam.layers is not None and asked == cam.layer_names:
+        return
+    has = f"layer(s) {cam.layer_names}" if cam.layers is not None else "no layer (chosen on the first call)"
+    raise ValueError(
+        f"GuidedGradCAM got layer {asked} and a {type(cam).__name__} built with {has}; the CAM runs on its own "
+        f"layers. Drop layer= (the CAM's are used), or build the CAM on the layer you want: "
+        f"cam={type(cam).__name__}(model, {asked[0]!r})."
+    )
 
 
 def _either(first: Optional[Flags], second: Optional[Flags]) -> Optional[Flags]:

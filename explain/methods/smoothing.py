@@ -142,6 +142,8 @@ class SmoothGrad(Explainer):
             explainer = Saliency(explainer, **options)
         elif not isinstance(explainer, Explainer):
             raise TypeError(f"{type(self).__name__} wraps an explainer or a model; got {type(explainer).__name__}.")
+        elif "reduce" in options:
+            self._check_reduce(explainer, options["reduce"])
         options.setdefault("preprocess", explainer.preprocess)
         options.setdefault("normalize", explainer.normalize)
         options.setdefault("class_names", explainer.class_names)
@@ -158,6 +160,19 @@ class SmoothGrad(Explainer):
         self.explainer = explainer
         self.samples, self.noise, self.noise_std, self.seed = samples, noise, noise_std, seed
         self.batch_size, self.average = batch_size, average
+
+    def _check_reduce(self, explainer: Explainer, reduce: str) -> None:
+        """Refuse a ``reduce`` that differs from the wrapped explainer's: its maps are reduced by its own option."""
+        own = getattr(explainer, "reduce", None)
+        if reduce == own:
+            return
+        kind = type(explainer).__name__
+        if own is None:
+            raise ValueError(f"{type(self).__name__} got reduce={reduce!r}, but {kind} reduces no colour channels "
+                             "(it has no reduce option); drop reduce=.")
+        raise ValueError(f"{type(self).__name__} got reduce={reduce!r}, but the wrapped {kind} reduces with its own "
+                         f"reduce={own!r}; pass reduce to the wrapped explainer instead: "
+                         f"{type(self).__name__}({kind}(model, reduce={reduce!r}), ...).")
 
     def reads_pixel_gradients(self) -> bool:
         return self.explainer.reads_pixel_gradients()

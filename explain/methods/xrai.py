@@ -311,6 +311,10 @@ class XRAI(Explainer):
                                  f"(e.g. baselines=[tensor]), or None for black and white; got {given}.")
             for index, baseline in enumerate(baselines):
                 baseline_like(baseline, None)  # validates its kind
+                if isinstance(baseline, Tensor) and baseline.is_meta:
+                    raise ValueError(f"baselines[{index}] is on the meta device (a shape without values), so no "
+                                     "path starts from it. Give a tensor with values, e.g. torch.zeros(C, H, W), on "
+                                     "the CPU or the model's device.")
                 if isinstance(baseline, Tensor):
                     check_finite_reference(baseline, f"baselines[{index}]")
         if segmenter is not None and not callable(segmenter):
@@ -332,8 +336,9 @@ class XRAI(Explainer):
 
     def base_attributions(self, batch: Tensor, target: Target) -> tuple[Tensor, dict]:
         """For fixed targets: ((N, K, H, W) float64 channel-reduced attributions at the input's size,
-        averaged over the baselines for Integrated Gradients; the inner method's "layer" and its
-        (N, K) "zero_gradient" and "disconnected" flags, true where they hold for every baseline)."""
+        averaged over the baselines for Integrated Gradients; the inner method's "layer", its
+        (N, K) "zero_gradient" and "disconnected" flags and (N,) "baseline_is_input", true where they hold for
+        every baseline)."""
         if self.explainer is not None:
             explainers = [self.explainer]
         else:
@@ -344,7 +349,7 @@ class XRAI(Explainer):
             for explainer in explainers:  # they start at, and add to, the pass sizes that fitted before
                 explainer.rows_that_fit = self.rows_that_fit
         collected: list[Tensor] = []
-        flags: dict = {"zero_gradient": None, "disconnected": None, "layer": None}
+        flags: dict = {"zero_gradient": None, "disconnected": None, "baseline_is_input": None, "layer": None}
         passes = len(explainers) * -(-self.steps * batch.shape[0] // rows_per_pass(self.batch_size, batch.device,
                                                                                     batch.shape[1:].numel()))
         with self.progress_bar(passes, len(explainers), "baseline") as bar:  # the inner methods show none
@@ -356,7 +361,7 @@ class XRAI(Explainer):
                     explainer._forward_call = None
                 bar.update()
                 collected.append(self.channel_values(inner, batch))
-                for key in ("zero_gradient", "disconnected"):
+                for key in ("zero_gradient", "disconnected", "baseline_is_input"):  # each: where every baseline's holds
                     value = flags_of(getattr(inner, key))
                     if value is not None:
                         flags[key] = value if flags[key] is None else flags[key] & value
@@ -428,4 +433,5 @@ class XRAI(Explainer):
             diagnostics={"ranks": ranks, "gains": gains, "base_attributions": attributions.float()},
             zero_gradient=flags["zero_gradient"],
             disconnected=flags["disconnected"],
+            baseline_is_input=flags["baseline_is_input"],  # a constant image equals its black and white baselines
         )

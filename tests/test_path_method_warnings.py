@@ -129,6 +129,8 @@ def test_steps_that_are_a_bool_and_baselines_of_one_or_two_dimensions_are_refuse
     for shape in ((3,), (10, 10)):
         with pytest.raises(ValueError, match=r"baseline.view\(-1, 1, 1\)"):
             explain.IntegratedGradients(model, baseline=torch.zeros(shape))
+    with pytest.raises(ValueError, match="the baseline is on the meta device"):
+        explain.IntegratedGradients(model, baseline=torch.zeros(3, 10, 10, device="meta"))
     # a 0-d tensor is one value for every pixel: the same as the full tensor of it
     x = images()
     scalar = explain.IntegratedGradients(model, baseline=torch.tensor(0.25), steps=4).explain(x, target=0)

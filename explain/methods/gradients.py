@@ -313,6 +313,9 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
             f"the baseline has shape {tuple(baseline.shape)}: a baseline is a (C, H, W) or (N, C, H, W) tensor in the "
             "model's input space (after preprocessing), or a number as a 0-d tensor; per-channel values are "
             "baseline.view(-1, 1, 1), one value per pixel for all channels baseline[None].")
+    if isinstance(baseline, Tensor) and baseline.is_meta:
+        raise ValueError("the baseline is on the meta device (a shape without values): give a tensor with values, "
+                         "e.g. torch.zeros(C, H, W), or baseline='zeros' / 'blur'.")
     if batch is None:
         return torch.empty(0)
     if isinstance(baseline, Tensor):

@@ -310,11 +310,11 @@ class XRAI(Explainer):
                 raise ValueError(f"baselines must be a list of at least one baseline, each 'zeros', 'blur' or a tensor "
                                  f"(e.g. baselines=[tensor]), or None for black and white; got {given}.")
             for index, baseline in enumerate(baselines):
-                baseline_like(baseline, None)  # validates its kind
                 if isinstance(baseline, Tensor) and baseline.is_meta:
                     raise ValueError(f"baselines[{index}] is on the meta device (a shape without values), so no "
                                      "path starts from it. Give a tensor with values, e.g. torch.zeros(C, H, W), on "
                                      "the CPU or the model's device.")
+                baseline_like(baseline, None)  # validates its kind
                 if isinstance(baseline, Tensor):
                     check_finite_reference(baseline, f"baselines[{index}]")
         if segmenter is not None and not callable(segmenter):

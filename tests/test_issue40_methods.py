@@ -88,7 +88,7 @@ def test_smoothgrad_with_a_seed_is_the_mean_gradient_over_noise_drawn_sample_by_
         (gradient,) = torch.autograd.grad(model(noisy)[:, 1].sum(), noisy)
         expected += gradient
     expected /= samples
-    torch.testing.assert_close(result.attributions[:, 0], expected.float(), rtol=1e-6, atol=1e-7)  # float32 out
+    torch.testing.assert_close(result.attributions[:, 0], expected, rtol=1e-10, atol=1e-12)  # the model's float64
     torch.testing.assert_close(result.raw_map_grid[:, 0], expected.abs().amax(dim=1).float(), rtol=1e-6, atol=1e-7)
 
 
@@ -174,4 +174,4 @@ def test_smoothgrad_of_a_hidden_unit_reads_the_unit_on_the_noisy_copies_alone(bu
         noisy = (images + noise[sample * 2: (sample + 1) * 2] * 0.2).requires_grad_(True)
         (gradient,) = torch.autograd.grad(model[0](noisy)[:, 2].mean(dim=(1, 2)).sum(), noisy)
         expected += gradient / 3
-    torch.testing.assert_close(result.attributions[:, 0], expected.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.attributions[:, 0], expected, rtol=1e-5, atol=1e-6)  # in the model's dtype

@@ -52,6 +52,8 @@ class Attribution:
     baseline_is_input: (N,) bool, where a path method's baseline equals the image (a path of length 0).
     empty_reason: why a map of this call that is zero everywhere is so, when the method knows it better than
         the generic "the layer's activations are zero" (FEM: a threshold no value can reach).
+    baseline_advice: how to give this method a baseline that differs from the image, where ``baseline_is_input``
+        holds (the path methods' ``baseline=``; XRAI's ``baselines=``).
     The flags (zero_gradient, disconnected, negative_everywhere, baseline_is_input) may also be given as functions
     that compute them: they are needed only to say why a map is empty, so they are computed only then.
     nonnegative_maps: the method's maps are ≥ 0 (or NaN) by construction (e.g. |gradient| reduced over channels), so
@@ -69,6 +71,7 @@ class Attribution:
     negative_everywhere: Optional[Flags] = None
     baseline_is_input: Optional[Flags] = None
     empty_reason: Optional[str] = None
+    baseline_advice: str = "baseline='zeros' unless the image is black, 'blur' on a larger image, or a tensor"
     nonnegative_maps: bool = False
 
 
@@ -152,8 +155,7 @@ EMPTY_MAP_REASONS = {
     "empty_region": "the target's region is empty in this image, so the score explained is 0: {region}",
     "empty_path": (
         "the baseline equals the image, so the path from it has length 0 and every attribution is 0 "
-        "(they add up to y(x) − y(x') = 0). Give a baseline that differs from the image (baseline='zeros', "
-        "'blur' on a larger image, or another tensor)"
+        "(they add up to y(x) − y(x') = 0). Give a baseline that differs from the image ({baseline_advice})"
     ),
     "disconnected": (
         "the score does not depend on {where} (autograd finds no path): a detached or constant target, or a "
@@ -196,7 +198,8 @@ def warn_about_empty_maps(empty_map: Tensor, attribution: "Attribution", method:
     reasons = dict(EMPTY_MAP_REASONS, other=attribution.empty_reason or EMPTY_MAP_REASONS["other"])
     lines = [
         f"(image, target) {', '.join(pairs[:8])}{' and more' if len(pairs) > 8 else ''}: "
-        + reasons[reason].format(where=where, region=attribution.selected.empty_region_advice) + "."
+        + reasons[reason].format(where=where, region=attribution.selected.empty_region_advice,
+                                 baseline_advice=attribution.baseline_advice) + "."
         for reason, pairs in groups.items()
     ]
     heading = ("returned maps that are zero everywhere" if bool(empty_map[empty_region].all())

@@ -245,7 +245,11 @@ class SmoothGrad(Explainer):
                     add_per_image(sums, key, without_graph(value), image_of_row, count)
                     if squares:
                         add_per_image(sums, key + "²", without_graph(value).pow(2), image_of_row, count)
-        statistics = {key: self._statistic(sums[key], sums.get(key + "²")).float() for key in sums if "²" not in key}
+        # the sums are float64; the statistics come back in the wrapped method's precision (float32 at least)
+        result_dtype = {key: torch.promote_types(value.dtype, torch.float32)
+                        for key, value in values.items() if value is not None}
+        statistics = {key: self._statistic(sums[key], sums.get(key + "²")).to(result_dtype[key])
+                      for key in sums if "²" not in key}
         if average == "attributions":
             if "attributions" not in statistics:
                 raise ValueError(f"{self.explainer.method_name} gives no per-channel attributions; use average='maps'.")

@@ -434,4 +434,5 @@ class XRAI(Explainer):
             zero_gradient=flags["zero_gradient"],
             disconnected=flags["disconnected"],
             baseline_is_input=flags["baseline_is_input"],  # a constant image equals its black and white baselines
+            baseline_advice="baselines=[...] with a tensor or a constant other than the image's value",
         )

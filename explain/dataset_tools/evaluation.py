@@ -692,17 +692,19 @@ def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Inst
     with torch.no_grad(), preserved_model_state(model):
         output = model(batch)
     try:
-        found = detect(model, batch, instances, output)
+        found = detect(model, batch, instances, output, warn_unmatched=False)  # warned below, for the data set
     except ValueError as error:
         if not str(error).startswith("no instance selected"):
             raise
-    else:
-        if isinstance(instances, Tensor) and not bool(found.present.all()):  # given boxes no detection overlaps
-            missing = int((~found.present).sum())
-            warnings.warn(f"{missing} of the {found.present.numel()} given boxes in a batch of {batch.shape[0]} "
-                          "images overlap no detection of the model: their values are NaN and left out of the "
-                          "means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning,
+        found = None
+    if isinstance(instances, Tensor):  # given boxes: those no detection overlaps are left out, with a word
+        missing = instances.shape[-2] * batch.shape[0] if found is None else int((~found.present).sum())
+        if missing:
+            warnings.warn(f"{missing} of the {instances.shape[-2] * batch.shape[0]} given boxes in a batch of "
+                          f"{batch.shape[0]} images overlap no detection of the model: their values are NaN and left "
+                          "out of the means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning,
                           stacklevel=4)
+    if found is not None:
         return found
     empty = torch.zeros(batch.shape[0], 0)
     return Instances(empty[..., None].expand(-1, -1, 4), empty.long(), empty, empty.bool())

@@ -90,6 +90,12 @@ def _xywh_to_xyxy(boxes: Tensor) -> Tensor:
 
 def _from_lists(output: Sequence[Mapping[str, Tensor]], classes: int) -> Candidates:
     """torchvision's list of per-image dicts, padded to the most detections of an image."""
+    if not isinstance(output, (list, tuple)) or not all(
+            isinstance(item, Mapping) and all(key in item for key in ("boxes", "labels", "scores")) for item in output):
+        keys = f" with keys {sorted(str(key) for key in output)}" if isinstance(output, Mapping) else ""
+        raise ValueError(f"a torchvision detector's eval-mode output is a list of dicts with 'boxes', 'labels' and "
+                         f"'scores' per image; got {type(output).__name__}{keys} (in training mode it returns its "
+                         "losses): run it in eval mode (model.eval()).")
     count = max((len(item["scores"]) for item in output), default=0)
     reference = output[0]["scores"] if output else torch.zeros(0)
     rows = len(output)
@@ -119,6 +125,8 @@ def torchvision_classes(model: nn.Module) -> int:
             return module.out_features
         if module is not None and hasattr(module, "num_classes"):
             return int(module.num_classes)
+        if module is not None and hasattr(module, "num_columns"):  # SSD, SSDlite: a column per class
+            return int(module.num_columns)
     raise ValueError(f"explain cannot find the number of classes of {type(model).__name__} (a torchvision detector "
                      "without roi_heads.box_predictor or head.classification_head).")
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torchvision.ops import batched_nms, box_iou
 
 from ..core.caller import warn_at_callers_line
+from ..core.capture import preserved_model_state
 from .candidates import Candidates, candidates_of, detector_family
 
 DEFAULT_SCORE_THRESHOLD = 0.3
@@ -63,10 +64,13 @@ def final_detections(candidates: Candidates, family: Optional[str], iou_threshol
                      ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per image, the detector's final detections (boxes (D, 4), classes (D,), scores (D,)), highest score first: its
     own output for torchvision (already after NMS and its score threshold), each query's best class for DETR-style
-    models (which need no NMS), each candidate's best class after per-class NMS for the others."""
+    models (which need no NMS), each candidate's best class after per-class NMS for the others. Detections whose
+    box has no area (clipped to a side of the image: a random-weight FCOS or RetinaNet has many) are left out: no
+    box overlaps them, so no forward could find them again."""
     found = []
     with torch.no_grad():
         for boxes, scores, valid in zip(candidates.boxes, candidates.scores, candidates.valid):
+            valid = valid & (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
             best, classes = scores[valid].max(dim=-1)
             boxes = boxes[valid]
             if family not in ("torchvision", "huggingface"):
@@ -93,13 +97,58 @@ def _padded(rows: list[tuple[Tensor, Tensor, Tensor]], device: torch.device) -> 
     return Instances(boxes, classes, scores, present)
 
 
+def check_instances(instances: Instances, images: Optional[int] = None, classes: Optional[int] = None,
+                    values: bool = True) -> None:
+    """A clear error for ``Instances`` a detector's output cannot score: shapes or dtypes that disagree, and
+    (``values``) another number of images than ``images`` or class indices outside [0, ``classes``), each checked
+    where given."""
+    if not isinstance(instances, Instances):
+        raise TypeError(f"instances must be explain.detection.Instances; got {type(instances).__name__}.")
+    boxes, labels, present = instances.boxes, instances.classes, instances.present
+    shape = tuple(boxes.shape)
+    if (boxes.dim() != 3 or shape[-1] != 4 or tuple(labels.shape) != shape[:2]
+            or tuple(present.shape) != shape[:2] or tuple(instances.scores.shape) != shape[:2]):
+        raise ValueError(f"Instances need boxes (N, K, 4) and classes, scores, present (N, K); got boxes {shape}, "
+                         f"classes {tuple(labels.shape)}, scores {tuple(instances.scores.shape)}, present "
+                         f"{tuple(present.shape)}.")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or present.dtype != torch.bool:
+        raise ValueError(f"Instances need integer classes and bool present; got {labels.dtype} and {present.dtype}.")
+    if not values:
+        return
+    if images is not None and shape[0] != images:
+        raise ValueError(f"the Instances are for {shape[0]} image(s), the batch explained has {images}: give one row "
+                         "of instances per image (detect them on this batch: explain.detection.detect).")
+    kept = boxes[present]
+    bad = ~torch.isfinite(kept).all(dim=-1) | (kept[:, 2] <= kept[:, 0]) | (kept[:, 3] <= kept[:, 1])
+    if bad.any():
+        index = tuple(present.nonzero()[int(bad.nonzero()[0])].tolist())
+        raise ValueError(f"instance {index}'s box is {boxes[index].tolist()}: the box of an instance present must be "
+                         "finite x0, y0, x1, y1 in the input's pixels with x1 > x0 and y1 > y0 (mark padding with "
+                         "present=False).")
+    wanted = labels[present]
+    if wanted.numel():
+        low, high = int(wanted.min()), int(wanted.max())
+        if low < 0:
+            raise ValueError(f"an instance's class index is {low}: class indices are ≥ 0.")
+        if classes is not None and high >= classes:
+            raise ValueError(f"an instance's class index is {high}: the detector scores {classes} classes, indices 0 "
+                             f"to {classes - 1}.")
+
+
 def select_instances(candidates: Candidates, family: Optional[str], spec: InstanceSpec) -> Instances:
     """The instances ``spec`` names (see ``InstanceSpec``) among the detections of each image."""
     device = candidates.boxes.device
     if isinstance(spec, Instances):
+        check_instances(spec, candidates.boxes.shape[0], candidates.classes)
         return spec
     if isinstance(spec, Tensor) or (isinstance(spec, (list, tuple)) and spec and not isinstance(spec, str)):
-        return _instances_at_boxes(candidates, torch.as_tensor(spec, dtype=torch.float32, device=device))
+        try:
+            boxes = torch.as_tensor(spec, dtype=torch.float32, device=device)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"boxes for instances must be one (K, 4) or (N, K, 4) array of x0, y0, x1, y1 (the same "
+                             f"K for every image: give explain.detection.Instances, with present=False for padding, "
+                             f"for different counts per image); torch could not read them: {error}") from None
+        return _instances_at_boxes(candidates, boxes)
     final = final_detections(candidates, family)
     if isinstance(spec, str):
         if spec != "all":
@@ -139,25 +188,63 @@ def _instances_at_boxes(candidates: Candidates, boxes: Tensor) -> Instances:
         agreement = overlaps[..., None] * candidates.scores.float()[:, None] * candidates.valid[:, None, :, None]
         best = agreement.flatten(2).max(dim=-1)
         classes = best.indices % candidates.classes
-    return Instances(boxes.clone(), classes, torch.full(classes.shape, float("nan"), device=boxes.device),
-                     best.values > 0)
+        present = best.values > 0
+    return Instances(boxes.clone(), classes, torch.full(classes.shape, float("nan"), device=boxes.device), present)
 
 
-def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: Any = None) -> Instances:
+def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: Any = None,
+           warn_unmatched: bool = True) -> Instances:
     """The instances ``spec`` names (``InstanceSpec``) in a prepared (N, C, H, W) batch, found with one forward pass
-    without a graph (or in ``output``, the model's output for ``batch``, when given)."""
+    without a graph in eval mode (the model's modes restored after), or in ``output``, the model's eval-mode output
+    for ``batch``, when given. Given boxes that overlap no detection are padding, said in a warning
+    (``warn_unmatched``); a ValueError starting "no instance selected" where nothing is selected in any image."""
     if output is None:
-        with torch.no_grad():
+        with torch.no_grad(), preserved_model_state(model):
             output = model(batch)
     family = detector_family(model)
     candidates = candidates_of(output, model, batch.shape[-2:], family)
     instances = select_instances(candidates, family, spec)
-    if instances.count == 0:
+    given_boxes = isinstance(spec, (Tensor, list, tuple))
+    if given_boxes and instances.count:
+        unmatched = (~instances.present).nonzero().tolist()
+        shown = ", ".join(f"({image}, {index}) {[round(value, 1) for value in instances.boxes[image, index].tolist()]}"
+                          for image, index in unmatched[:6]) + (" …" if len(unmatched) > 6 else "")
+        if len(unmatched) == instances.present.numel():
+            raise ValueError(f"no instance selected by the boxes given: none overlaps a detection of the detector (a "
+                             f"candidate with a score > 0), so there is nothing to explain. (image, box): {shown}. "
+                             f"{_BOX_ADVICE}")
+        if unmatched and warn_unmatched:
+            warn_at_callers_line(f"boxes given for instances overlap no detection of the detector (no candidate with "
+                                 f"a score > 0 overlaps them): their maps are empty and drawn as 'no instance'. "
+                                 f"(image, box): {shown}. {_BOX_ADVICE}", RuntimeWarning)
+    if not instances.present.any():
+        if family == "torchvision" and not candidates.valid.any():
+            raise ValueError(f"no instance selected by instances={spec!r}: {type(model).__name__} returned no "
+                             "detection at all for these images. torchvision detectors drop the detections scoring "
+                             f"below their own threshold ({_torchvision_threshold(model)}) before explain sees them: "
+                             "build the detector with a lower one (box_score_thresh=0.0 for Faster / Mask / Keypoint "
+                             "R-CNN, score_thresh=0.0 for RetinaNet, FCOS, SSD), or check that the images are what "
+                             "the detector expects.")
         best = float(candidates.scores.max()) if candidates.scores.numel() else float("nan")
         raise ValueError(f"no instance selected by instances={spec!r} in any image (no detection reaches the score "
                          f"threshold, or no box was given; the highest score is {best:.3g}): give a lower threshold, "
                          "or instances=k for each image's k highest-scoring detections.")
     return instances
+
+
+_BOX_ADVICE = ("Give boxes x0, y0, x1, y1 in the model input's pixels where the detector finds something, or "
+               "instances='all' / k for its detections.")
+
+
+def _torchvision_threshold(model: nn.Module) -> str:
+    """A torchvision detector's own score threshold, as its attribute's path and value."""
+    for path in ("roi_heads.score_thresh", "score_thresh"):
+        module: Any = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if isinstance(module, (int, float)):
+            return f"model.{path} = {module}"
+    return "unknown"
 
 
 class InstanceTarget:
@@ -178,6 +265,7 @@ class InstanceTarget:
             raise ValueError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}.")
         if not 0 <= min_iou < 1:
             raise ValueError(f"min_iou must be in [0, 1); got {min_iou!r}.")
+        check_instances(instances, values=False)
         self.instances = instances
         self.model = model
         self.family = detector_family(model)
@@ -187,6 +275,7 @@ class InstanceTarget:
         self.min_iou = float(min_iou)
         self.missing = torch.zeros(instances.present.shape, dtype=torch.long)
         self.scored = torch.zeros(instances.present.shape, dtype=torch.long)
+        self._checked = False  # the instances' class indices against the detector's classes, on the first output
 
     def for_call(self) -> InstanceTarget:
         """A copy for one call: the same instances and settings, its own counts of missing instances (a target
@@ -196,7 +285,11 @@ class InstanceTarget:
 
     def candidates(self, output: Any) -> Candidates:
         """The candidates of the model's output (for rows of the input's size)."""
-        return candidates_of(output, self.model, self.input_size, self.family)
+        candidates = candidates_of(output, self.model, self.input_size, self.family)
+        if not self._checked:
+            check_instances(self.instances, classes=candidates.classes)
+            self._checked = True
+        return candidates
 
     def similarity(self, candidates: Candidates, image_index: Tensor, gated: bool = True) -> tuple[Tensor, Tensor]:
         """D-RISE's similarity of each candidate of each row to each instance of the row's image, (R, K, P):
@@ -222,7 +315,9 @@ class InstanceTarget:
     def scores_for_rows(self, output: Any, image_index: Tensor) -> Tensor:
         """(R, K) the instances' scalars on the model's output for R rows, row r a copy of image ``image_index[r]``;
         0 (in the graph) where an instance is not found, counted in ``missing``."""
-        candidates = self.candidates(output)
+        return self._scores(self.candidates(output), image_index)
+
+    def _scores(self, candidates: Candidates, image_index: Tensor) -> Tensor:
         similarity, overlaps = self.similarity(candidates, image_index)
         rows, count = similarity.shape[:2]
         if similarity.shape[-1] == 0:
@@ -251,14 +346,21 @@ class InstanceTarget:
         return values
 
     def __call__(self, output: Any) -> Tensor:
-        first = output[0] if isinstance(output, (list, tuple)) and self.family == "torchvision" else None
-        device = first["boxes"].device if isinstance(first, dict) else self.instances.boxes.device
-        return self.scores_for_rows(output, torch.arange(self.instances.present.shape[0], device=device))
+        candidates = self.candidates(output)
+        self._check_images(candidates.boxes.shape[0])
+        return self._scores(candidates, torch.arange(candidates.boxes.shape[0], device=candidates.boxes.device))
+
+    def _check_images(self, images: int) -> None:
+        if images != self.instances.present.shape[0]:
+            raise ValueError(f"the InstanceTarget holds instances for {self.instances.present.shape[0]} image(s), the "
+                             f"batch explained has {images}: give one row of instances per image (detect them on this "
+                             "batch: explain.detection.detect).")
 
     def empty_regions(self, output: Any) -> Tensor:
         """(N, K) bool: padding (an image with fewer instances than K) and instances not found in ``output``."""
         with torch.no_grad():
             candidates = self.candidates(output)
+            self._check_images(candidates.boxes.shape[0])
             similarity, _ = self.similarity(candidates, torch.arange(candidates.boxes.shape[0],
                                                                     device=candidates.boxes.device))
             found = similarity.amax(dim=-1) > 0 if similarity.shape[-1] else torch.zeros(

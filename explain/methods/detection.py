@@ -152,6 +152,7 @@ class DRISE(Explainer):
             masks = self.mask_set((height, width), batch.device)
             fill = self.fill_values(channels, batch.device, model_dtype(self.model))
             instances = instance_target.instances.count
+            present = instance_target.instances.present.to(batch.device, torch.float32)  # (N, K)
             saliency = torch.zeros(count, instances, height, width, dtype=torch.float64, device=batch.device)
             for image in range(count):
                 def weights_of(chunk: slice, image: int = image) -> Tensor:
@@ -162,7 +163,7 @@ class DRISE(Explainer):
                     similarity, _ = instance_target.similarity(candidates, rows, gated=False)  # (R, K, P)
                     if similarity.shape[-1] == 0:
                         return similarity.new_zeros(similarity.shape[:2])
-                    return similarity.amax(dim=-1)  # (R, K)
+                    return similarity.amax(dim=-1) * present[image]  # (R, K); padding: no map
                 for chunk, weights in self.row_passes(self.masks, self.batch_size, batch.device, weights_of,
                                                       batch.shape[1:].numel()):
                     saliency[image] += torch.einsum("rk,rhw->khw", weights.double(), masks[chunk].double())

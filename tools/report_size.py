@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from explain.batch import FIELDS, RUN_RECORD, RunRecord
+from explain.html_report import report
 from PIL import Image
 
 from explain import render
-from explain.batch import FIELDS, RUN_RECORD, RunRecord
 from explain.data import make_dataset
-from explain.html_report import report
 
 DISTINCT = 256
 CLASS_NAMES = [f"class {index}" for index in range(10)]

@@ -16,12 +16,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from explain.spray import Cluster, strategies
 
 import explain
 from explain.data.demo_watermark import WATERMARKED_CLASS, load_watermark_demo, watermark_held_out
 from explain.data.synthetic import CLASS_NAMES
 from explain.data.train import to_model_input
-from explain.spray import Cluster, strategies
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "figures" / "strategies_watermark.png"
 EXAMPLES = 6

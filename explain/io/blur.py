@@ -96,25 +96,38 @@ def gaussian_blur(images: Tensor, sigmas: Union[Tensor, Sequence[float], float],
     sigmas: R values, or one for every image; radii: each kernel's radius in pixels (R or one), default
     ⌊4σ + 0.5⌋ (scipy's truncate=4.0); boundary: "zeros" (scipy's mode="constant", the default)
     or "reflect" (scipy's "mirror"). Same shape and dtype; computed in float32, or float64 for
-    float64 images.
+    float64 images (integer images rounded to their dtype).
     """
     if images.dim() != 4:
         raise ValueError(f"images must be (R, C, H, W); got shape {tuple(images.shape)}.")
     compute = torch.promote_types(images.dtype, torch.float32) if images.is_floating_point() else torch.float32
-    sigma_values = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1).expand(images.shape[0])
+    sigma_values = _per_image(sigmas, images.shape[0], "sigmas")
     if not torch.isfinite(sigma_values).all() or bool((sigma_values < 0).any()):
         raise ValueError(f"a blur's σ must be finite and ≥ 0; got {sigma_values.unique().tolist()[:4]}.")
     if radii is None:
         radius_values = torch.floor(4.0 * sigma_values + 0.5)
     else:
-        radius_values = torch.as_tensor(radii, dtype=torch.float64).reshape(-1).expand(images.shape[0])
+        radius_values = _per_image(radii, images.shape[0], "radii")
+        if not torch.isfinite(radius_values).all() or bool((radius_values < 0).any()):
+            raise ValueError(f"a blur's radius must be a whole number of pixels ≥ 0; got "
+                             f"{radius_values.unique().tolist()[:4]}.")
     kernels, kernel_of_image = torch.unique(torch.stack([sigma_values, radius_values], dim=1), dim=0,
                                             return_inverse=True)  # each distinct blur's matrices built once
     kernels = kernels.to(images.device, compute)
     rows = blur_matrices(images.shape[-2], kernels[:, 0], kernels[:, 1], boundary)[kernel_of_image]
     columns = blur_matrices(images.shape[-1], kernels[:, 0], kernels[:, 1], boundary)[kernel_of_image]
     blurred = rows[:, None] @ images.to(compute) @ columns[:, None].transpose(-1, -2)
+    if not images.is_floating_point():  # integer pixels (uint8) rounded, as torchvision rounds them, not truncated
+        blurred = blurred.round()
     return blurred.to(images.dtype)
+
+
+def _per_image(values: Union[Tensor, Sequence[float], float], count: int, name: str) -> Tensor:
+    """``values`` (one, or one per image) as (count,) float64; a ValueError when there are neither."""
+    flat = torch.as_tensor(values, dtype=torch.float64).detach().reshape(-1).cpu()
+    if flat.numel() not in (1, count):
+        raise ValueError(f"{name} takes one value for every image or one per image ({count}); got {flat.numel()}.")
+    return flat.expand(count)
 
 
 def reflect_blur(images: Tensor, sigma: float) -> Tensor:

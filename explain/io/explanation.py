@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
@@ -15,6 +16,7 @@ from PIL import Image
 from torch import Tensor
 from typing_extensions import Unpack
 
+from ..core.caller import warn_at_callers_line
 from . import render
 from .inputs import DisplayImages
 
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 VECTOR_FORMATS = {".pdf", ".svg", ".eps", ".ps"}
+
+NORMALISED_TOLERANCE = 1e-3
+"""How far a normalised map's largest |value| may be from 1 (``Explanation.drawn_map_grid``)."""
 
 Diagnostic = Union[Tensor, list[str]]
 """One of ``Explanation.diagnostics``: a tensor, (N, ...) with a figure per image (and target) or 0-d (a count),
@@ -182,11 +187,50 @@ class Explanation:
         colours maps in [0, 1]; an image's signed maps ([-1, 1]) are drawn with RdBu_r, 0 in the middle
         (``render.as_drawn``), here and in ``save``, ``figure``, ``show`` and the notebook display."""
         self._check_not_empty()
-        return self._overlays(self.maps, alpha, cmap)
+        grid = self.drawn_map_grid()
+        return self._overlays(grid if self.keep_target_dim else grid[:, 0], alpha, cmap)
+
+    def drawn_map_grid(self, warn: bool = True) -> Tensor:
+        """(N, K, H, W) float32 maps on the CPU as every drawing shows them: ``map_grid`` where it is normalised
+        ([0, 1], or [-1, 1] signed). A map that is not (``normalize=None`` keeps the raw values: gradients of
+        1e-3 would be drawn as nothing, values above 1 as one saturated colour) is drawn scaled to its own largest
+        |value|, as ``normalize="max"`` would make it; NaN is drawn as no evidence (0) and ±inf as the strongest
+        evidence (the map's largest finite |value|, with its sign). ``warn``: say so, at the caller's line, when
+        a map is drawn other than as it is. ``map_grid`` itself is left as it is."""
+        if self.map_grid.device.type == "meta":
+            raise ValueError("the maps are on the meta device: they hold no values to draw. Explain on a real "
+                             "device (the CPU or a GPU).")
+        given = self.map_grid.detach().to("cpu", torch.float32)
+        finite = torch.isfinite(given)
+        grid = given
+        notes = []
+        if not bool(finite.all()):
+            largest_finite = torch.where(finite, given.abs(), 0.0).amax(dim=(-2, -1), keepdim=True)
+            strongest = torch.where(largest_finite > 0, largest_finite, 1.0)
+            grid = torch.where(finite, given, torch.where(given.isnan(), 0.0, given.sign() * strongest))
+            nans = int(given.isnan().sum())
+            notes.append(f"hold {nans} NaN and {int((~finite).sum()) - nans} infinite pixel(s), drawn as no "
+                         "evidence (NaN) and as the strongest evidence (±inf)")
+        largest = grid.abs().amax(dim=(-2, -1), keepdim=True)
+        raw = self.raw_map_grid.detach()
+        unnormalised = largest > 1 + NORMALISED_TOLERANCE
+        if raw.shape == given.shape and raw.device.type != "meta":
+            kept_raw = (raw.to("cpu", torch.float32) == given).flatten(-2).all(-1)[..., None, None]
+            unnormalised |= kept_raw & (largest > 0) & (largest < 1 - NORMALISED_TOLERANCE)
+        if bool(unnormalised.any()):
+            grid = torch.where(unnormalised, grid / largest.clamp_min(torch.finfo(torch.float32).tiny), grid)
+            spans = largest[unnormalised]
+            notes.append(f"are not normalised ({int(unnormalised.sum())} of {unnormalised.numel()} map(s), largest "
+                         f"|value| {float(spans.min()):.3g} to {float(spans.max()):.3g}, e.g. with normalize=None): "
+                         "each is drawn scaled to its own largest |value|, as normalize='max' makes it")
+        if notes and warn:
+            warn_at_callers_line(f"{self.description()}: the maps " + "; they ".join(notes) + ". The values in "
+                                 "e.maps are left as they are.")
+        return grid
 
     def _overlays(self, maps: Tensor, alpha: float, cmap: render.ColormapSpec) -> np.ndarray:
-        """``render.overlay_explained`` of ``maps`` (the maps, or the map grid), with each explained instance's box
-        outlined on its own map where the explanation has boxes."""
+        """``render.overlay_explained`` of ``maps`` (the drawn maps, or their grid), with each explained instance's
+        box outlined on its own map where the explanation has boxes."""
         overlays = render.overlay_explained(self.images, maps, alpha=alpha, cmap=cmap)
         if self.boxes is None:
             return overlays
@@ -224,7 +268,8 @@ class Explanation:
                         **layout: Any) -> Figure:
         """``render.overlay_figure`` of this explanation: its maps titled with class and score (or ``map_titles``),
         the figure titled with the method and its layer (or ``title``)."""
-        grid = self.map_grid  # (N, K, H, W)
+        self._check_not_empty()
+        grid = self.drawn_map_grid()  # (N, K, H, W)
         if map_titles is None:
             map_titles = [[self.title(image, target) for target in range(grid.shape[1])]
                           for image in range(grid.shape[0])]
@@ -250,10 +295,19 @@ class Explanation:
             raise ValueError(f"cannot tell which format to write from {path.name!r}: end the name with .png, .jpg, "
                              ".webp or .tif (the overlays as an image) or .pdf, .svg or .eps (the titled figure).")
         render.check_writable(path, dpi)
+        buffer = io.BytesIO()  # written whole, then to the file: a format that fails leaves an existing file as it was
         if suffix in VECTOR_FORMATS:
-            render.save_figure(self.figure(alpha=alpha, cmap=cmap), str(path), dpi=dpi)
+            render.savefig_with_svg_text(self.figure(alpha=alpha, cmap=cmap), buffer, format=suffix[1:], dpi=dpi)
         else:
-            self.overlay_image(alpha=alpha, cmap=cmap).save(path, dpi=(dpi, dpi))
+            picture = self.overlay_image(alpha=alpha, cmap=cmap)
+            file_format = Image.registered_extensions()[suffix]
+            try:
+                picture.save(buffer, format=file_format, dpi=(dpi, dpi))
+            except (OSError, ValueError, KeyError) as error:
+                raise ValueError(f"cannot write RGB overlays as {file_format} ({path.name!r}: {error}); end the name "
+                                 "with .png, .jpg, .webp or .tif (the overlays as an image) or .pdf, .svg or .eps "
+                                 "(the titled figure).") from None
+        path.write_bytes(buffer.getvalue())
         return path
 
     def _check_not_empty(self) -> None:
@@ -265,7 +319,7 @@ class Explanation:
         """The overlays as one RGB image at the input's resolution: images side by side, one row per
         target (what ``save`` writes to a raster file)."""
         self._check_not_empty()
-        overlays = self._overlays(self.map_grid, alpha, cmap)
+        overlays = self._overlays(self.drawn_map_grid(), alpha, cmap)
         return Image.fromarray(render.tile(overlays))
 
     def png(self, dpi: int = 80) -> bytes:

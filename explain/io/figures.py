@@ -50,8 +50,9 @@ class FigureOptions(TypedDict, total=False):
 
 
 def _panel_values(explanation: Explanation, image: int, signed: bool, clip_percentile: float,
-                  method_scale: Optional[float]) -> Tensor:
-    """One map in [0, 1] for display: signed maps centred at 0.5, others as normalised; divided by
+                  method_scale: Optional[float], drawn: Optional[Tensor]) -> Tensor:
+    """One map in [0, 1] for display: signed maps centred at 0.5, others as normalised (``drawn``: the
+    explanation's ``drawn_map_grid``, a map that is not normalised scaled to its own maximum); divided by
     ``method_scale`` (the method's largest |value| over the images) when given."""
     raw = explanation.raw_map_grid[image, 0].detach().float().cpu()
     if signed:
@@ -60,7 +61,8 @@ def _panel_values(explanation: Explanation, image: int, signed: bool, clip_perce
         return render.signed_to_unit(raw, clip_percentile)
     if method_scale is not None:
         return (raw.clamp_min(0) / method_scale).clamp(0, 1)
-    return explanation.map_grid[image, 0].detach().float().cpu().clamp(0, 1)
+    assert drawn is not None, "the drawn maps are given for unsigned maps on their own scale"
+    return drawn[image, 0].clamp(0, 1)
 
 
 def method_scale(explanation: Explanation) -> float:
@@ -150,6 +152,13 @@ def figure(
         raise ValueError(f"rows must be 'images' or 'methods'; got {rows!r}.")
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
+    if not (isinstance(clip_percentile, (int, float)) and 0 < clip_percentile <= 100):
+        raise ValueError(f"clip_percentile must lie in (0, 100] (99: the largest 1 % of |values| saturate); "
+                         f"got {clip_percentile!r}.")
+    for name, value in (("panel_size", panel_size), ("fontsize", fontsize)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive number (inches for panel_size, points for fontsize); "
+                             f"got {value!r}.")
     count = len(explanations[0])
     if any(len(explanation) != count for explanation in explanations):
         raise ValueError("all explanations must be of the same images (the same N).")
@@ -174,6 +183,8 @@ def figure(
     grid_shape = (count, columns) if rows == "images" else (columns, count)
     panel_width, panel_height = render.panel_inches(images.shape[1], images.shape[2], panel_size)
     scales = [method_scale(e) if normalize in ("method", "row") else None for e in explanations]
+    unsigned_maps = [e.drawn_map_grid(warn=False) if not sign and scale is None else None
+                     for e, sign, scale in zip(explanations, signs, scales)]
     # every panel as (row, column, picture, title above it), then the labels left of the first column
     placed: list[tuple[int, int, np.ndarray, str]] = []
     labels: dict[int, str] = {}
@@ -181,8 +192,9 @@ def figure(
         panels: list[tuple[str, np.ndarray, str]] = []
         if show_image:
             panels.append((image_header, (images[image].numpy() * 255).round().astype("uint8"), ""))
-        for number, (explanation, signed_map, scale) in enumerate(zip(explanations, signs, scales)):
-            values = _panel_values(explanation, image, signed_map, clip_percentile, scale)
+        for number, (explanation, signed_map, scale, own_scale) in enumerate(
+                zip(explanations, signs, scales, unsigned_maps)):
+            values = _panel_values(explanation, image, signed_map, clip_percentile, scale, own_scale)
             panel_cmap = render.DIVERGING_CMAP if signed_map else cmap
             drawn = render.overlay(images[image], values, alpha=alpha, cmap=panel_cmap, mode=mode, signed=signed_map)
             panels.append((headers[number], drawn, explanation.title(image) if texts is None else texts[image][number]))
@@ -222,6 +234,6 @@ def figure(
         for low, bar_cmap, label in scales_drawn:
             scalar = matplotlib.cm.ScalarMappable(norm=Normalize(low, 1), cmap=bar_cmap)
             bar = fig.colorbar(scalar, ax=axes, shrink=0.8 / len(scales_drawn))
-            bar.set_label(label if colorbar_label is None else colorbar_label, fontsize=fontsize)
+            bar.set_label(label if colorbar_label is None else colorbar_label, fontsize=fontsize, parse_math=False)
             bar.ax.tick_params(labelsize=fontsize)
     return fig

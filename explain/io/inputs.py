@@ -9,10 +9,14 @@ input; uint8 tensors, channels first ((3, H, W) or (N, 3, H, W), as
 ``torchvision.io.read_image`` gives), are images of 0-255 pixels like uint8
 ndarrays, and go through the preprocess. For every input the toolkit keeps a display image, (H, W, 3) float in
 [0, 1] at the batch's resolution, on which heatmaps are drawn.
+
+Arrays are read as RGB: OpenCV's ``cv2.imread`` gives BGR, which no check can tell from RGB; pass
+``image[..., ::-1]`` (or ``cv2.cvtColor(image, cv2.COLOR_BGR2RGB)``), or the path itself.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -24,7 +28,8 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
-from ..core.checks import check_finite
+from ..core.caller import warn_at_callers_line
+from ..core.checks import check
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -255,7 +260,16 @@ def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
 
 def _read_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     """An image file as a PIL image in its own mode, upright (see ``load_image``)."""
+    text = os.fspath(path)
+    if isinstance(text, str) and "://" in text:
+        raise ValueError(f"{text!r} is a URL; explain reads local files only and downloads nothing. Download it "
+                         "first (e.g. urllib.request.urlretrieve(url, 'image.jpg')) and pass the file, or pass the "
+                         "image opened as a PIL image.")
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a folder, not an image file. Pass the image files (e.g. "
+                                "sorted(Path(folder).glob('*.jpg'))), or run `explain batch FOLDER --model MODEL "
+                                "--out OUT` for a whole folder.")
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {str(path)!r}.")
     try:
@@ -333,7 +347,8 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor], channels: int
     """A PIL image, an (H, W), (H, W, 1) or (H, W, 3) ndarray, or a channels-first (3, H, W) uint8
     tensor → (3, H, W) float32 tensor in [0, 1], or (1, H, W) with ``channels=1`` (a 1-channel model's).
 
-    uint8 arrays and tensors are divided by 255; float arrays must already lie in [0, 1].
+    uint8 arrays and tensors are divided by 255; float arrays must already lie in [0, 1]. Arrays are RGB: one from
+    OpenCV (BGR) is passed as ``image[..., ::-1]``.
     Grayscale arrays are repeated to three channels (kept on one with ``channels=1``, where colour
     images are refused); other channel counts, 16-bit arrays and out-of-range floats are refused with an error.
     """
@@ -453,7 +468,9 @@ def _flatten(inputs: Inputs) -> list[ImageInput]:
             return list(inputs.unbind(0))
         if inputs.dim() in (2, 3):
             return [inputs]
-        raise ValueError(f"a tensor input must be (C, H, W) or (N, C, H, W); got shape {tuple(inputs.shape)}.")
+        extra = (" To explain several images, stack them into one batch dimension, e.g. x.flatten(0, 1) for "
+                 "(B, T, C, H, W); a list of tensors works too." if inputs.dim() > 4 else "")
+        raise ValueError(f"a tensor input must be (C, H, W) or (N, C, H, W); got shape {tuple(inputs.shape)}.{extra}")
     if isinstance(inputs, np.ndarray):
         return list(inputs) if inputs.ndim == 4 else [inputs]
     if isinstance(inputs, (list, tuple)):
@@ -516,8 +533,12 @@ def prepare_inputs(
     Float tensors are model input as they are."""
     if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0 and inputs.dtype != torch.uint8:
         # a model-ready batch: no split into images and re-stacking; display images when first drawn
+        _warn_if_channels_last(inputs, channels)
         return _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
     items = _flatten(inputs)
+    for item in items:
+        if isinstance(item, Tensor) and item.is_floating_point():
+            _warn_if_channels_last(item, channels)
     if not items:
         raise ValueError("there is nothing to explain: the input batch is empty.")
     prepared = [_prepare_one(item, preprocess, channels) for item in items]
@@ -544,9 +565,54 @@ def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> Prepa
     if batch.is_inference():  # made inside the caller's torch.inference_mode(): autograd cannot use it
         batch = batch.clone()
     batch = batch.to(dtype)
-    check_finite(batch, _non_finite_input)  # decided at the end of an explainer call (explain.core.checks)
+    _check_values(batch)  # decided at the end of an explainer call (explain.core.checks)
     return PreparedInputs(batch=batch, display=display)
 
 
 def _non_finite_input(batch: Tensor) -> None:
     raise ValueError("the input contains NaN or inf values; a map of such an input would be meaningless.")
+
+
+PIXEL_RANGE_THRESHOLD = 10.0
+"""Model input whose values are all ≥ 0 and reach above this looks like 0-255 pixels: normalised images (any
+mean/std in use: ImageNet's, CLIP's, 0.5/0.5, MNIST's) stay within about [-3, 3], and have values < 0."""
+
+
+def _check_values(batch: Tensor) -> None:
+    """Refuse NaN and inf in the model input, and warn where it holds 0-255 pixel values (the model would be
+    explained on an image far outside what it was trained on); both decided from its extremes (two reductions in one
+    operation, NaN and inf carried through), at the end of the explainer's call (``explain.core.checks``)."""
+    if batch.numel() == 0:
+        return
+    with torch.no_grad():
+        extremes = torch.stack(torch.aminmax(batch))
+
+    def decide(values: list[float]) -> None:
+        low, high = values
+        if not (math.isfinite(low) and math.isfinite(high)):
+            _non_finite_input(batch)
+        if low >= 0.0 and high > PIXEL_RANGE_THRESHOLD:
+            warn_at_callers_line(
+                f"the model input spans [{low:.4g}, {high:.4g}]: it looks like 0-255 pixels, which the model was not "
+                "trained on (its maps would explain another input). A float tensor is taken as model input as it "
+                "is: pass the pixels as a uint8 tensor (x.round().to(torch.uint8)) or an ndarray, which the "
+                "explainer's preprocess normalises; or divide by 255 and normalise as the model expects "
+                "(explain.Normalize() for ImageNet statistics). If the model itself takes 0-255 values, ignore "
+                "this warning.")
+
+    check(extremes, decide)
+
+
+def _warn_if_channels_last(model_input: Tensor, channels: Optional[int]) -> None:
+    """Warn when a float tensor of model input looks channels-last, (H, W, C) or (N, H, W, C): its last dimension
+    is the model's channel count (its first convolution's ``in_channels``) and its channel dimension is not. Only a
+    warning: a model may permute its input itself."""
+    if channels is None or model_input.dim() not in (3, 4):
+        return
+    if model_input.shape[-3] != channels and model_input.shape[-1] == channels:
+        layout = "(H, W, C)" if model_input.dim() == 3 else "(N, H, W, C)"
+        permute = "x.permute(2, 0, 1)" if model_input.dim() == 3 else "x.permute(0, 3, 1, 2)"
+        warn_at_callers_line(
+            f"the float tensor of shape {tuple(model_input.shape)} looks channels-last, {layout}: the model's first "
+            f"convolution takes {channels} channels, and a tensor input is taken as channels first, (C, H, W) or "
+            f"(N, C, H, W). Pass {permute}, or the image as an (H, W, 3) ndarray.")

@@ -44,6 +44,9 @@ class ExplanationFigureOptions(PanelOptions, total=False):
 
 
 def _as_float_tensor(values: ArrayLike) -> Tensor:
+    if isinstance(values, Tensor) and values.device.type == "meta":
+        raise ValueError("got a tensor on the meta device: it holds no values to draw. Compute it on a real device "
+                         "(the CPU or a GPU).")
     if isinstance(values, Tensor):
         return values.detach().to("cpu", torch.float32)
     return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: read-only arrays (of PIL images) too
@@ -147,7 +150,8 @@ def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     are left out of the percentile and drawn at 0.5 (no evidence), as ``as_drawn`` draws them."""
     values = _as_float_tensor(maps)
     flat = values.reshape(-1, values.shape[-2] * values.shape[-1]).abs()
-    scale = torch.nanquantile(flat, clip_percentile / 100.0, dim=1).nan_to_num(0.0).clamp_min(1e-12)
+    scale = torch.nanquantile(flat, clip_percentile / 100.0, dim=1).nan_to_num(0.0)
+    scale = torch.where(scale > 0, scale, 1.0)  # however small a map's values (1e-13 gradients), never a floor
     scaled = (values.reshape(flat.shape) / scale[:, None]).nan_to_num(0.0).clamp(-1, 1).reshape(values.shape)
     return (scaled + 1) / 2
 
@@ -394,6 +398,11 @@ def overlay_figure(
     """
     from matplotlib.figure import Figure
 
+    if isinstance(panel_size, bool) or not isinstance(panel_size, (int, float)) or not 0 < panel_size < float("inf"):
+        raise ValueError(f"panel_size must be a positive number of inches, e.g. 2.4; got {panel_size!r}.")
+    if figure is not None and figure.axes:
+        raise ValueError("the figure given already holds axes (a drawing): give an empty one, e.g. plt.figure(), or "
+                         "call figure.clear() first.")
     count, targets_per_image = maps.shape[:2]
     if count == 0:
         raise ValueError("this explanation holds no image (an empty selection): there is nothing to draw.")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .caller import warn_at_callers_line
 from .checks import check
 
 ClassRef = Union[int, str]
@@ -87,6 +88,7 @@ def select_output(output: Any, selector: OutputSelector = None) -> Any:
         return output.logits
     if isinstance(output, (tuple, list)) and output:
         if isinstance(output[0], Tensor):
+            _warn_if_another_could_be_the_scores(output)
             return output[0]
         if all(isinstance(item, Mapping) for item in output):
             return output  # detection: a list of dicts, for a callable target
@@ -94,6 +96,23 @@ def select_output(output: Any, selector: OutputSelector = None) -> Any:
         f"cannot find the scores in a model output of type {type(output).__name__}; pass output= "
         "(a key, an index or a callable)."
     )
+
+
+def _warn_if_another_could_be_the_scores(output: Sequence[Any]) -> None:
+    """Warn when a tuple's first tensor, taken as the scores, is one of several (N, width) tensors of different
+    widths, such as a model's (embedding, logits): which holds the class scores cannot be told from the output."""
+    first = output[0]
+    if first.dim() != 2:
+        return
+    others = [index for index, item in enumerate(output[1:], start=1)
+              if isinstance(item, Tensor) and item.dim() == 2 and item.shape[0] == first.shape[0]
+              and item.shape[1] != first.shape[1]]
+    if others:
+        shapes = ", ".join(f"[{index}] {tuple(output[index].shape)}" for index in [0, *others])
+        warn_at_callers_line(
+            f"the model returns a {type(output).__name__} of several (N, width) tensors ({shapes}); the first is "
+            f"taken as the class scores. If they are another, pass output=INDEX to the explainer (e.g. output="
+            f"{others[0]}); pass output=0 to keep the first and silence this warning.")
 
 
 @dataclass

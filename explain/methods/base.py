@@ -295,10 +295,31 @@ class Explainer(ABC):
         inputs = model_batch(self.model, inputs)
         call = self._forward_call
         if call is None:
-            return select_output(run_model(self.model, inputs), self.output)
-        if rows is not None:
-            call = call.for_rows(rows)
-        return select_output(run_model(self.model, inputs, call.arguments(inputs)), self.output)
+            scores = select_output(run_model(self.model, inputs), self.output)
+        else:
+            if rows is not None:
+                call = call.for_rows(rows)
+            scores = select_output(run_model(self.model, inputs, call.arguments(inputs)), self.output)
+        self._check_class_names(scores)
+        return scores
+
+    def _check_class_names(self, scores: Any) -> None:
+        """Warn, once per call, when the model's (N, C) class scores have another number of columns than
+        ``class_names`` has names: each map would be titled with another class's name."""
+        names = self.class_names
+        if names is None or not isinstance(scores, Tensor) or scores.dim() != 2:
+            return
+        if getattr(self._thread_state, "class_names_checked", False):
+            return
+        self._thread_state.class_names_checked = True
+        if scores.shape[1] == len(names):
+            return
+        binary = (" A one-logit binary model's score is its positive class: give that class's name alone."
+                  if scores.shape[1] == 1 else "")
+        warn_at_callers_line(
+            f"the model's scores have {scores.shape[1]} classes and class_names has {len(names)} names, so the "
+            f"maps' class names are not the model's classes. Pass class_names= with one name per output class, "
+            f"in the order of the model's outputs.{binary}")
 
     @property
     def method_name(self) -> str:
@@ -354,6 +375,7 @@ class Explainer(ABC):
             prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model),
                                       channels=model_input_channels(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
+            self._thread_state.class_names_checked = False  # once per call (``_check_class_names``)
             scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
             self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,
                                                     input_position, prepared.batch.shape[0], per_image)

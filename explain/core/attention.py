@@ -481,6 +481,12 @@ class CapturedAttention:
         return [record.probabilities for record in self.records]
 
     @property
+    def computed(self) -> int:
+        """How many attention calls were recorded inside the selected modules (all of them for positions), before
+        the positions choose among them."""
+        return len(self._recorder.records)
+
+    @property
     def grads(self) -> list[Optional[Tensor]]:
         return [record.grad for record in self.records]
 

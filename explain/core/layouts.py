@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .caller import warn_at_callers_line
+
 Reshape = Union[None, str, Sequence[int], Callable[[Tensor], Tensor]]
 MAX_PREFIX_TOKENS = 8
 SPATIAL_FIT = 0.2
@@ -57,6 +59,9 @@ class Layout:
     class_token: bool = False
     readout: str = "mean"
     covered: Optional[tuple[int, int]] = None
+    read: Optional[tuple[int, int]] = None
+    """Where fewer than ``covered``: the (rows, columns) from the top-left that the patch embedding reads (a later
+    stage of a hierarchical transformer, whose 2 × 2 merges padded the grid past the pixels read)."""
 
     @property
     def channel_dim(self) -> int:
@@ -87,7 +92,8 @@ class Layout:
         if self.covered is None:
             return maps
         rows, columns = self.covered
-        height, width = min(rows, int(input_size[0])), min(columns, int(input_size[1]))
+        read_rows, read_columns = self.read or self.covered
+        height, width = min(rows, read_rows, int(input_size[0])), min(columns, read_columns, int(input_size[1]))
         spread = F.interpolate(maps.float(), size=(rows, columns), mode="bilinear", align_corners=False)
         placed = torch.zeros(*maps.shape[:-2], int(input_size[0]), int(input_size[1]), device=maps.device)
         placed[..., :height, :width] = spread[..., :height, :width]
@@ -173,6 +179,43 @@ def _patch_embedding(module: nn.Module) -> Optional[PatchEmbedding]:
         return None
     pads = stem is timm_embed and getattr(stem, "dynamic_img_pad", False) is True
     return PatchEmbedding((int(kernel[0]), int(kernel[1])), pads)
+
+
+def _first_patch_embedding(model: nn.Module) -> Optional[PatchEmbedding]:
+    """The model's first convolution, where it is a patch embedding (stride = kernel ≥ 2, no padding), as a Swin's
+    is; None otherwise."""
+    first = next((module for module in model.modules() if isinstance(module, nn.Conv2d)), None)
+    if first is None:
+        return None
+    kernel, stride, padding = first.kernel_size, first.stride, first.padding
+    if kernel != stride or padding not in ((0, 0), "valid") or min(kernel) < 2:
+        return None
+    return PatchEmbedding((int(kernel[0]), int(kernel[1])))
+
+
+def stage_layout(model: nn.Module, grid: Sequence[int], input_size: Sequence[int]) -> Layout:
+    """The channels-first Layout of a hierarchical transformer's (Swin's) (h, w) token grid, with the input pixels
+    it spans: where the model's first convolution is a patch embedding of p pixels and the grid is its grid (H // p,
+    or ⌈H / p⌉ where it pads the input) after m 2 × 2 merges (each padding an odd size, m = 0 for the first stage),
+    token (i, j) spans the pixels [i·p·2^m, (i + 1)·p·2^m) × [j·p·2^m, (j + 1)·p·2^m), and ``to_input`` leaves 0
+    on the pixels no patch reads. Spanning the whole input (no ``covered``) where no such embedding or merge count
+    fits, or where a side of the grid is 1 (a merge count that cannot be told)."""
+    embedding = _first_patch_embedding(model)
+    height, width = int(input_size[0]), int(input_size[1])
+    if embedding is None or min(int(grid[0]), int(grid[1])) < 2:
+        return Layout("channels_first")
+    rows, columns = embedding.patch
+    bases = dict.fromkeys([(height // rows, width // columns), (-(-height // rows), -(-width // columns))])
+    for merges in range(8):
+        factor = 2 ** merges
+        for base in bases:
+            if (-(-base[0] // factor), -(-base[1] // factor)) != (int(grid[0]), int(grid[1])):
+                continue
+            spanned = (int(grid[0]) * rows * factor, int(grid[1]) * columns * factor)
+            read = (base[0] * rows, base[1] * columns)
+            covered = None if spanned == (height, width) and read == spanned else spanned
+            return Layout("channels_first", covered=covered, read=None if read == spanned else read)
+    return Layout("channels_first")
 
 
 def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
@@ -282,10 +325,10 @@ def checked_grid(reshape: Sequence[int], tokens: int, input_size: Sequence[int],
     them are the model's prefix tokens, or none (or, when the model states nothing, at most
     MAX_PREFIX_TOKENS)."""
     try:
-        values = tuple(operator.index(value) for value in reshape)
+        values = tuple(operator.index(value) for value in reshape if not isinstance(value, bool))
     except TypeError:
         values = ()
-    if len(values) != 2 or min(values) < 1:
+    if len(values) != 2 or len(values) != len(reshape) or min(values) < 1:
         raise ValueError(f"reshape=(h, w) takes two positive ints, the patch grid; got {reshape!r}.")
     height, width = values
     prefixes = _prefixes(tokens, known, whole_sequence)
@@ -297,6 +340,15 @@ def checked_grid(reshape: Sequence[int], tokens: int, input_size: Sequence[int],
             f"so h·w must be {' or '.join(str(tokens - p) for p in prefixes) or 'positive'}, not {height * width}. "
             f"Grids that fit: {_fitting_grids(tokens, prefixes, input_size)}."
         )
+    embedding = None if known is None else known.patch_embedding
+    if embedding is not None:
+        grid = embedding.grid(input_size)
+        if grid != values and grid[0] * grid[1] == height * width:
+            warn_at_callers_line(
+                f"reshape={values} lays the {height * width} patch tokens of {what} out on another grid than the "
+                f"model's patch embedding, which cuts this {input_size[0]}×{input_size[1]} input into {grid[0]} × "
+                f"{grid[1]} patches of {embedding.patch[0]}×{embedding.patch[1]} pixels: each token's value lands on "
+                f"another patch's pixels. Leave reshape out (or pass reshape={grid}).", UserWarning)
     return _token_layout_of(prefix, (height, width), known, input_size)
 
 

@@ -177,6 +177,13 @@ class AttentionMethod(Explainer):
             if len(seen) > 3:
                 seen[3:] = [f"{len(seen) - 3} more"]
             saw = f"It saw only {'; '.join(seen)}, which is not attention. " if seen else ""
+            if self.blocks is not None:
+                chosen = (f"none of the {attention.computed} attention call(s) the model computed" if attention.computed
+                          else "modules inside which no attention is computed")
+                raise ValueError(
+                    f"blocks={self.blocks!r} chooses {chosen}. {saw}With blocks=None every attention computed inside "
+                    "the model is read; see explain.capture_attention for names, globs, module types and positions."
+                )
             raise ValueError(
                 f"{type(self).__name__} found no attention in the model's forward pass: it looks for "
                 "F.scaled_dot_product_attention, nn.MultiheadAttention, and a softmax over the last dimension of "
@@ -204,11 +211,37 @@ class AttentionMethod(Explainer):
             raise ValueError(
                 f"the recorded attention matrices (rows × queries × keys: {listed}) are not self-attention over "
                 f"the same tokens of the {count} image(s) in every block, which rollout needs. Attention of other "
-                "inputs (CLIP's text tower), token merging, pooled keys or cross-attention are recorded too: choose "
-                "the image's blocks with blocks= (blocks='vision_model' for a HuggingFace CLIPModel), or use "
-                "GradCAM(model)."
+                "inputs (CLIP's text tower), token merging, pooled keys, cross-attention or an attention-pooling "
+                "head (timm's global_pool='map', SigLIP's head) are recorded too: choose the image's blocks with "
+                f"blocks= ({self._blocks_hint(attention, count)}), or use AttnLRP or GradCAM(model)."
             )
         return probabilities
+
+    @staticmethod
+    def _blocks_hint(attention: CapturedAttention, count: int) -> str:
+        """Where each shape of attention was computed, and the ``blocks=`` that keeps the image's self-attention:
+        the most frequent (count, T, T) shape (the most tokens among equals), named by the innermost module holding
+        all its calls and none of the others, else by positions."""
+        shapes = [(int(p.shape[0]), *map(int, p.shape[-2:])) for p in attention.probabilities]
+        where: dict[tuple[int, ...], list[str]] = {}
+        for shape, module in zip(shapes, attention.modules):
+            where.setdefault(shape, []).append(module)
+        named = "; ".join(f"{shape[1]} × {shape[2]} in {', '.join(repr(m) for m in modules[:3])}"
+                          + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+                          for shape, modules in where.items())
+        candidates = [shape for shape in where if shape[0] == count and shape[1] == shape[2]]
+        if not candidates:
+            return f"{named}; no block attends among one image's tokens"
+        kept = max(candidates, key=lambda shape: (len(where[shape]), shape[2]))
+        chosen = [part.split(".") for part in where[kept]]
+        common = next((chosen[0][:length] for length in range(len(chosen[0]), 0, -1)
+                       if all(parts[:length] == chosen[0][:length] for parts in chosen)), [])
+        prefix = ".".join(common)
+        others = [module for shape, modules in where.items() if shape != kept for module in modules]
+        if prefix and not any(module == prefix or module.startswith(prefix + ".") for module in others):
+            return f"{named}: blocks={prefix!r} keeps the {kept[1]} × {kept[2]} self-attention"
+        positions = [index for index, shape in enumerate(shapes) if shape == kept]
+        return f"{named}: blocks={positions} (positions in call order) keeps the {kept[1]} × {kept[2]} self-attention"
 
     def _token_row(self, relevance: Tensor, layout: Layout) -> Tensor:
         """(N, K, T, T) → (N, K, T): the class token's row, or the mean of the patch tokens' rows."""

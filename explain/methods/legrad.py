@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from ..core.attention import AttentionRecord, BlockSpec, CapturedAttention, SkippedSoftmax, capture_attention
-from ..core.layouts import Layout, token_layout
+from ..core.layouts import Layout, stage_layout, token_layout
 from ..core.scope import CallScope
 from ..core.targets import OutputSelector, SelectedTargets, Target, select_targets
 from ..core.windows import WindowPartition, is_window_block, watch_windows
@@ -510,7 +510,9 @@ class LeGrad(AttentionMethod):
         selected.scores = selected.scores.detach()
         layout = layouts[0]
         if isinstance(layout, WindowPartition):
-            grid_maps = maps = relevance.unflatten(-1, layout.grid)  # (N, K, H, W)
+            grid_maps = relevance.unflatten(-1, layout.grid)  # (N, K, H, W)
+            # 0 on pixels the patch embedding never reads
+            maps = stage_layout(self.model, layout.grid, batch.shape[-2:]).to_input(grid_maps, batch.shape[-2:])
         else:
             grid_maps = layout.apply(relevance.transpose(1, 2))  # (N, T, K) → (N, K, h, w)
             maps = layout.to_input(grid_maps, batch.shape[-2:])  # 0 on pixels the patch embedding never reads

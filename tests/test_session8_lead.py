@@ -55,3 +55,35 @@ def test_integrated_gradients_advice_does_not_suggest_zeros_as_if_it_always_diff
     model = small_net().float()
     text = empty_path_warning(IntegratedGradients(model, baseline="zeros"), torch.zeros(1, 3, 8, 8))
     assert "baseline='zeros' unless the image is black" in text
+
+
+def test_explain_batch_confidence_and_probability_follow_probabilities_sigmoid(tmp_path):
+    """A multi-label model's explainer given probabilities="sigmoid": explain batch's confidence column (the top-1
+    class's probability) and probability column are the sigmoid of the logits, computed here by hand."""
+    import csv
+
+    import numpy as np
+    from PIL import Image
+
+    from explain import GradCAM, Normalize
+    from explain.dataset_tools.batch import run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 5)).eval()
+    folder = tmp_path / "images"
+    folder.mkdir()
+    generator = np.random.default_rng(0)
+    for index in range(3):
+        Image.fromarray(generator.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(folder / f"{index}.png")
+    run(GradCAM(model, "0", probabilities="sigmoid"), folder, tmp_path / "out", progress=False)
+    with open(tmp_path / "out" / "index.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 3
+    for row in rows:
+        with torch.no_grad():
+            logits = model(Normalize()(Image.open(folder / row["image"]).convert("RGB"))[None])[0]
+        top = int(logits.argmax())
+        assert int(row["predicted"]) == top
+        assert float(row["confidence"]) == pytest.approx(float(logits[top].sigmoid()), abs=1e-5)
+        assert float(row["probability"]) == pytest.approx(float(logits[int(row["target"])].sigmoid()), abs=1e-5)

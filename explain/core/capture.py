@@ -23,7 +23,8 @@ from typing_extensions import TypeVar
 from .scope import CallScope, errors_handled_outside
 
 LayerSpec = Union[str, nn.Module, type]
-"""A layer: its ``named_modules()`` name, a glob over names, the module itself, or a module type."""
+"""A layer: its ``named_modules()`` name (or as Python reaches it, ``"features[-1]"``), a glob over names, the module
+itself, or a module type."""
 
 
 class LayerNotFoundError(ValueError):
@@ -36,6 +37,10 @@ class LayerNotRunError(RuntimeError):
 
 class ModelInputError(RuntimeError):
     """The model itself failed on the input it was given (wrong size, channels or dtype)."""
+
+    model_error: Optional[BaseException] = None
+    """The exception the model's forward raised, when the model itself failed (``run_model``); None for an
+    error of the toolkit's own checks during the forward."""
 
 
 class LayerOutputError(TypeError):
@@ -55,19 +60,47 @@ def run_model(model: nn.Module, inputs: object, call: Optional[ForwardArguments]
     except (LayerNotRunError, LayerNotFoundError, ModelInputError, LayerOutputError):
         raise
     except TypeError as error:  # a forward called without its other inputs, or with the wrong ones
-        raise ModelInputError(
+        raise _model_failure(
             f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If its forward "
             "takes other inputs, pass them with forward_args= or forward_kwargs= (and input_position= for where "
-            "the image goes)."
+            "the image goes).", error
         ) from error
     except (RuntimeError, AssertionError, ValueError, IndexError) as error:
         if is_out_of_memory(error):  # not the input's fault: passed on as it is (see Explainer.row_passes)
             raise
-        raise ModelInputError(
-            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If it expects "
+        raise _model_failure(
+            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}."
+            f"{_channels_last_hint(model, inputs, error)} If it expects "
             "another size or channel count, pass a preprocess that produces it (e.g. torchvision "
-            "weights.transforms() for its 224 px models), or resize the tensor yourself."
+            "weights.transforms() for its 224 px models), or resize the tensor yourself.", error
         ) from error
+
+
+def _model_failure(message: str, error: BaseException) -> ModelInputError:
+    """A ModelInputError saying ``message`` about the model's own ``error``."""
+    failure = ModelInputError(message)
+    failure.model_error = error
+    return failure
+
+
+_EXPECTED_CHANNELS = re.compile(r"to have (\d+) channels")
+"""How a convolution's error states the channels it expected ("expected input[1, 16, 16, 3] to have 3 channels")."""
+
+
+def _channels_last_hint(model: nn.Module, inputs: object, error: BaseException) -> str:
+    """Where the model failed on a channel count and ``inputs`` looks channels-last (its last dimension is the
+    channels expected, its channel dimension is not): the permute that makes it channels first; else ""."""
+    if not isinstance(inputs, Tensor) or inputs.dim() not in (3, 4) or "channels" not in str(error):
+        return ""
+    stated = _EXPECTED_CHANNELS.search(str(error))
+    channels = int(stated.group(1)) if stated else model_input_channels(model)
+    if channels is None or inputs.shape[-1] != channels or inputs.shape[-3] == channels:
+        return ""
+    permute = "x.permute(0, 3, 1, 2)" if inputs.dim() == 4 else "x.permute(2, 0, 1)"
+    layout = "(N, H, W, C)" if inputs.dim() == 4 else "(H, W, C)"
+    ndarray = ", or the image as an (H, W, 3) ndarray" if channels == 3 else ""
+    return (f" The input looks channels-last, {layout}: its last dimension is the {channels} channels the model "
+            f"expects. Pass {permute} (channels first){ndarray}.")
 
 
 _ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed",
@@ -149,15 +182,132 @@ def _unknown_name_message(name: str, names: Sequence[str]) -> str:
     )
 
 
+PathPart = Union[str, int]
+"""One step of a layer path: a child's name, or a position among a Sequential's or ModuleList's children."""
+
+_PATH_STEP = re.compile(r"""\[\s*(?:(-?\d+)|'([^']*)'|"([^"]*)")\s*\]|(?:^|\.)([^.\[\]]+)""")
+"""A step of a layer written as Python reaches it: ``[2]``, ``[-1]``, ``['key']``, or a dotted name (``.conv2``)."""
+
+
+def _path_parts(spec: str) -> Optional[list[PathPart]]:
+    """The steps of a layer name written as Python reaches the module (``"features[2]"``, ``"layer4[-1].conv2"``,
+    ``"features.-1"``, ``"blocks['attn']"``): child names and (int) positions; None when it is not so written."""
+    parts: list[PathPart] = []
+    index = 0
+    while index < len(spec):
+        step = _PATH_STEP.match(spec, index)
+        if step is None or step.end() == index:
+            return None
+        position, single, double, name = step.groups()
+        if position is not None:
+            parts.append(int(position))
+        elif name is not None:  # a dotted negative position ("features.-1") is one from the end, as [-1]
+            parts.append(int(name) if re.fullmatch(r"-\d+", name) else name)
+        else:
+            parts.append(single if single is not None else double)
+        index = step.end()
+    return parts
+
+
+def _walk_path(model: nn.Module, parts: Sequence[PathPart]) -> tuple[Optional[str], str, int]:
+    """Follow ``parts`` from ``model``: (the dotted name of the module reached, "", steps) or (None, why not, the
+    steps taken before the one that failed). An int indexes a Sequential or ModuleList as Python does (negative
+    from the end); on another module a non-negative int is the child of that name."""
+    module: Optional[nn.Module] = model
+    names: list[str] = []
+    for step, part in enumerate(parts):
+        assert module is not None, "a step to None returns"
+        where = repr(".".join(names)) if names else "the model"
+        children = list(module._modules.items())
+        if isinstance(part, int) and isinstance(module, (nn.Sequential, nn.ModuleList)):
+            if not -len(children) <= part < len(children):
+                return None, (f"{where} ({type(module).__name__}) has {len(children)} children, positions 0 to "
+                              f"{len(children) - 1} (or -{len(children)} to -1); [{part}] is not one of them."), step
+            name, module = children[part]
+            if module is None:
+                return None, f"{where}[{part}] is None, not a module.", step
+        elif isinstance(part, int) and part < 0:
+            return None, (f"{where} is a {type(module).__name__}, not a Sequential or ModuleList, so it has no "
+                          f"position [{part}]; its children: {', '.join(repr(n) for n, _ in children[:12]) or 'none'}."
+                          ), step
+        else:
+            name = str(part)
+            if module._modules.get(name) is None:
+                listed = ", ".join(repr(child) for child, _ in children[:12]) or "none"
+                return None, f"{where} has no child {name!r}; its children: {listed}.", step
+            module = module._modules[name]
+        names.append(name)
+    return ".".join(names), "", len(parts)
+
+
+def _names_matching(model: nn.Module, named: dict[str, nn.Module], spec: str) -> list[str]:
+    """The names of ``model``'s layers that the name ``spec`` gives: the name itself, the name written as Python
+    reaches the module (``"features[-1]"``: positions index a Sequential or ModuleList, negative ones from the
+    end), or a glob; raises LayerNotFoundError, saying why, when none does."""
+    if spec in named:
+        return [spec]
+    why = ""
+    parts = _path_parts(spec) if not any(character in spec for character in "*?") else None
+    if parts:
+        found, why, steps = _walk_path(model, parts)
+        if found is not None:
+            # a module reached under two names (shared) is known by the first one named_modules() gives
+            return [found if found in named else next(name for name, module in named.items()
+                                                          if module is model.get_submodule(found))]
+        if steps == 0 or not ("[" in spec or any(isinstance(part, int) for part in parts)):
+            why = ""  # a glob, or a dotted name with a typo (said with the closest names)
+    if _is_glob(spec):
+        regex = glob_pattern(spec)
+        matches = [name for name in named if name and regex.match(name)]
+        if matches:
+            return matches
+        if not why:
+            raise LayerNotFoundError(f"the pattern {spec!r} matches no layer name of the model. "
+                                     "Run `explain layers MODEL` to see every name.")
+    if why:
+        raise LayerNotFoundError(f"the model has no layer {spec!r}: {why} "
+                                 "Run `explain layers MODEL` (or explain.list_layers(model)) to see every name.")
+    raise LayerNotFoundError(_unknown_name_message(spec, [name for name in named if name]))
+
+
+def _wrapper_hint(model: nn.Module, spec: str) -> str:
+    """Where ``spec`` names no layer of ``model`` but names one of a model it wraps (``"features.3"``, the
+    ``module.features.3`` of a DataParallel model): a sentence saying so, with the full name; else ""."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        wrapped, what = "module", "is a DataParallel or DistributedDataParallel wrapper"
+    elif _compile_wrapper(model):
+        wrapped, what = "_orig_mod", "is a torch.compile wrapper"
+    elif len(model._modules) == 1:
+        wrapped = next(iter(model._modules))
+        what = f"({type(model).__name__}) holds one module, {wrapped!r}"
+    else:
+        return ""
+    child = model._modules[wrapped]
+    if child is None:
+        return ""
+    try:
+        found = _names_matching(child, dict(child.named_modules()), spec)
+    except LayerNotFoundError:
+        return ""
+    name = f"{wrapped}.{spec if any(character in spec for character in '*?') else found[0]}"  # a glob stays one
+    unwrap = f", or pass the wrapped model (model.{wrapped})" if what.startswith("is a") else ""
+    return (f" The model {what}: its layers' names start with {wrapped + '.'!r}, so this layer is {name!r}. "
+            f"Write that name{unwrap}.")
+
+
 def find_layers(
     model: nn.Module, layers: LayerSpec | Sequence[LayerSpec]
 ) -> list[tuple[str, nn.Module]]:
     """Resolve layer specifications to ``(name, module)`` pairs, in the order given.
 
     Each specification is a name as ``model.named_modules()`` spells it
-    (``"layer4"``, ``"features.29"``), a glob over those names (``"layer*"``,
+    (``"layer4"``, ``"features.29"``), the same name written as Python reaches
+    the module (``"features[29]"``, ``"features[-1]"``, ``"layer4[-1].conv2"``;
+    also ``"features.-1"``: positions index a Sequential or ModuleList, negative
+    ones from the end), a glob over those names (``"layer*"``,
     ``"blocks.*.norm1"``; ``*`` stays within one dotted part, ``**`` crosses
-    parts), a module of the model, or a module type (``nn.Conv2d``: every
+    parts, ``[...]`` is a character class where the name does not index a
+    module), a module of the model, or a module type (``nn.Conv2d``: every
     module of that type). Duplicates are dropped.
     """
     check_hookable(model)
@@ -178,18 +328,13 @@ def find_layers(
         while isinstance(spec, str) and spec not in named and spec.startswith(COMPILED_PREFIX):
             spec = spec[len(COMPILED_PREFIX):]  # a name inside torch.compile(model): the wrapped module's
         if isinstance(spec, str):
-            if spec in named:
-                matches = [spec]
-            elif _is_glob(spec):
-                regex = glob_pattern(spec)
-                matches = [name for name in names if regex.match(name)]
-                if not matches:
-                    raise LayerNotFoundError(
-                        f"the pattern {spec!r} matches no layer name of the model. "
-                        "Run `explain layers MODEL` to see every name."
-                    )
-            else:
-                raise LayerNotFoundError(_unknown_name_message(spec, names))
+            try:
+                matches = _names_matching(model, named, spec)
+            except LayerNotFoundError as error:
+                hint = _wrapper_hint(model, spec)
+                if not hint:
+                    raise
+                raise LayerNotFoundError(f"{error}{hint}") from None
         elif isinstance(spec, nn.Module):
             if id(spec) not in name_of:
                 raise LayerNotFoundError(
@@ -341,8 +486,7 @@ class ActivationCapture(CallScope["ActivationCapture"]):
                 raise LayerNotRunError(
                     f"layer {name!r} ran more than once in one forward pass (a module used in several "
                     "places, such as the one `relu` of a torchvision BasicBlock). A map needs a layer "
-                    f"that runs once: choose a parent block (e.g. {name.rsplit('.', 1)[0]!r}) or "
-                    "another layer."
+                    f"that runs once: {_run_once_advice(name)}"
                 )
             if not isinstance(output, Tensor):
                 raise LayerOutputError(
@@ -382,6 +526,15 @@ class ActivationCapture(CallScope["ActivationCapture"]):
     def clear(self) -> None:
         """Drop the captured tensors (and with them the autograd graph they hold)."""
         self._captured.clear()
+
+
+def _run_once_advice(name: str) -> str:
+    """What to choose instead of layer ``name``, which ran more than once: its parent block, or for a layer of the
+    model itself (no parent but the whole model) another layer."""
+    if "." in name:
+        return f"choose its parent block ({name.rsplit('.', 1)[0]!r}) or another layer."
+    return ("choose another layer (one that runs once: `explain layers MODEL` lists them), or give the model a "
+            f"separate module for each place {name!r} is used.")
 
 
 def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:

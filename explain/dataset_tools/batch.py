@@ -27,10 +27,11 @@ Output folder layout:
     OUT/skipped.rank<R>.csv  each process's skipped files under torchrun (merged into skipped.csv)
 
 The index's columns: ``target`` the class explained (its name ``class_name``, the model's ``score``
-for it and its softmax ``probability``), row ``k`` of the image's ``targets`` = K rows, ``map`` the
+for it and its ``probability``, as ``confidence``), row ``k`` of the image's ``targets`` = K rows, ``map`` the
 maps file that holds the image's maps (map k is row k's; ``read_maps``); ``label`` and
 ``label_name`` the true class (empty when the image has no label), ``predicted`` and
-``predicted_name`` the model's top-1 class, ``confidence`` its probability in [0, 1] (softmax; sigmoid: one logit),
+``predicted_name`` the model's top-1 class, ``confidence`` its probability in [0, 1] (softmax; sigmoid: one
+logit, or the explainer's ``probabilities="sigmoid"``),
 ``correct`` "1" or "0" (empty without a label), and ``role``, why the row's class was explained:
 "label" (the true class), "predicted", "given" (``target=``) or "topk". With labels (``labels=``,
 see ``explain.dataset_tools.labels``) an image the model gets wrong has two rows, its label's map then its
@@ -698,7 +699,8 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
 
 
 def _predictions(explainer: Explainer, inputs: Tensor, plan: _TargetPlan) -> Optional[tuple[list[int], list[float]]]:
-    """The model's top-1 class of each image and its probability (softmax; sigmoid: one logit), from a forward pass
+    """The model's top-1 class of each image and its probability (softmax; sigmoid: one logit, or the explainer's
+    ``probabilities="sigmoid"``), from a forward pass
     without gradients (the model in eval mode, as explaining runs it, and left as found); None
     when the model's output is not (N, C) class scores."""
     if not plan.classifier:
@@ -713,7 +715,9 @@ def _predictions(explainer: Explainer, inputs: Tensor, plan: _TargetPlan) -> Opt
         return None
     plan.class_count = output.shape[1]
     predicted = output.argmax(dim=1)
-    confidence = class_probabilities(output.float()).gather(1, predicted[:, None])[:, 0]
+    scores = output.float()
+    probabilities = scores.sigmoid() if explainer.probability_function() == "sigmoid" else class_probabilities(scores)
+    confidence = probabilities.gather(1, predicted[:, None])[:, 0]
     return predicted.tolist(), confidence.tolist()
 
 

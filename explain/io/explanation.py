@@ -54,6 +54,8 @@ class Explanation:
         upsampling and normalisation (CAM methods), else None.
     probabilities: (N, K) probability of each explained class (the softmax over the classes; the sigmoid of a
         one-logit model's output), None for callable targets.
+    probability_function: how ``probabilities`` came from the class scores: "softmax" (over the classes; a one-logit
+        model's sigmoid) or "sigmoid" (each class's own, the explainer's ``probabilities="sigmoid"``: multi-label).
     attributions: (N, K, C, H, W) signed per-channel attributions at the input, before the
         channels are reduced to one map (gradient and guided methods), else None.
     diagnostics: method-specific figures, e.g. "completeness_error" (N, K) for Integrated Gradients
@@ -76,6 +78,7 @@ class Explanation:
     diagnostics: dict[str, Diagnostic] = field(default_factory=dict)
     class_names: Optional[Sequence[str]] = field(default=None, repr=False)
     boxes: Optional[Tensor] = None
+    probability_function: str = "softmax"
 
     @property
     def images(self) -> Tensor:
@@ -342,10 +345,12 @@ class Explanation:
 
     def _repr_html_(self) -> str:
         """Notebook display: the figure (once, as one PNG at 80 dpi), then a table of image, class,
-        score and probability. There is no ``_repr_png_``: a notebook would store the figure twice."""
+        score and probability (headed "sigmoid probability" for a multi-label model's, ``probability_function``).
+        There is no ``_repr_png_``: a notebook would store the figure twice."""
         if len(self) == 0:
             return f"<div><p><b>{html.escape(self.description())}</b>: no image (an empty selection)</p></div>"
         picture = base64.b64encode(self.png()).decode("ascii")
+        probability_header = "sigmoid probability" if self.probability_function == "sigmoid" else "probability"
         rows = []
         for image in range(len(self)):
             for target in range(self.map_grid.shape[1]):
@@ -357,6 +362,6 @@ class Explanation:
         return (
             f"<div><p><b>{html.escape(self.description())}</b></p>"
             f'<img src="data:image/png;base64,{picture}"/>'
-            "<table><tr><th>image</th><th>class</th><th>score</th><th>probability</th></tr>"
+            f"<table><tr><th>image</th><th>class</th><th>score</th><th>{probability_header}</th></tr>"
             + "".join(rows) + "</table></div>"
         )

@@ -6,6 +6,7 @@ import inspect
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import (
     Any,
     Callable,
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..core.caller import warn_at_callers_line
 from ..core.capture import (
+    ModelInputError,
     check_hookable,
     eager_model,
     is_out_of_memory,
@@ -61,6 +63,7 @@ from .maps import (
     warn_about_empty_maps,
     without_graph,
 )
+from .options import probabilities_option
 from .passes import PROGRESS_THRESHOLD, check_parameters_usable, out_of_memory_error, reduced_precision, rows_per_pass
 from .signatures import document_options, setting_text
 
@@ -69,6 +72,61 @@ Result = TypeVar("Result")
 
 _progress_bars = threading.local()
 """``open``: how many explainers' progress bars this thread has open (an inner call shows none)."""
+
+
+@dataclass
+class PassRecord:
+    """The model's passes that ran in an ``explain`` call, so that a later pass that fails can say what ran before.
+
+    images: the images explained (rows of the prepared batch); image_shape: their shape, without the row.
+    passes: how many passes of the model have run; shapes: each input shape that ran → its first pass (1, 2, …).
+    """
+
+    images: int
+    image_shape: tuple[int, ...]
+    passes: int = 0
+    shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def ran(self, inputs: Tensor) -> None:
+        """Count a pass of the model that ran on ``inputs``."""
+        self.passes += 1
+        self.shapes.setdefault(tuple(inputs.shape), self.passes)
+
+    def failure(self, error: ModelInputError, inputs: Tensor) -> ModelInputError:
+        """What to raise for the model's ``error`` on ``inputs`` in the pass after the ones recorded: an error that
+        says so where an input of that shape ran earlier in the call (its size is not the cause) or the failed input
+        is a batch of copies of the images explained; else ``error`` as it is (it blames the input's size)."""
+        shape, rows, failed = tuple(inputs.shape), int(inputs.shape[0]), self.passes + 1
+        original = f"{type(error.model_error).__name__}: {str(error.model_error).strip().splitlines()[0]}" \
+            if str(error.model_error).strip() else type(error.model_error).__name__
+        if shape in self.shapes:
+            text = (f"the model failed on pass {failed} of this call, on an input of shape {shape}, the shape it ran "
+                    f"on in pass {self.shapes[shape]} of the same call: {original}. So its size is not the cause: the "
+                    "model fails on a later pass of the same shape, as a forward that changes its own state or "
+                    "counts its calls does, or one that fails only with gradients on (the method's passes differ in "
+                    "that). Make the model's forward give the same result whenever it is called.")
+        elif shape[1:] == self.image_shape and rows != self.images:
+            images = "the image" if self.images == 1 else f"the {self.images} images"
+            copies = (f"a batch of {rows} rows (the method's copies of {images} explained, each row of shape "
+                      f"{self.image_shape}")
+            fixed_rows = ("If the model takes only a fixed number of rows (a forward that reshapes to batch size 1, or "
+                          "keeps per-image state), pass batch_size= where the method takes it, or make the forward "
+                          "take any number of rows.")
+            earlier = [(first, ran) for ran, first in self.shapes.items() if ran[1:] == self.image_shape]
+            if not earlier:  # nothing of this shape ran: the size may be the cause, as the error says
+                text = f"{error} The input was {copies}). {fixed_rows}"
+            else:
+                text = (f"the model failed on pass {failed} of this call, {copies}; an input of shape {earlier[0][1]} "
+                        f"ran in pass {earlier[0][0]} of this call): {original}. {fixed_rows}")
+        else:
+            return error
+        failure = ModelInputError(text)
+        failure.model_error = error.model_error
+        return failure
+
+
+_call_passes = threading.local()
+"""``record``: the ``PassRecord`` of this thread's ``explain`` call in progress (None outside one)."""
 
 
 def warn_about_precision(explainer: "Explainer", precision: Optional[str], instances: bool = False) -> None:
@@ -142,6 +200,9 @@ class Explainer(ABC):
     progress: a progress bar for calls that run many passes through the model (path points, noisy
         copies, perturbed inputs): True, False, or None (default: when a call needs more than
         ``PROGRESS_THRESHOLD`` passes). A call made inside another's bar shows none of its own.
+    probabilities: how ``Explanation.probabilities`` come from the class scores: "softmax" (over the classes,
+        for a single-label classifier) or "sigmoid" (each class's own, for a multi-label one); a one-logit
+        model's is the sigmoid either way. None (default): "softmax", or a wrapped explainer's option.
     """
 
     name: ClassVar[str] = ""
@@ -174,6 +235,7 @@ class Explainer(ABC):
         class_names: Optional[Sequence[str]] = None,
         output: OutputSelector = None,
         progress: Optional[bool] = None,
+        probabilities: Optional[str] = None,
     ):
         model, preprocess, class_names, output = loaded_model_parts(model, preprocess, class_names, output)
         if not isinstance(model, nn.Module):
@@ -194,6 +256,9 @@ class Explainer(ABC):
         if progress not in (None, True, False):
             raise ValueError(f"progress must be True, False or None (on long calls); got {progress!r}.")
         self.progress = progress
+        self.probabilities = probabilities_option(probabilities)
+        if self.probabilities == "sigmoid":
+            self._check_sigmoid_scores()
         self.rows_that_fit: dict[str, int] = {}
         """Per device, the rows per pass that fitted in memory after a pass ran out of it (see
         ``row_passes``); later calls start there."""
@@ -209,18 +274,47 @@ class Explainer(ABC):
     def settings(self) -> dict[str, str]:
         """What the explainer computes with, as short texts that are the same in every process: each constructor
         option it keeps (under the option's name or ``setting_attributes``) except those that do not change a map
-        (``class_names``, ``progress``), and the explainers it wraps. Two explainers of one class with equal
-        settings compute the same maps; ``explain.evaluate`` and ``explain.run`` record them so that a
+        (``class_names``, ``progress``, ``probabilities``), and the explainers it wraps. Two explainers of one class
+        with equal settings compute the same maps; ``explain.evaluate`` and ``explain.run`` record them so that a
         resumed run never mixes two settings of a method."""
         texts = {}
         for option in inspect.signature(type(self)).parameters:
             attribute = self.setting_attributes.get(option, option)
-            if option not in ("model", "class_names", "progress") and attribute in self.__dict__:
+            if option not in ("model", "class_names", "progress", "probabilities") and attribute in self.__dict__:
                 texts[option] = setting_text(self.__dict__[attribute])
         for attribute, value in self.__dict__.items():
             if isinstance(value, Explainer) and attribute not in texts:
                 texts[attribute] = setting_text(value)
         return texts
+
+    def probability_function(self) -> str:
+        """How this explainer's probabilities come from the class scores: its ``probabilities`` option, or where it
+        was not given the option of the explainers it wraps ("softmax" where none was given one)."""
+        return self._given_probabilities() or "softmax"
+
+    def _given_probabilities(self) -> Optional[str]:
+        """The ``probabilities`` option given to this explainer or to one it wraps (None: to none of them); a
+        ValueError where a wrapper and an explainer it wraps were given different ones."""
+        given = {value._given_probabilities() for value in self.__dict__.values() if isinstance(value, Explainer)}
+        given.discard(None)
+        if self.probabilities is None:
+            if len(given) > 1:
+                raise ValueError(f"the explainers that {self.method_name} wraps were given different probabilities= "
+                                 f"({', '.join(sorted(map(repr, given)))}); give them the same.")
+            return next(iter(given), None)
+        different = given - {self.probabilities}
+        if different:
+            raise ValueError(f"{self.method_name} was given probabilities={self.probabilities!r} and the explainer it "
+                             f"wraps probabilities={different.pop()!r}; give the option to one of them, or the same to "
+                             "both.")
+        return self.probabilities
+
+    def _check_sigmoid_scores(self) -> None:
+        """Refuse probabilities="sigmoid" for a method whose scores are not the model's class scores."""
+        if not self.scores_are_outputs:
+            raise ValueError(f"{type(self).__name__}'s scores are its own, not the model's class scores, so "
+                             "probabilities='sigmoid' cannot be taken from them; leave probabilities out (the "
+                             "softmax over the model's classes).")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -230,6 +324,7 @@ class Explainer(ABC):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("rows_that_fit", {})
+        self.__dict__.setdefault("probabilities", None)  # pickled before the option
         self._thread_state = threading.local()
 
     def row_passes(self, rows: int, batch_size: Optional[int], device: torch.device,
@@ -294,12 +389,24 @@ class Explainer(ABC):
         faster (``explain.core.memory_format``)."""
         inputs = model_batch(self.model, inputs)
         call = self._forward_call
-        if call is None:
-            scores = select_output(run_model(self.model, inputs), self.output)
-        else:
-            if rows is not None:
-                call = call.for_rows(rows)
-            scores = select_output(run_model(self.model, inputs, call.arguments(inputs)), self.output)
+        record: Optional[PassRecord] = getattr(_call_passes, "record", None)
+        try:
+            if call is None:
+                output = run_model(self.model, inputs)
+            else:
+                if rows is not None:
+                    call = call.for_rows(rows)
+                output = run_model(self.model, inputs, call.arguments(inputs))
+        except ModelInputError as error:
+            if record is None or error.model_error is None:
+                raise
+            failure = record.failure(error, inputs)
+            if failure is error:
+                raise
+            raise failure from error.model_error
+        if record is not None:
+            record.ran(inputs)
+        scores = select_output(output, self.output)
         self._check_class_names(scores)
         return scores
 
@@ -375,6 +482,12 @@ class Explainer(ABC):
             prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model),
                                       channels=model_input_channels(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
+            outer_passes = getattr(_call_passes, "record", None)
+            _call_passes.record = PassRecord(prepared.batch.shape[0], tuple(prepared.batch.shape[1:]))
+            scope.add_undo(lambda: setattr(_call_passes, "record", outer_passes))
+            probability_function = self.probability_function()
+            if probability_function == "sigmoid":
+                self._check_sigmoid_scores()  # a wrapper taking a wrapped explainer's option
             self._thread_state.class_names_checked = False  # once per call (``_check_class_names``)
             scope.add_undo(lambda: setattr(self, "_forward_call", outer_call))
             self._forward_call = ForwardCall.stated(forward_args, {} if forward_kwargs is None else forward_kwargs,
@@ -417,20 +530,24 @@ class Explainer(ABC):
                                      instances=isinstance(target, InstanceTarget))
             selected = attribution.selected
             boxes, class_indices = None, selected.class_indices
+            scores, probabilities = without_graph(selected.scores).float(), selected.probabilities
             if isinstance(target, InstanceTarget):
                 target.warn_about_missing(self.method_name)
                 boxes, class_indices = target.explained_boxes(), target.instances.classes
+            elif probability_function == "sigmoid" and probabilities is not None and class_indices is not None:
+                probabilities = scores.sigmoid()  # the scores are the explained classes' logits (scores_are_outputs)
             return Explanation(
                 map_grid=normalize_maps(raw, self.normalize, extremes),
                 raw_map_grid=raw,
-                scores=without_graph(selected.scores).float(),
+                scores=scores,
                 class_indices=class_indices,
                 display=prepared.display,
                 method=self.method_name,
                 layer=attribution.layer,
                 keep_target_dim=selected.keep_target_dim,
                 low_res_maps=attribution.low_res_maps,
-                probabilities=selected.probabilities,
+                probabilities=probabilities,
+                probability_function=probability_function,
                 attributions=(None if attribution.attributions is None
                               else without_graph(attribution.attributions).contiguous()),
                 diagnostics=attribution.diagnostics,

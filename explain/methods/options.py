@@ -49,6 +49,19 @@ def bool_option(name: str, value: object) -> bool:
     return bool(value)
 
 
+PROBABILITY_FUNCTIONS = ("softmax", "sigmoid")
+"""How ``Explanation.probabilities`` come from the class scores (the ``probabilities`` option of every explainer)."""
+
+
+def probabilities_option(value: object) -> Optional[str]:
+    """The ``probabilities`` option: "softmax", "sigmoid" or None (not given), else a ValueError naming it."""
+    if value is None or (isinstance(value, str) and value in PROBABILITY_FUNCTIONS):
+        return value
+    raise ValueError(f"probabilities must be 'softmax' (a single-label classifier: the probabilities of its classes "
+                     f"sum to 1) or 'sigmoid' (a multi-label classifier: each class's own, from its logit); got "
+                     f"{value!r}.")
+
+
 def seed_option(seed: object) -> Optional[int]:
     """A random seed as the methods take it: an int in ``SEED_RANGE``, or None (a fresh draw each call,
     see ``random_generator``); else a ValueError naming the option."""

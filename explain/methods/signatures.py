@@ -34,6 +34,7 @@ class ExplainerOptions(TypedDict, total=False):
     class_names: Optional[Sequence[str]]
     output: OutputSelector
     progress: Optional[bool]
+    probabilities: Optional[str]
 
 
 _ENTRY = re.compile(r"^    (\w+(?:, \w+)*): ", re.M)

@@ -391,8 +391,11 @@ class ConceptRelevance:
                              "the model in eval mode): give a layer the prediction is computed through "
                              "(`explain layers`).")
         if not recorded:
-            raise ValueError(f"layer {self.layer_name} is not on the path from the input to the score (its output "
-                             "received no relevance): give a layer the prediction depends on.")
+            raise ValueError(f"layer {self.layer_name}'s output received no relevance: it is not on the path from "
+                             "the input to the score, or only on a path the method's rules pass no relevance along "
+                             "(a gate, such as a squeeze-and-excitation block's fc layers or a sigmoid gate, whose "
+                             "product the rules treat as a constant weight). Give a layer on the main path (the SE "
+                             "block's output, the block's output: `explain layers`).")
         if len(recorded) > 1:  # one forward pass, so the layer ran several times (a shared module)
             raise ValueError(f"layer {self.layer_name} runs {len(recorded)} times in one forward pass (a module "
                              "shared between places): its concepts are ambiguous. Give a layer that runs once.")
@@ -457,7 +460,13 @@ def _concept_indices(concepts: Any, channels: Optional[int]) -> Tensor:
     where a value is not a whole number (a float such as 1.7 would be truncated to another channel silently; a
     boolean mask would be read as the indices 0 and 1) or not a channel of the layer's ``channels`` (None: not known
     yet, not checked)."""
-    values = torch.as_tensor(concepts.detach().cpu() if isinstance(concepts, Tensor) else concepts)
+    if isinstance(concepts, (str, bytes)):
+        raise ValueError(f"concepts={concepts!r} is text; give the channels' indices as numbers, e.g. [3, 7].")
+    try:
+        values = torch.as_tensor(concepts.detach().cpu() if isinstance(concepts, Tensor) else concepts)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"concepts={concepts!r} is not channel indices ({error}); give whole numbers, e.g. "
+                         "[3, 7], or (N, M) per image.") from None
     if values.numel() == 0:
         raise ValueError("concepts is empty: give the channels' indices, an int k (the k most relevant) or None "
                          "(every channel).")
@@ -470,9 +479,14 @@ def _concept_indices(concepts: Any, channels: Optional[int]) -> Tensor:
         else:
             raise ValueError(f"concept indices must be whole numbers (channel indices); got {values.tolist()}.")
     values = values.long()
+    if values.dim() == 0:
+        raise ValueError(f"concepts={concepts!r}: give an int k (the k most relevant concepts) or the channels' "
+                         f"indices as a list (channel {int(values)}: [{int(values)}]).")
+    if channels is None and bool((values < 0).any()):
+        raise ValueError(f"concept indices must be ≥ 0 (channel indices); got {values.min().item()}.")
     if channels is not None and bool(((values < 0) | (values >= channels)).any()):
-        raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's channels); got "
-                         f"{values.min().item()} … {values.max().item()}.")
+        raise ValueError(f"concept indices must be in 0 … {channels - 1} (the layer's concepts: its channels, or "
+                         f"the directions given); got {values.min().item()} … {values.max().item()}.")
     return values
 
 

@@ -87,7 +87,9 @@ def jansen_total_indices(outputs: Tensor, designs: int, dimensions: int) -> Tens
     """Jansen's estimator (1999) of the total Sobol indices from a model's outputs on ``sobol_masks``'s rows:
     S_T,i = mean over the designs of (f(A) − f(A_B^(i)))² / (2 Var f), Var f the variance (1/n) of the outputs on A
     and B together. outputs: (designs · (dimensions + 2),) or (..., designs · (dimensions + 2)) for several models
-    at once. Returns (dimensions,) (or (..., dimensions)) in float64, ≥ 0; 0 where the outputs do not vary."""
+    at once. Returns (dimensions,) (or (..., dimensions)) in float64, ≥ 0; 0 where the outputs do not vary. For one
+    variable its total index is 1 exactly where the outputs vary (all of the variance involves it): the estimator's
+    sampling noise (e.g. 0.79 for 1) is not returned."""
     outputs = outputs.double()
     if outputs.shape[-1] != designs * (dimensions + 2):
         raise ValueError(f"outputs must hold designs · (dimensions + 2) = {designs * (dimensions + 2)} values per "
@@ -96,6 +98,8 @@ def jansen_total_indices(outputs: Tensor, designs: int, dimensions: int) -> Tens
     on_mixed = outputs[..., 2 * designs:].reshape(*outputs.shape[:-1], dimensions, designs)
     variance = torch.cat([on_a, on_b], dim=-1).var(dim=-1, unbiased=False)
     spread = ((on_a[..., None, :] - on_mixed) ** 2).mean(dim=-1) / 2  # (..., dimensions)
+    if dimensions == 1:
+        spread = variance[..., None].expand_as(spread)
     return torch.where(variance[..., None] > 0, spread / variance[..., None].clamp_min(1e-300),
                        torch.zeros_like(spread))
 
@@ -277,8 +281,11 @@ class CRAFT:
         """(count, p, p, 3) uint8: the patches of ``fit`` with the largest coefficient of ``concept``, largest
         first (what the concept looks like)."""
         bank = self._fitted_bank()
-        if not 0 <= concept < bank.shape[0]:
-            raise ValueError(f"concept must be in 0 … {bank.shape[0] - 1}; got {concept}.")
+        if not is_whole_number(concept) or not 0 <= int(concept) < bank.shape[0]:
+            raise ValueError(f"concept must be in 0 … {bank.shape[0] - 1}; got {concept!r}.")
+        if not is_whole_number(count) or int(count) < 1:
+            raise ValueError(f"count must be a whole number ≥ 1 (patches to return); got {count!r}.")
+        concept, count = int(concept), int(count)
         assert self.patch_coefficients is not None and self.patches is not None
         order = self.patch_coefficients[:, concept].argsort(descending=True)[:count]
         return self.patches[order.numpy()]

@@ -68,7 +68,9 @@ def fastcav(concept: Tensor, random: Tensor) -> Tensor:
     length = direction.norm()
     if not length > 0:
         raise ValueError("the concept's and the random set's activations have the same mean, so FastCAV has no "
-                         "direction (a zero CAV would score 0 on every image): give sets of different images.")
+                         "direction (a zero CAV would score 0 on every image): give sets of different images, or a "
+                         "layer whose activations differ between them (not one that is constant, e.g. zero after "
+                         "a ReLU).")
     return direction / length
 
 
@@ -96,7 +98,13 @@ def sgd_cav(concept: Tensor, random: Tensor, seed: int = 0) -> Tensor:
     features, labels = training_split(concept, random, seed)
     classifier = SGDClassifier(alpha=0.01, max_iter=1000, tol=1e-3, random_state=seed).fit(features, labels)
     direction = torch.as_tensor(classifier.coef_[0], dtype=concept.dtype, device=concept.device)
-    return direction / direction.norm().clamp_min(1e-12)
+    length = direction.norm()
+    if not length > 0 or not bool(torch.isfinite(length)):
+        raise ValueError(f"the SGD classifier between the concept's and the random set's activations has weights "
+                         f"{'of 0' if length == 0 else 'that are not finite'}, so there is no CAV (a zero CAV would "
+                         "score 0 on every image): give a layer whose activations differ between the sets (not one "
+                         "that is constant, e.g. zero after a ReLU).")
+    return direction / length
 
 
 def concept_activation_vector(concept: Tensor, random: Tensor, method: CavMethod = "sgd", seed: int = 0
@@ -247,9 +255,21 @@ class TCAV:
             with ActivationCapture(self.model, list(zip(self.layer_names, self.layers)),
                                    graph_from_first_layer=False) as capture:
                 logits = self._logits(batch)
-                return logits, capture.activations()
+                outputs = capture.activations()
         except LayerNotRunError as error:  # TCAV's refusals of its arguments are ValueErrors
             raise ValueError(str(error)) from error
+        for name, output in zip(self.layer_names, outputs):
+            if output.dim() == 0 or output.shape[0] != batch.shape[0]:
+                raise ValueError(f"layer {name}'s output {tuple(output.shape)} does not hold the {batch.shape[0]} "
+                                 "images of the batch along its first dimension (a sequence-first layer, such as "
+                                 "nn.MultiheadAttention without batch_first, or a reduction over the batch): its "
+                                 "rows are not images' activations. Give a layer whose output is (N, ...).")
+        return logits, outputs
+
+    @staticmethod
+    def _per_image(output: Tensor) -> Tensor:
+        """A layer's (N, ...) output as (N, D) activation vectors (an (N,) output: one value per image)."""
+        return output.detach().reshape(output.shape[0], -1)
 
     def _logits(self, batch: Tensor) -> Tensor:
         """The model's (N, classes) logits for a batch (its output selected as ``output`` says)."""
@@ -274,7 +294,7 @@ class TCAV:
                 for batch in self._batches(images):
                     _, outputs = self._logits_and_layers(batch)
                     for name, output in zip(self.layer_names, outputs):
-                        gathered[name].append(output.detach().flatten(1))
+                        gathered[name].append(self._per_image(output))
         return {name: torch.cat(values) for name, values in gathered.items()}
 
     def gradients(self, images: ImageSet, target: int) -> dict[str, Tensor]:
@@ -299,7 +319,7 @@ class TCAV:
                         if grad is None:
                             raise ValueError(f"class {target}'s {self.differentiate} does not depend on layer "
                                              f"{name}.")
-                        gathered[name].append(grad.detach().flatten(1))
+                        gathered[name].append(self._per_image(grad))
         return {name: torch.cat(values) for name, values in gathered.items()}
 
     # ------------------------------------------------------------------ the test
@@ -307,6 +327,13 @@ class TCAV:
     def cav(self, concept: Tensor, random: Tensor) -> Tensor:
         """The CAV (D,) of concept (P, D) against random (Q, D) activations."""
         return concept_activation_vector(concept, random, self.cav_method, self.seed)
+
+    def _named_cav(self, concept: Tensor, random: Tensor, layer: str, sets: str) -> Tensor:
+        """``cav``, with a refusal naming the layer and the sets it was refused for."""
+        try:
+            return self.cav(concept, random)
+        except ValueError as error:
+            raise ValueError(f"at layer {layer}, {sets}: {error}") from None
 
     @staticmethod
     def score(gradients: Tensor, cav: Tensor) -> float:
@@ -318,10 +345,19 @@ class TCAV:
              randoms: Sequence[ImageSet], alpha: float = 0.05) -> TCAVResult:
         """TCAV of each concept at each layer for class ``target`` over ``class_images``, against each random set of
         ``randoms`` (at least 2), with the significance test of the module docstring."""
+        if isinstance(randoms, (str, Path, Tensor)) or not isinstance(randoms, Sequence):
+            raise ValueError(f"randoms must be a list of random sets (folders or lists of images), at least 2; got "
+                             f"{type(randoms).__name__} {str(randoms)[:80]!r}: give [set_0, set_1, ...].")
         if len(randoms) < 2:
             raise ValueError("TCAV's significance test needs at least 2 random sets (the paper uses many more).")
+        if not isinstance(concepts, Mapping):
+            raise ValueError(f"concepts must map each concept's name to its images, {{name: images}}; got "
+                             f"{type(concepts).__name__}: give e.g. {{'striped': 'concepts/striped'}}.")
         if not concepts:
             raise ValueError("give at least one concept: {name: images}.")
+        if (not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or math.isnan(alpha)
+                or not 0 < alpha < 1):
+            raise ValueError(f"alpha must be a significance level in (0, 1), e.g. 0.05; got {alpha!r}.")
         sets = {"the class images": class_images, **{f"concept {name!r}": images for name, images in concepts.items()},
                 **{f"random set {index}": images for index, images in enumerate(randoms)}}
         for role, images in sets.items():
@@ -329,25 +365,40 @@ class TCAV:
                 self._images(images)
             except ValueError as error:
                 raise ValueError(f"{role}: {error}") from None
-        gradients = self.gradients(class_images, target)
-        random_activations = [self.activations(images) for images in randoms]
+        gradients = _naming_the_set("the class images", lambda: self.gradients(class_images, target))
+        random_activations = [_naming_the_set(f"random set {index}", lambda images=images: self.activations(images))
+                              for index, images in enumerate(randoms)]
         tests: list[ConceptTest] = []
         bonferroni = alpha / len(concepts)
-        concept_activations = {name: self.activations(images) for name, images in concepts.items()}
+        concept_activations = {
+            name: _naming_the_set(f"concept {name!r}", lambda images=images: self.activations(images))
+            for name, images in concepts.items()}
         recorded = {**{f"concept {name!r}": values for name, values in concept_activations.items()},
                     **{f"random set {index}": values for index, values in enumerate(random_activations)}}
         _check_sets(gradients, recorded)
         for layer in self.layer_names:
-            null = torch.tensor([self.score(gradients[layer], self.cav(
-                random_activations[index][layer], random_activations[(index + 1) % len(randoms)][layer]))
+            null = torch.tensor([self.score(gradients[layer], self._named_cav(
+                random_activations[index][layer], random_activations[(index + 1) % len(randoms)][layer], layer,
+                f"random set {index} against random set {(index + 1) % len(randoms)}"))
                 for index in range(len(randoms))], dtype=torch.float64)
             for name, activations in concept_activations.items():
-                scores = torch.tensor([self.score(gradients[layer], self.cav(activations[layer], random[layer]))
-                                       for random in random_activations], dtype=torch.float64)
+                scores = torch.tensor([self.score(gradients[layer], self._named_cav(
+                    activations[layer], random[layer], layer, f"concept {name!r} against random set {index}"))
+                    for index, random in enumerate(random_activations)], dtype=torch.float64)
                 p_value = _two_sided_t_test(scores, null)
                 tests.append(ConceptTest(name, layer, scores, null, p_value,
                                          not math.isnan(p_value) and p_value < bonferroni))
         return TCAVResult(target, tests, alpha)
+
+
+def _naming_the_set(role: str, read: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``read()``, with an error about the set's images (of several sizes, a file that is no image) naming the set."""
+    try:
+        return read()
+    except ValueError as error:
+        if "different sizes" in str(error) or "could not be read" in str(error):
+            raise ValueError(f"{role}: {error}") from None
+        raise
 
 
 def _check_sets(gradients: dict[str, Tensor], activations: dict[str, dict[str, Tensor]]) -> None:
@@ -365,8 +416,10 @@ def _check_sets(gradients: dict[str, Tensor], activations: dict[str, dict[str, T
     for first_index, first in enumerate(roles):
         for second in roles[first_index + 1:]:
             if all(torch.equal(activations[first][layer], activations[second][layer]) for layer in gradients):
-                raise ValueError(f"{first} and {second} are the same images (equal activations at every layer): a "
-                                 "CAV between them has no direction. Give each set its own images.")
+                raise ValueError(f"{first} and {second} have equal activations at every layer: a CAV between them "
+                                 "has no direction. They are the same images, or the layers give all images the "
+                                 "same activations (constant, e.g. zero after a ReLU). Give each set its own images, "
+                                 "and layers that respond to them.")
 
 
 def _two_sided_t_test(scores: Tensor, null: Tensor) -> float:

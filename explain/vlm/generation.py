@@ -42,7 +42,7 @@ from ..core.caller import warn_at_callers_line
 from ..core.scope import CallScope
 from ..io.explanation import Explanation
 from ..io.inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
-from ..methods.maps import check_finite_maps, normalize_maps
+from ..methods.maps import NORMALIZATIONS, check_finite_maps, normalize_maps
 from ..methods.passes import check_parameters_usable, reduced_precision
 from .families import layout_for
 from .layout import ImageLayout, paint
@@ -50,6 +50,13 @@ from .layout import ImageLayout, paint
 METHODS = ("input_x_gradient", "attention", "attnlrp")
 DISPLAY_LONGEST_SIDE = 768
 """Maps and the display image are the original image scaled down so its longer side is at most this."""
+
+NEUTRAL_DECODING_SETTINGS = {"penalty_alpha": 0.0, "guidance_scale": 1.0, "use_mtp": False}
+"""Generation settings that choose another decoding than greedy (contrastive search, classifier-free guidance,
+multi-token prediction) → the value that turns them off, which ``generate`` gives them."""
+OTHER_DECODING_SETTINGS = ("dola_layers", "prompt_lookup_num_tokens", "assistant_early_exit")
+"""Generation settings that choose another decoding than greedy (DoLa, assisted decoding) with no value that turns
+them off but None; ``generate`` unsets them."""
 
 ImageSource = Union[str, "Image.Image", np.ndarray, Tensor]
 Span = Union[str, tuple[int, int]]
@@ -137,6 +144,30 @@ def image_token_id(model: nn.Module) -> int:
                      "is it a vision-language model?")
 
 
+def predicting_rows(logits: Tensor, predicting: Tensor, length: int, model_name: str) -> Tensor:
+    """(T, vocab) the rows of a forward's (1, rows, vocab) ``logits`` that predict the answer's T tokens, at sequence
+    positions ``predicting`` of a ``length``-token sequence: rows for the whole sequence, or for its last rows only
+    (``logits_to_keep``; a model may ignore it and give them all); a clear error for other rows."""
+    rows = int(logits.shape[1]) if logits.dim() == 3 else -1
+    if rows == length:
+        return logits[0, predicting]
+    first = length - rows  # the sequence position of the first row kept
+    if rows < 0 or first < 0 or first > int(predicting[0]):
+        raise RuntimeError(f"{model_name} returned logits of shape {tuple(logits.shape)} for a sequence of {length} "
+                           f"tokens: explain needs the rows of positions {int(predicting[0])} to "
+                           f"{int(predicting[-1])}, which predict the answer.")
+    return logits[0, predicting - first]
+
+
+def precision_effect(method: str, precision: str) -> str:
+    """What reduced precision did to the maps of the tiny test models (tests/test_session8_vlm.py measures it)."""
+    if method == "input_x_gradient" and "autocast" not in precision:
+        return ("on the tiny test models a model in bfloat16 moved input × gradient maps by up to 50 % of their "
+                "maximum: the gradient of a log-probability is a small difference of large terms, and the model's "
+                "own weights and embeddings are rounded; attention and AttnLRP maps by up to 5 %")
+    return "on the tiny test models bfloat16 moved maps by up to 5 % of their maximum"
+
+
 class GenerationExplainer:
     """Maps over the image for each token a vision-language model generates.
 
@@ -152,6 +183,8 @@ class GenerationExplainer:
                  normalize: Optional[str] = "max"):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}.")
+        if normalize not in NORMALIZATIONS:  # refused before, not after, a generation
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         if not hasattr(model, "get_decoder") or not hasattr(model, "generate"):
             raise TypeError(f"{type(model).__name__} is not a HuggingFace generation model (no get_decoder / "
                             "generate): GenerationExplainer takes a vision-language model such as "
@@ -216,15 +249,27 @@ class GenerationExplainer:
         return PreparedPrompt(inputs, picture, input_ids.shape[1])
 
     def generate(self, prepared: PreparedPrompt, max_new_tokens: int) -> Tensor:
-        """Greedy generation: (T,) the new token ids, as ``model.generate(do_sample=False)`` gives them."""
+        """Greedy generation: (T,) the new token ids, as ``model.generate(do_sample=False)`` gives them. The model's
+        generation config is kept for its stopping and logits settings (end of sequence, stop strings, repetition
+        penalty: ``_choice_settings``), not for other decoding strategies (sampling, beams, contrastive search, DoLa,
+        guidance, assisted decoding) nor for output forms (several sequences, a dict)."""
         model: Any = self.model  # a HuggingFace generation model
         config = copy.deepcopy(model.generation_config)
         for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):  # greedy: no sampling settings
             if hasattr(config, name):
                 setattr(config, name, None)
         config.do_sample, config.num_beams, config.max_new_tokens = False, 1, max_new_tokens
+        config.num_return_sequences, config.return_dict_in_generate = 1, False
+        for name, neutral in NEUTRAL_DECODING_SETTINGS.items():
+            if getattr(config, name, None) is not None:
+                setattr(config, name, neutral)
+        # unset as arguments: transformers 5 fills a given config's None entries from model.generation_config
+        arguments: dict[str, Any] = {name: None for name in OTHER_DECODING_SETTINGS
+                                 if getattr(config, name, None) is not None}
+        if getattr(config, "stop_strings", None):  # generate finds them with the tokenizer
+            arguments["tokenizer"] = self.tokenizer
         with torch.no_grad():
-            output = model.generate(**prepared.inputs, generation_config=config)
+            output = model.generate(**prepared.inputs, generation_config=config, **arguments)
         return output[0, prepared.prompt_length:]
 
     def answer_ids(self, answer: str) -> Tensor:
@@ -364,9 +409,9 @@ class GenerationExplainer:
             if precision is not None:
                 warnings.warn(f"generation:{self.method} ran in {precision}: the forward and backward passes round to "
                               f"{8 if precision.startswith('bfloat16') else 11} significant bits, so the image "
-                              "tokens' gradients, and the maps made of them, carry that rounding (on the tiny test "
-                              "models bfloat16 autocast moved maps by up to 5 % of their maximum). For exact maps, "
-                              "run the model in float32.", RuntimeWarning, stacklevel=2)
+                              "tokens' gradients, and the maps made of them, carry that rounding "
+                              f"({precision_effect(self.method, precision)}). For exact maps, run the model in "
+                              "float32.", RuntimeWarning, stacklevel=2)
         return self._explanation(prepared, layout, relevance, scores, ids, targets, generated, skip_hidden, prompt)
 
     # ------------------------------------------------------------------ pieces of explain
@@ -376,7 +421,8 @@ class GenerationExplainer:
         config: Any = getattr(self.model, "generation_config", None)
         neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
                    "min_new_tokens": 0, "min_length": 0, "bad_words_ids": None, "suppress_tokens": None,
-                   "begin_suppress_tokens": None, "sequence_bias": None}
+                   "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+                   "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "watermarking_config": None}
         active = [f"{name}={getattr(config, name)!r}" for name, value in neutral.items()
                   if getattr(config, name, None) not in (value, None)]
         return ", ".join(active)
@@ -435,11 +481,12 @@ class GenerationExplainer:
         return torch.where(replaced, torch.full_like(ids, substitute), ids), torch.nonzero(replaced).squeeze(1)
 
     def _teacher_forced_inputs(self, prepared: PreparedPrompt, ids: Tensor) -> dict[str, Any]:
-        """The processor's inputs with the answer appended (one row per token tensors extended)."""
+        """The processor's inputs with the answer appended (the (1, prompt length) tensors, one entry per token,
+        extended; not others whose last side happens to be as long, e.g. Qwen2-VL's (patches, 1176) pixels)."""
         inputs = dict(prepared.inputs)
-        length = prepared.prompt_length
+        per_token = (1, prepared.prompt_length)
         for name, value in prepared.inputs.items():
-            if not isinstance(value, Tensor) or value.dim() != 2 or value.shape[1] != length:
+            if not isinstance(value, Tensor) or tuple(value.shape) != per_token:
                 continue
             if name == "input_ids":
                 extension = self._answer_placeholders(ids)[0][None]
@@ -496,11 +543,13 @@ class GenerationExplainer:
                 attention = scope.enter(capture_attention(self.model, decoder_name, detach=False))
             scope.forward_pre_hook(decoder, leaf_embeddings, with_kwargs=True)
             torch.set_grad_enabled(False)
+            length = int(inputs["input_ids"].shape[1])
             if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the vocabulary's logits of the
                 keep = ids.numel() + 1  # answer's rows only: (sequence × vocabulary) is GBs on 7B models
-                logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits[0, :ids.numel()]
+                logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
             else:
-                logits = model(**inputs, use_cache=False).logits[0, predicting]  # (T, vocab)
+                logits = model(**inputs, use_cache=False).logits
+            logits = predicting_rows(logits, predicting, length, type(self.model).__name__)  # (T, vocab)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 models: in float32
             embeddings = captured["embeddings"]
             replayed = logits.argmax(dim=-1).detach()
@@ -523,7 +572,9 @@ class GenerationExplainer:
                                       else score.new_zeros(image_positions.numel()))
                 else:
                     (gradient,) = torch.autograd.grad(score, embeddings, retain_graph=not last)
-                    relevances.append((embeddings[0, image_positions] * gradient[0, image_positions]).sum(dim=-1))
+                    precise = torch.promote_types(embeddings.dtype, torch.float32)  # bf16 sums: 8 bits
+                    relevances.append((embeddings[0, image_positions].to(precise)
+                                       * gradient[0, image_positions].to(precise)).sum(dim=-1))
                 scores.append(score.detach())
         relevance = torch.stack(relevances).detach()
         return relevance.to(torch.promote_types(relevance.dtype, torch.float32)), torch.stack(scores), replayed

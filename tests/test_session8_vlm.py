@@ -21,15 +21,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vlm_tiny import language_model_embeddings, tiny_llava  # noqa: E402
+from vlm_tiny import language_model_embeddings, picture, tiny_llava  # noqa: E402
 
 import explain  # noqa: E402
 
@@ -37,10 +35,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
-
-
-def picture(height: int = 40, width: int = 52, seed: int = 0) -> Image.Image:
-    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8))
 
 
 def plain_greedy(model: torch.nn.Module, explainer: explain.GenerationExplainer, max_new_tokens: int) -> torch.Tensor:

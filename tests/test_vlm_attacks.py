@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vlm_tiny import tiny_llava, tiny_paligemma  # noqa: E402
+from vlm_tiny import picture, tiny_llava, tiny_paligemma  # noqa: E402
 
 import explain  # noqa: E402
 
@@ -33,10 +32,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
-
-
-def picture(height: int = 40, width: int = 52, seed: int = 0) -> Image.Image:
-    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8))
 
 
 # ------------------------------------------------------------------ bugs

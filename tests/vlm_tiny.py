@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
+from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!:'\n")
@@ -180,3 +182,8 @@ def image_token_embeddings(model: torch.nn.Module, inputs: dict) -> torch.Tensor
     embeds = language_model_embeddings(model, inputs)
     mask = torch.as_tensor(inputs["input_ids"]) == model.config.image_token_id
     return embeds[mask].view(embeds.shape[0], -1, embeds.shape[-1])
+
+
+def picture(height: int = 40, width: int = 52, seed: int = 0) -> Image.Image:
+    """A random RGB test image of ``height`` × ``width`` pixels."""
+    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8))

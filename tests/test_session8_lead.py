@@ -87,3 +87,27 @@ def test_explain_batch_confidence_and_probability_follow_probabilities_sigmoid(t
         assert int(row["predicted"]) == top
         assert float(row["confidence"]) == pytest.approx(float(logits[top].sigmoid()), abs=1e-5)
         assert float(row["probability"]) == pytest.approx(float(logits[int(row["target"])].sigmoid()), abs=1e-5)
+
+
+def test_title_counts_negative_indices_from_the_end_and_refuses_others():
+    from explain import GradCAM
+
+    model = small_net().float()
+    explanation = GradCAM(model, "0").explain(torch.rand(2, 3, 8, 8), topk=2)
+    assert explanation.title(-1, -1) == explanation.title(1, 1)
+    assert explanation.title(0, -2) == explanation.title(0, 0)
+    for bad in [(2, 0), (0, 2), (-3, 0), (0, -3)]:
+        with pytest.raises(IndexError, match=r"2 image\(s\) × 2 target\(s\)"):
+            explanation.title(*bad)
+
+
+def test_save_expands_the_home_folder(tmp_path, monkeypatch):
+    from explain import GradCAM
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    explanation = GradCAM(small_net().float(), "0").explain(torch.rand(1, 3, 8, 8))
+    written = explanation.save("~/cam.png")
+    assert written == tmp_path / "cam.png" and written.is_file()
+    figure_path = tmp_path / "figure.svg"
+    explanation.save("~/figure.svg")
+    assert figure_path.is_file() and b"<svg" in figure_path.read_bytes()[:500]

@@ -170,7 +170,13 @@ class Explanation:
         return selected.long().cpu() % max(count, 1)
 
     def title(self, image_index: int, target_index: int = 0) -> str:
-        """'class name (index): score' for one map ('#k class name (index): score' for a detected instance)."""
+        """'class name (index): score' for one map ('#k class name (index): score' for a detected instance).
+        Indices count from the end where negative, as in Python; one outside the maps is an IndexError."""
+        images, targets = self.scores.shape[:2]
+        if not (-images <= image_index < images and -targets <= target_index < targets):
+            raise IndexError(f"no map ({image_index}, {target_index}): this explanation holds {images} image(s) × "
+                             f"{targets} target(s).")
+        image_index, target_index = image_index % images, target_index % targets
         if self.boxes is not None and bool(self.boxes[image_index, target_index].isnan().any()):
             return "no instance"
         prefix = f"#{target_index} " if self.boxes is not None else ""
@@ -289,7 +295,7 @@ class Explanation:
         titled figure of ``figure()`` as vector graphics (text as text, each
         panel one embedded image drawn at ``dpi``). The folder must exist.
         """
-        path = Path(path)
+        path = Path(path).expanduser()
         if path.is_dir():
             raise IsADirectoryError(f"{str(path)!r} is a folder: give a file name in it, e.g. "
                                     f"{str(path / 'cam.png')!r}.")

@@ -479,6 +479,7 @@ def save_figure(figure: "Figure", path: str, dpi: Optional[float] = 150) -> None
     """Save a figure; the format follows the file's extension (PNG, JPG, PDF, SVG, ...). Text stays text in
     SVG (searchable, editable), as it does in PDF. A folder that does not exist and a dpi that is not a
     positive number are errors that say so (before anything is drawn)."""
+    path = str(Path(path).expanduser())
     check_writable(Path(path), dpi)
     savefig_with_svg_text(figure, path, dpi=dpi)
 

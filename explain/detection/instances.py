@@ -97,6 +97,11 @@ def _padded(rows: list[tuple[Tensor, Tensor, Tensor]], device: torch.device) -> 
     return Instances(boxes, classes, scores, present)
 
 
+def unusable_boxes(boxes: Tensor) -> Tensor:
+    """(..., 4) boxes x0, y0, x1, y1 → (...) bool: True where a box is not finite or has no area."""
+    return ~torch.isfinite(boxes).all(dim=-1) | (boxes[..., 2] <= boxes[..., 0]) | (boxes[..., 3] <= boxes[..., 1])
+
+
 def check_instances(instances: Instances, images: Optional[int] = None, classes: Optional[int] = None,
                     values: bool = True) -> None:
     """A clear error for ``Instances`` a detector's output cannot score: shapes or dtypes that disagree, and
@@ -119,7 +124,7 @@ def check_instances(instances: Instances, images: Optional[int] = None, classes:
         raise ValueError(f"the Instances are for {shape[0]} image(s), the batch explained has {images}: give one row "
                          "of instances per image (detect them on this batch: explain.detection.detect).")
     kept = boxes[present]
-    bad = ~torch.isfinite(kept).all(dim=-1) | (kept[:, 2] <= kept[:, 0]) | (kept[:, 3] <= kept[:, 1])
+    bad = unusable_boxes(kept)
     if bad.any():
         index = tuple(present.nonzero()[int(bad.nonzero()[0])].tolist())
         raise ValueError(f"instance {index}'s box is {boxes[index].tolist()}: the box of an instance present must be "
@@ -178,7 +183,7 @@ def _instances_at_boxes(candidates: Candidates, boxes: Tensor) -> Instances:
     if boxes.dim() != 3 or boxes.shape[-1] != 4 or boxes.shape[0] != images:
         raise ValueError(f"boxes for instances must be (4,), (K, 4) for every image or (N, K, 4) with N = {images}, "
                          f"x0, y0, x1, y1 in the input's pixels; got {tuple(boxes.shape)}.")
-    bad = ~torch.isfinite(boxes).all(dim=-1) | (boxes[..., 2] <= boxes[..., 0]) | (boxes[..., 3] <= boxes[..., 1])
+    bad = unusable_boxes(boxes)
     if bad.any():
         index = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"box {index} for instances is {boxes[index].tolist()}: a box must be finite x0, y0, x1, y1 "

@@ -45,9 +45,10 @@ def hand_made(maps: torch.Tensor, images: torch.Tensor, raw: torch.Tensor | None
 
 
 def by_hand(image: torch.Tensor, values: torch.Tensor, alpha: float, cmap: str = "jet") -> np.ndarray:
-    """(1 − alpha) · image + alpha · cmap(v), with render's colour table (entry round(v · 255)), as uint8."""
+    """(1 − alpha) · image + alpha · cmap(v), with render's colour table (entry floor(256 · v), 255 at 1: matplotlib's
+    choice), as uint8."""
     table = render.colormap_table(cmap)
-    colours = table[(values.clamp(0, 1) * 255).round().long()]
+    colours = table[(values.clamp(0, 1) * 256).floor().clamp(max=255).long()]
     return ((1 - alpha) * image + alpha * colours).mul(255).round().to(torch.uint8).numpy()
 
 

@@ -36,6 +36,33 @@ ImageIndex = Union[int, slice, Sequence[int], Tensor, np.ndarray]
 """Which images ``e[index]`` keeps: an int, a slice, a sequence of ints, or a bool mask of length N."""
 
 
+LOSSY_FORMATS = ("JPEG", "MPO")
+"""Raster formats known to be lossy, written without a check; every other format's file is read back and
+compared with the overlays (GIF keeps 256 colours, ICO shrinks to icon sizes: those warn)."""
+
+
+def _warn_if_altered(picture: Image.Image, written: bytes, name: str, file_format: str) -> None:
+    """Warn where the file written for ``picture`` does not read back as the same RGB pixels."""
+    try:
+        with Image.open(io.BytesIO(written)) as stored:
+            read_back = np.asarray(stored.convert("RGB"))
+    except (OSError, ValueError):  # a format Pillow writes but cannot read back: nothing to compare
+        return
+    expected = np.asarray(picture.convert("RGB"))
+    if read_back.shape != expected.shape:
+        change = f"it holds {read_back.shape[1]}×{read_back.shape[0]} pixels, not the overlays' " \
+                 f"{expected.shape[1]}×{expected.shape[0]}"
+    else:
+        difference = int(np.abs(read_back.astype(np.int16) - expected.astype(np.int16)).max())
+        if difference == 0:
+            return
+        colours = len(np.unique(expected.reshape(-1, 3), axis=0))
+        change = f"its colours differ from the overlays' by up to {difference}/255 ({colours} colours reduced " \
+                 f"to what {file_format} keeps)"
+    warn_at_callers_line(f"{name!r} is not the exact overlay: {change}. Save as .png (or .webp, .tif) for the "
+                         "exact pixels.")
+
+
 @dataclass(eq=False)  # compared by identity: field-wise == of tensors has no single truth value
 class Explanation:
     """Heatmaps for N images × K targets. ``len(e)`` is N; ``e[i]``, ``e[i:j]``, ``e[[i, j]]`` are the
@@ -310,12 +337,15 @@ class Explanation:
         else:
             picture = self.overlay_image(alpha=alpha, cmap=cmap)
             file_format = Image.registered_extensions()[suffix]
+            options = {"lossless": True} if file_format == "WEBP" else {}  # WebP is lossy unless asked
             try:
-                picture.save(buffer, format=file_format, dpi=(dpi, dpi))
+                picture.save(buffer, format=file_format, dpi=(dpi, dpi), **options)
             except (OSError, ValueError, KeyError) as error:
                 raise ValueError(f"cannot write RGB overlays as {file_format} ({path.name!r}: {error}); end the name "
                                  "with .png, .jpg, .webp or .tif (the overlays as an image) or .pdf, .svg or .eps "
                                  "(the titled figure).") from None
+            if file_format not in LOSSY_FORMATS:
+                _warn_if_altered(picture, buffer.getvalue(), path.name, file_format)
         path.write_bytes(buffer.getvalue())
         return path
 

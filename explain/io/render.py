@@ -129,15 +129,21 @@ def colormap_table(cmap: ColormapSpec = "jet") -> Tensor:
     return torch.as_tensor(colours, dtype=torch.float32)
 
 
+def colour_indices(values: Tensor) -> Tensor:
+    """Values in [0, 1] (any shape) → the entries of a 256-colour table they take, int64 in [0, 255]: v takes
+    floor(256 · v), 1 takes 255, as matplotlib's colour maps choose (each colour covers an equal 1/256 of [0, 1],
+    so a figure drawn with ``plt.imshow(map, cmap=...)`` shows the same colours). Values outside [0, 1] are
+    clipped, NaN reads as 0."""
+    return (values.nan_to_num(0.0).clamp(0.0, 1.0) * 256.0).floor().clamp(max=255.0).long()
+
+
 def colorize(maps: ArrayLike, cmap: ColormapSpec = "jet") -> Tensor:
     """Maps (..., H, W) in [0, 1] → RGB (..., H, W, 3) float in [0, 1] through a colour map.
 
-    A value v takes the colour map's entry round(v * 255); values outside [0, 1] are clipped; uint8 maps are
-    read as 0-255.
+    A value v takes the colour map's entry ``colour_indices(v)`` (matplotlib's choice); values outside [0, 1] are
+    clipped; uint8 maps are read as 0-255.
     """
-    values = map_as_float(maps).nan_to_num(0.0).clamp(0.0, 1.0)
-    indices = (values * 255.0).round().long()
-    return colormap_table(cmap)[indices]
+    return colormap_table(cmap)[colour_indices(map_as_float(maps))]
 
 
 OVERLAY_MODES = ("blend", "alpha", "mask", "contour")
@@ -288,7 +294,7 @@ def _contours(images: Tensor, values: Tensor, levels: Sequence[tuple[float, bool
         for level, above in levels:
             region = heat >= level if above else heat <= level
             contours, _ = cv2.findContours(region.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
-            colour = tuple(int(c) for c in (table[round(level * 255)] * 255).round())
+            colour = tuple(int(c) for c in (table[int(colour_indices(torch.tensor(level)))] * 255).round())
             cv2.drawContours(canvas, contours, -1, colour, thickness)
     return torch.from_numpy(flat_images).float().reshape(images.shape) / 255.0
 

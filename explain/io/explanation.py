@@ -197,7 +197,8 @@ class Explanation:
         return selected.long().cpu() % max(count, 1)
 
     def title(self, image_index: int, target_index: int = 0) -> str:
-        """'class name (index): score' for one map ('#k class name (index): score' for a detected instance).
+        """'class name (index): score' for one map ('#k class name (index): score' for a detected instance; 'text
+        (token p): score' for a vision-language model's token map, p its position in the answer).
         Indices count from the end where negative, as in Python; one outside the maps is an IndexError."""
         images, targets = self.scores.shape[:2]
         if not (-images <= image_index < images and -targets <= target_index < targets):
@@ -209,6 +210,10 @@ class Explanation:
         prefix = f"#{target_index} " if self.boxes is not None else ""
         index = None if self.class_indices is None else int(self.class_indices[image_index, target_index])
         score = float(self.scores[image_index, target_index])
+        positions = self.diagnostics.get("target_positions")  # a token map's place in the answer (explain.vlm)
+        if isinstance(positions, Tensor) and positions.shape == self.scores.shape and index is not None \
+                and self.class_names is not None and 0 <= index < len(self.class_names):
+            return f"{self.class_names[index]} (token {int(positions[image_index, target_index])}): {score:.3g}"
         return f"{prefix}{render.label_text(index, self.class_names)}: {score:.3g}"
 
     def description(self) -> str:

@@ -4,7 +4,7 @@ hover page (``token_figure``, ``write_token_html``), and loading a HuggingFace m
 from .generation import GenerationExplainer
 from .hf import load_vision_language_model
 from .layout import ImageLayout, TokenGrid
-from .view import token_figure, write_token_html
+from .view import token_figure, token_positions, write_token_html
 
 __all__ = ["GenerationExplainer", "ImageLayout", "TokenGrid", "load_vision_language_model", "token_figure",
-           "write_token_html"]
+           "token_positions", "write_token_html"]

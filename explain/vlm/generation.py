@@ -78,7 +78,8 @@ def checked_spans(spans: Optional[Sequence[Span]]) -> Optional[list[Span]]:
         if isinstance(span, str):
             checked.append(span)
         elif (isinstance(span, (tuple, list)) and len(span) == 2
-              and all(isinstance(value, int) and not isinstance(value, bool) for value in span)):
+              and all(isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+                      for value in span)):  # positions counted with NumPy too
             checked.append((int(span[0]), int(span[1])))
         else:
             raise TypeError(f"{form}; got the span {span!r}.")
@@ -95,7 +96,18 @@ class PreparedPrompt:
 
 
 def as_pil_image(image: ImageSource) -> Image.Image:
-    """A path, PIL image, (H, W, 3) ndarray or (3, H, W) tensor → an RGB PIL image (the processor's input)."""
+    """A path, PIL image, (H, W, 3) ndarray or (3, H, W) tensor → an RGB PIL image (the processor's input); a clear
+    error for an image with no pixels."""
+    if (isinstance(image, np.ndarray) and image.size == 0) or (isinstance(image, Tensor) and image.numel() == 0):
+        raise ValueError(f"the image is empty (shape {tuple(image.shape)}): give an image with at least one pixel.")
+    picture = _pil_image(image)
+    if picture.width == 0 or picture.height == 0:
+        raise ValueError(f"the image is empty ({picture.height}×{picture.width} pixels, height × width): give an "
+                         "image with at least one pixel.")
+    return picture
+
+
+def _pil_image(image: ImageSource) -> Image.Image:
     if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):
         return load_image(image)
     if isinstance(image, Image.Image):
@@ -227,10 +239,12 @@ class GenerationExplainer:
                                  f"know, {', '.join(repr(word) for word in unknown)}: the model reads "
                                  f"{self.tokenizer.unk_token!r} in their place. Write the prompt in words the model "
                                  f"knows{self._vocabulary_hint()}.", UserWarning)
+        text = self.prompt_text(prompt)
         try:
-            processed = self.processor(images=[picture], text=[self.prompt_text(prompt)], return_tensors="pt")
+            processed = self.processor(images=[picture], text=[text], return_tensors="pt")
         except (ValueError, TypeError) as error:
-            raise ValueError(f"the processor refused the image and prompt: {error}") from error
+            raise ValueError(f"the processor refused the image and prompt: {error}{self._image_token_hint(text)}"
+                             ) from error
         parameter = next(self.model.parameters())
         inputs: dict[str, Any] = {}
         for name, value in dict(processed).items():
@@ -247,6 +261,18 @@ class GenerationExplainer:
                              f"({getattr(self.processor, 'image_token', '<image>')!r}) or use a processor with a chat "
                              "template.")
         return PreparedPrompt(inputs, picture, input_ids.shape[1])
+
+    def _image_token_hint(self, text: str) -> str:
+        """How to fix a prompt ``text`` that does not hold the processor's image token exactly once; "" if it
+        does."""
+        image_text = getattr(self.processor, "image_token", None) or getattr(self.tokenizer, "image_token", None)
+        count = text.count(image_text) if isinstance(image_text, str) and image_text else 1
+        if count == 1:
+            return ""
+        where = "holds no image token" if count == 0 else f"holds {count} image tokens"
+        return (f" The prompt {where} {image_text!r} and one image is given: "
+                "write the image token once in the prompt (a vision-language model takes one image per call here), "
+                "or use a processor with a chat template, which places it.")
 
     def generate(self, prepared: PreparedPrompt, max_new_tokens: int) -> Tensor:
         """Greedy generation: (T,) the new token ids, as ``model.generate(do_sample=False)`` gives them. The model's
@@ -360,10 +386,13 @@ class GenerationExplainer:
         Returns an Explanation of 1 image and K targets: maps (1, K, H, W) over the image (the longer side at most
         768 px), ``class_names`` the targets' texts, ``scores`` their log-probabilities (the summed log-probability
         of a span; the logit for "attnlrp"), ``diagnostics``: "token_ids" (1, T) the answer (hidden tokens
-        included), "generated" whether it was generated, "prompt" / "answer" texts (the answer decoded as the
-        targets see it: without the hidden tokens where they were left out), "unplaced_relevance" (1, K) relevance
-        on image tokens with no place on the image, "image_relevance" (1, K) the relevance summed over all image
-        tokens, "image_token_relevance" (1, K, I) each of the I image tokens' relevance, in sequence order.
+        included, so map k is not token k where some are left out), "target_positions" (1, K) the answer position
+        (index into "token_ids") of map k's token (a span's first token), "target_token_ids" (1, K) that token's
+        id, "target_tokens" (1, K, T) bool the answer tokens whose scores target k sums, "generated" whether it
+        was generated, "prompt" / "answer" texts (the answer decoded as the targets see it: without the hidden
+        tokens where they were left out), "unplaced_relevance" (1, K) relevance on image tokens with no place on
+        the image, "image_relevance" (1, K) the relevance summed over all image tokens, "image_token_relevance"
+        (1, K, I) each of the I image tokens' relevance, in sequence order.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int; got {type(max_new_tokens).__name__}.")
@@ -544,11 +573,10 @@ class GenerationExplainer:
             scope.forward_pre_hook(decoder, leaf_embeddings, with_kwargs=True)
             torch.set_grad_enabled(False)
             length = int(inputs["input_ids"].shape[1])
-            if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the vocabulary's logits of the
-                keep = ids.numel() + 1  # answer's rows only: (sequence × vocabulary) is GBs on 7B models
-                logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
-            else:
-                logits = model(**inputs, use_cache=False).logits
+            options: dict[str, Any] = {"use_cache": False, "return_dict": True}  # an output, whatever the config
+            if "logits_to_keep" in inspect.signature(model.forward).parameters:  # the answer's rows' logits only:
+                options["logits_to_keep"] = ids.numel() + 1  # (sequence × vocabulary) is GBs on 7B models
+            logits = model(**inputs, **options).logits
             logits = predicting_rows(logits, predicting, length, type(self.model).__name__)  # (T, vocab)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 models: in float32
             embeddings = captured["embeddings"]
@@ -598,6 +626,10 @@ class GenerationExplainer:
             display = display.resize((size[1], size[0]), Image.Resampling.BILINEAR)
         images = torch.from_numpy(np.asarray(display, dtype=np.float32) / 255.0)[None]
         count = len(targets)
+        positions = torch.tensor([answer_positions[0] for _, answer_positions in targets], device=ids.device)
+        covered = torch.zeros(count, ids.numel(), dtype=torch.bool, device=ids.device)
+        for k, (_, answer_positions) in enumerate(targets):
+            covered[k, answer_positions] = True
         probabilities = scores.exp() if self.method != "attnlrp" else None
         return Explanation(
             map_grid=normalize_maps(raw, self.normalize),
@@ -611,6 +643,9 @@ class GenerationExplainer:
             probabilities=None if probabilities is None else probabilities.float()[None],
             diagnostics={
                 "token_ids": ids[None].detach(),
+                "target_positions": positions[None],
+                "target_token_ids": ids[positions][None].detach(),
+                "target_tokens": covered[None],
                 "generated": torch.tensor([generated]),
                 "prompt": [prompt],
                 "answer": [self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_hidden)],

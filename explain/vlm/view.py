@@ -68,6 +68,10 @@ def _one_answer(explanation: Explanation) -> None:
     if explanation.class_names is not None and len(explanation.class_names) != count:
         raise ValueError(f"the explanation has {count} maps but {len(explanation.class_names)} token texts "
                          "(class_names): one text per answer token is needed.")
+    positions = explanation.diagnostics.get("target_positions")
+    if isinstance(positions, Tensor) and tuple(positions.shape) != (1, count):
+        raise ValueError(f"the explanation has {count} maps but diagnostics['target_positions'] of shape "
+                         f"{tuple(positions.shape)}: one answer position per map, (1, {count}), is needed.")
 
 
 def token_texts(explanation: Explanation) -> list[str]:
@@ -76,6 +80,17 @@ def token_texts(explanation: Explanation) -> list[str]:
     if explanation.class_names is None:
         return [f"token {k}" for k in range(count)]
     return [str(text) for text in explanation.class_names]
+
+
+def token_positions(explanation: Explanation) -> list[int]:
+    """Each map's answer position: the index into ``diagnostics["token_ids"]`` of the token map k explains (a
+    span's first token), from ``diagnostics["target_positions"]``; 0..K−1 where the explanation has none. Map k is
+    not token k where the answer has tokens that are not explained (end of sequence, Idefics3's ``<row_i_col_j>``)."""
+    count = explanation.map_grid.shape[1]
+    positions = explanation.diagnostics.get("target_positions")
+    if not isinstance(positions, Tensor):
+        return list(range(count))
+    return [int(position) for position in positions.reshape(-1)]
 
 
 def _diagnostic_text(explanation: Explanation, key: str) -> Optional[str]:
@@ -134,7 +149,8 @@ def token_figure(
 ) -> "Figure":
     """A matplotlib Figure of an answer's explanation: the prompt and the answer as text, then a grid of
     ``columns`` panels a row: the image (``show_image``), then each answer token's map over the image, captioned
-    with its position, its text (whitespace made visible by ``visible_token``) and its probability.
+    with its position in the answer (``token_positions``), its text (whitespace made visible by ``visible_token``)
+    and its probability.
 
     alpha / cmap: the overlay's opacity and colour map (``render.overlay``, blend mode); signed: see
     ``display_maps``. panel_size: a panel's longer side in inches; dpi: the figure's resolution (``savefig`` uses it
@@ -163,9 +179,10 @@ def token_figure(
     panels: list[tuple[str, np.ndarray]] = []
     if show_image:
         panels.append(("image", (image.numpy() * 255).round().astype(np.uint8)))
+    positions = token_positions(explanation)
     for k, (text, picture) in enumerate(zip(texts, overlays)):
         chance = f"\np = {probabilities[k]:.3f}" if probabilities is not None else ""
-        panels.append((f"{k}: {_shortened(visible_token(text), 16)}{chance}", picture))
+        panels.append((f"{positions[k]}: {_shortened(visible_token(text), 16)}{chance}", picture))
     columns = min(columns, len(panels))
     rows = math.ceil(len(panels) / columns)
     height, width = overlays.shape[1:3]
@@ -234,12 +251,13 @@ def _data_uri(picture: Image.Image, quality: int, formats: tuple[str, ...] = ("J
 
 
 def _map_pictures(values: Tensor, map_size: int) -> list[Image.Image]:
-    """(K, H, W) values in [0, 1] → K grey pictures, long side at most ``map_size`` (area-averaged)."""
+    """(K, H, W) values in [0, 1] → K grey pictures, long side at most ``map_size`` (area-averaged), each pixel
+    the colour-table entry its value takes (``render.colour_indices``: the page colours it with the table)."""
     height, width = values.shape[-2:]
     scale = min(1.0, map_size / max(height, width))
     size = (max(1, round(height * scale)), max(1, round(width * scale)))
     small = values if scale == 1.0 else F.interpolate(values[:, None], size=size, mode="area")[:, 0]
-    grey = (small * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    grey = render.colour_indices(small).to(torch.uint8).numpy()
     return [Image.fromarray(picture, mode="L") for picture in grey]
 
 
@@ -289,7 +307,8 @@ def token_html(
     texts = token_texts(explanation)
     probabilities = token_probabilities(explanation)
     scores = [float(value) for value in explanation.scores[0].detach().float().cpu()]
-    tokens = [{"shown": visible_token(text),
+    positions = token_positions(explanation)
+    tokens = [{"shown": visible_token(text), "position": positions[k],
                "p": None if probabilities is None else round(probabilities[k], 6),
                "score": round(scores[k], 6) if math.isfinite(scores[k]) else None}
               for k, text in enumerate(texts)]

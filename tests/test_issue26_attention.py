@@ -162,12 +162,12 @@ LAYOUT_CASES = {
     "timm-dinov2-reg4-patch-embedding": (lambda: timm_model("vit_base_patch14_reg4_dinov2", 42), 42,
                                          lambda model: model.patch_embed, (0, (3, 3), False, "mean")),
     "timm-deit-distilled": (lambda: timm_model("deit_tiny_distilled_patch16_224", 64), 64, first_block,
-                            (2, (4, 4), True, "class")),
+                            (2, (4, 4), True, "class+distillation")),  # the head averages the two heads
     "torchvision-vit": (lambda: torchvision_vit(48, 8), 48, first_block, (1, (6, 6), True, "class")),
     "hf-vit": (lambda: hf_model("vit", 32, 8), 32, first_block, (1, (4, 4), True, "class")),
-    "hf-deit": (lambda: hf_model("deit", 32, 8), 32, first_block, (2, (4, 4), True, "class")),
+    "hf-deit": (lambda: hf_model("deit", 32, 8), 32, first_block, (2, (4, 4), True, "class+distillation")),
     "hf-dinov2-registers-2x2": (lambda: hf_model("dinov2-registers", 28, 14, num_register_tokens=4), 28, first_block,
-                                (5, (2, 2), True, "class")),
+                                (5, (2, 2), True, "class+mean")),  # class token and patch mean, concatenated
 }
 
 

@@ -48,9 +48,11 @@ class Layout:
     """How a layer's output maps to (N, C, h, w). kind: "channels_first", "channels_last",
     "tokens" or "callable"; for tokens: prefix, the tokens before the patches (class,
     distillation, register); grid, the patches' (h, w); class_token, whether token 0 is a class
-    token; readout, what the model's head reads: "class" (the class token) or "mean" (the
-    average of the patch tokens); covered, the (rows, columns) of input pixels from the top-left
-    that the patch grid spans where that is not the whole input (see ``to_input``), else None."""
+    token; readout, what the model's head reads (one of ``READOUTS``): "class" (the class token), "mean" (the
+    average of the patch tokens), "class+distillation" (the mean of the class and distillation tokens' logits: DeiT
+    distilled) or "class+mean" (the class token and the patch tokens' average, concatenated: HF DINOv2); covered,
+    the (rows, columns) of input pixels from the top-left that the patch grid spans where that is not the whole
+    input (see ``to_input``), else None."""
 
     kind: str
     prefix: int = 0
@@ -108,6 +110,28 @@ DISTILLATION_TOKENS = ("dist_token", "distillation_token")
 REGISTER_TOKENS = ("reg_token", "register_tokens")
 MEAN_READOUTS = ("avg", "avgmax", "max", "map", "avg_all", "gap")
 """Pooling names (timm's ``global_pool``, open_clip's ``pool_type``) of a head that reads the patch tokens."""
+READOUTS = ("class", "mean", "class+distillation", "class+mean")
+"""What a head reads (``Layout.readout``): the class token; the patch tokens' average; the class and distillation
+tokens, each through its own linear head, the two logits averaged (timm's ``VisionTransformerDistilled`` in eval
+mode, HF ``DeiTForImageClassificationWithTeacher``); the class token concatenated with the patch tokens' average
+before one linear layer (HF ``Dinov2ForImageClassification``, with or without registers)."""
+CLASS_AND_MEAN_HEADS = ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification")
+
+
+def _two_token_readout(model: nn.Module, module: nn.Module) -> Optional[str]:
+    """"class+distillation" or "class+mean" where the head reads two things (see ``READOUTS``), else None: timm's
+    distilled ViT (``head_dist``, outside distilled training, where it returns the two heads' logits apart), HF's
+    DeiT with teacher (``cls_classifier`` and ``distillation_classifier``), HF's DINOv2 classifiers."""
+    if isinstance(getattr(module, "head_dist", None), nn.Module) and _token_count(getattr(module, "dist_token", None),
+                                                                                 False):
+        return None if getattr(module, "distilled_training", False) and module.training else "class+distillation"
+    for outer in model.modules():  # the HF model, or a module of the user's holding it
+        if isinstance(getattr(outer, "cls_classifier", None), nn.Module) and isinstance(
+                getattr(outer, "distillation_classifier", None), nn.Module):
+            return "class+distillation"
+        if type(outer).__name__ in CLASS_AND_MEAN_HEADS:
+            return "class+mean"
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,7 +160,7 @@ class PatchEmbedding:
 class ModelTokens:
     """What a transformer's own attributes say about its tokens: ``prefix`` tokens in front of
     the patches (class, distillation and register tokens), whether the first is a class token,
-    what the head reads ("class" or "mean", see ``Layout``), its patch embedding where it is one
+    what the head reads (one of ``READOUTS``, see ``Layout``), its patch embedding where it is one
     convolution with stride = kernel (which tells the patch grid of an (H, W) input and the pixels
     it spans), and the module read (``source``)."""
 
@@ -239,8 +263,9 @@ def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
         pooling = getattr(module, "global_pool", getattr(module, "pool_type", None))
         mean_pooling = getattr(getattr(model, "config", None), "use_mean_pooling", False) is True  # HF BEiT
         reads_patches = not classes or mean_pooling or (isinstance(pooling, str) and pooling in MEAN_READOUTS)
-        return ModelTokens(prefix=prefix, class_token=classes > 0, readout="mean" if reads_patches else "class",
-                           source=name, patch_embedding=_patch_embedding(module))
+        readout = "mean" if reads_patches else _two_token_readout(model, module) or "class"
+        return ModelTokens(prefix=prefix, class_token=classes > 0, readout=readout, source=name,
+                           patch_embedding=_patch_embedding(module))
     return None
 
 

@@ -11,8 +11,15 @@ inferred from the token count and the input size).
 The row is what the model's head reads: the class token's row when the head reads the class
 token; the mean of the patch tokens' rows when it averages the patch tokens (global average
 pooling: timm ``global_pool="avg"``, with or without register tokens, and models with patch
-tokens only), each patch token's share of that average. ``row="class"`` or ``"mean"``
-chooses explicitly.
+tokens only), each patch token's share of that average; the mean of the class and distillation
+tokens' rows for a distilled DeiT (timm ``deit_*_distilled``, HF ``DeiTForImageClassificationWithTeacher``),
+whose logits are the mean of two linear heads', one on each token (the one token's row where ``output=``
+chooses HF's ``"cls_logits"`` or ``"distillation_logits"``). HF ``Dinov2ForImageClassification``
+reads the class token and the patch tokens' mean concatenated, through one linear layer whose learned weights
+set their shares: no fixed row is what it reads, so "auto" reads the class row there and warns.
+``row="class"`` or ``"mean"`` chooses explicitly.
+
+The map of a single patch (an input no larger than one patch) is constant, no explanation: a ValueError says so.
 
 A ``torch.compile``'d model is explained through the module it wraps (``_orig_mod``, the same
 weights), since compiled code runs no call-scoped rule; a module compiled in place is refused
@@ -31,6 +38,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..core.attention import BlockSpec, CapturedAttention, capture_attention
+from ..core.caller import warn_at_callers_line
 from ..core.layouts import Layout, token_layout
 from ..core.scope import CallScope
 from ..core.targets import SelectedTargets, Target, select_targets
@@ -65,6 +73,8 @@ class Recorded:
 
 Relevance = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
 ROWS = ("auto", "class", "mean")
+SINGLE_HEADS = {"cls_logits": "class", "distillation_logits": "distillation"}
+"""HF DeiT with teacher's outputs of one head each (``output=``), and the token that head reads."""
 
 
 class AttentionOptions(ExplainerOptions, total=False):
@@ -94,8 +104,10 @@ class AttentionMethod(Explainer):
         modules computing it (a name such as ``"vision_model"`` for CLIP's image tower, a glob,
         a module or a module type; see ``explain.capture_attention``).
     start_block: the first block rolled out (an index among the recorded blocks; negative from
-        the end). row: "auto" (what the head reads: the class token's row, or for a head that
-        averages the patch tokens the mean of their rows), "class" or "mean" (over the patch
+        the end). row: "auto" (what the head reads: the class token's row; for a head that
+        averages the patch tokens the mean of their rows; for a distilled DeiT the mean of the
+        class and distillation tokens' rows; for HF DINOv2's head, which reads the class token and
+        the patch tokens' mean, the class row with a warning), "class" or "mean" (over the patch
         tokens' rows). reshape: (h, w), the patch grid, when the guess is wrong (the last h·w
         tokens are the patches; the tokens before them must be the model's class, distillation
         and register tokens, else a ValueError lists the grids that fit).
@@ -143,6 +155,8 @@ class AttentionMethod(Explainer):
         layout = None if partitions is not None else token_layout(
             probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model, "the attention",
             whole_sequence=True)
+        if layout is not None:
+            check_patches(layout.grid, batch.shape[-2:], type(self).__name__)
         first = self._first_block(len(probabilities))
         return Recorded(attention, selected, probabilities[first:], layout, partitions, first)
 
@@ -243,15 +257,55 @@ class AttentionMethod(Explainer):
         positions = [index for index, shape in enumerate(shapes) if shape == kept]
         return f"{named}: blocks={positions} (positions in call order) keeps the {kept[1]} × {kept[2]} self-attention"
 
+    row_hint: ClassVar[str] = "row='mean' (or 'auto')"
+    """The rows to suggest where row='class' finds no class token."""
+
     def _token_row(self, relevance: Tensor, layout: Layout) -> Tensor:
-        """(N, K, T, T) → (N, K, T): the class token's row, or the mean of the patch tokens' rows."""
+        """(..., T, T) → (..., T): the query row(s) ``row`` chooses (see ``AttentionMethod``)."""
+        return token_rows(relevance, layout, self._head_row(layout))
+
+    def _head_row(self, layout: Layout) -> str:
+        """The row read: ``row``, or for "auto" what the head reads (``layout.readout``); HF DINOv2's head, which
+        reads no one row, gets the class row and a warning. A ValueError for row='class' without a class token."""
         row = layout.readout if self.row == "auto" else self.row
-        if row == "class":
-            if not layout.class_token:
-                raise ValueError(f"row='class' needs a class token; this model has none ({layout.prefix} token(s) "
-                                 "before the patches, none a class token). Use row='mean' (or 'auto').")
-            return relevance[:, :, 0]
-        return relevance[:, :, layout.prefix :].mean(dim=2)
+        if row == "class+distillation" and self.row == "auto" and isinstance(self.output, str) \
+                and self.output in SINGLE_HEADS:
+            return SINGLE_HEADS[self.output]  # output= chooses one of the two heads: the token it reads
+        if row == "class+mean":
+            warn_at_callers_line(
+                f"{type(self).__name__}(row='auto') reads the class token's row, but this model's head (HF "
+                "Dinov2ForImageClassification) reads the class token and the mean of the patch tokens, concatenated, "
+                "through one linear layer whose weights set their shares, so no one row is what it reads. Pass "
+                "row='class' or row='mean' to choose one part (and silence this warning).", UserWarning)
+            row = "class"
+        if row == "class" and not layout.class_token:
+            raise ValueError(f"row='class' needs a class token; this model has none ({layout.prefix} token(s) "
+                             f"before the patches, none a class token). Use {self.row_hint}.")
+        return row
+
+
+def token_rows(relevance: Tensor, layout: Layout, row: str) -> Tensor:
+    """(..., T, T) → (..., T): for ``row`` "class" the class token's row, "mean" the mean of the patch tokens' rows,
+    "class+distillation" the mean of the class and distillation tokens' rows (a distilled DeiT's logits are the mean
+    of two linear heads', one on each token, so each token carries half of the score), "distillation" the
+    distillation token's row."""
+    if row == "class+distillation":
+        return relevance[..., :2, :].mean(dim=-2)
+    if row == "distillation":
+        return relevance[..., 1, :]
+    if row == "class":
+        return relevance[..., 0, :]
+    return relevance[..., layout.prefix :, :].mean(dim=-2)
+
+
+def check_patches(grid: Optional[Sequence[int]], input_size: Sequence[int], method: str) -> None:
+    """A ValueError where the map's grid holds a single patch, on which any map is constant: no explanation."""
+    if grid is not None and int(grid[0]) * int(grid[1]) == 1:
+        raise ValueError(
+            f"{method} lays its map out on the model's patch grid, and this {int(input_size[0])}×{int(input_size[1])} "
+            "input gives a single patch (1 × 1), on which every map is constant: it says nothing about where the "
+            "evidence lies. Pass a larger input (several patches in each direction, e.g. the model's training size), "
+            "or use a method that explains pixels (IntegratedGradients, Saliency).")
 
 
 class AttentionExplainer(AttentionMethod):

@@ -47,7 +47,7 @@ from ..core.targets import OutputSelector, SelectedTargets, Target, select_targe
 from ..core.windows import WindowPartition, is_window_block, watch_windows
 from ..io.inputs import PreprocessSpec
 from ..io.loaded_model import ModelSource
-from .attention import AttentionMethod
+from .attention import AttentionMethod, check_patches, token_rows
 from .maps import Attribution
 from .registry import register
 
@@ -375,9 +375,11 @@ class LeGrad(AttentionMethod):
         part, which makes a norm-then-class-token readout (OpenCLIP's ``ln_post``, ``proj``) read
         ln(mean of the tokens), as legrad-torch does for OpenCLIP ViTs.
     row: which query rows of ∂s_l/∂A_l are averaged: "all" (default, as legrad-torch: every
-        token's row, class and register tokens included), "auto" (what the head reads: the class
-        token's row, or the patch tokens' rows for a head that averages them), "class" or "mean"
-        (the patch tokens' rows).
+        token's row, class and register tokens included), "auto" (what the head reads, as for the rollouts:
+        the class token's row, the patch tokens' rows for a head that averages them, the class and
+        distillation tokens' rows for a distilled DeiT), "class" or "mean" (the patch tokens' rows).
+        A single patch (an input no larger than one patch; Swin's last stage on a small input) gives a
+        constant map, no explanation: a ValueError.
     start_block: the first layer summed (an index among the blocks read; negative from the end):
         0, every layer, as the paper aggregates; legrad-torch's ``layer_index`` default is −2, the
         last two.
@@ -416,6 +418,7 @@ class LeGrad(AttentionMethod):
     name = "legrad"
     summary = "LeGrad (Bousselham et al. 2024): each layer's score's gradient w.r.t. its attention, summed over layers"
     uses_gradients = True
+    row_hint = "row='all', 'mean' or 'auto'"
     reads_windows = True  # Swin's window attention, laid out on its stage's grid (its own pass reads the partitions)
 
     def __init__(
@@ -502,10 +505,12 @@ class LeGrad(AttentionMethod):
                     raise ValueError(f"LeGrad sums the layers' maps on one token grid, and the blocks read lie on "
                                      f"grids {sorted({partition.grid for partition in grids})}: choose the blocks "
                                      "of one stage with blocks=.")
+                check_patches(grids[0].grid, batch.shape[-2:], type(self).__name__)  # the last stage's grid
                 layouts: Sequence[Union[Layout, WindowPartition]] = grids
             else:
                 layouts = [token_layout(probabilities[0].shape[-1], batch.shape[-2:], self.reshape, self.model,
                                         "the attention", whole_sequence=True)] * len(probabilities)
+                check_patches(layouts[0].grid, batch.shape[-2:], type(self).__name__)
             relevance, zero_gradient, disconnected = self._relevance(probabilities, layer_scores, layouts)
         selected.scores = selected.scores.detach()
         layout = layouts[0]
@@ -547,6 +552,7 @@ class LeGrad(AttentionMethod):
         tokens = first.tokens if isinstance(first, WindowPartition) else probabilities[0].shape[-1]
         targets = layer_scores[0].shape[1]
         device = probabilities[0].device
+        row = self.row if self.row == "all" or isinstance(first, WindowPartition) else self._head_row(first)
         per_target: list[Tensor] = []
         zero_gradient: list[Tensor] = []
         disconnected: list[Tensor] = []
@@ -562,13 +568,13 @@ class LeGrad(AttentionMethod):
                 if gradient is None:
                     continue
                 nonzero |= gradient.reshape(nonzero.shape[0], -1).ne(0).any(dim=1)
-                relevance = relevance + self._query_rows(gradient.float().clamp(min=0).mean(dim=1), layout)
+                relevance = relevance + self._query_rows(gradient.float().clamp(min=0).mean(dim=1), layout, row)
             per_target.append(relevance)
             zero_gradient.append(~nonzero)
             disconnected.append(torch.full_like(nonzero, all(gradient is None for gradient in gradients)))
         return torch.stack(per_target, dim=1), torch.stack(zero_gradient, dim=1), torch.stack(disconnected, dim=1)
 
-    def _query_rows(self, positive: Tensor, layout: Union[Layout, WindowPartition]) -> Tensor:
+    def _query_rows(self, positive: Tensor, layout: Union[Layout, WindowPartition], row: str) -> Tensor:
         """(N, T, T) → (N, T): the mean of the query rows that ``row`` chooses. Window attention, (N · windows, w²,
         w²): each key token's column summed over its window's rows and divided by the grid's tokens (the mean over
         every row of the grid, a token outside the window having no gradient), on the grid, (N, H · W)."""
@@ -578,13 +584,7 @@ class LeGrad(AttentionMethod):
                                  "row='all', 'mean' or 'auto'.")
             count = positive.shape[0] // layout.windows
             return layout.to_grid(positive.sum(dim=1) / layout.tokens, count)
-        row = layout.readout if self.row == "auto" else self.row
         if row == "all":
             return positive.mean(dim=1)
-        if row == "class":
-            if not layout.class_token:
-                raise ValueError(f"row='class' needs a class token; this model has none ({layout.prefix} token(s) "
-                                 "before the patches, none a class token). Use row='all', 'mean' or 'auto'.")
-            return positive[:, 0]
-        return positive[:, layout.prefix :].mean(dim=1)
+        return token_rows(positive, layout, row)
 

@@ -14,4 +14,5 @@
     memory_format.py  channels-last models and inputs
     checks.py         checks on values that are deferred to one device synchronisation
     caller.py         warnings attributed to the caller's line
+    call_record.py    the batch of the explain call in progress and the model's passes it ran
 """

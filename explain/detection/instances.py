@@ -14,10 +14,12 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torchvision.ops import batched_nms, box_iou
 
+from ..core.call_record import explained_batch_shape
 from ..core.caller import warn_at_callers_line
 from ..core.capture import preserved_model_state
 from .candidates import Candidates, candidates_of, detector_family
@@ -53,11 +55,17 @@ class Instances:
         return self.boxes.shape[1]
 
 
-InstanceSpec = Union[str, int, float, Tensor, Instances]
+InstanceSpec = Union[str, int, float, Tensor, np.ndarray, Instances]
 """What ``explain(..., instances=...)`` takes: "all" (every detection scoring at least
 ``DEFAULT_SCORE_THRESHOLD``), an int k (each image's k highest-scoring detections, whatever their score), a float in
 (0, 1) (the detections scoring at least that), boxes ((K, 4) for every image or (N, K, 4), x0, y0, x1, y1 in the
-input's pixels: each explained as the class of the detection that overlaps it most), or ``Instances``."""
+input's pixels, a tensor, an ndarray or nested lists: each explained as the class of the detection that overlaps it
+most), or ``Instances``."""
+
+
+def given_boxes(spec: Any) -> bool:
+    """Whether ``spec`` gives boxes (a tensor, an ndarray, or a non-empty list or tuple)."""
+    return isinstance(spec, (Tensor, np.ndarray)) or (isinstance(spec, (list, tuple)) and len(spec) > 0)
 
 
 def final_detections(candidates: Candidates, family: Optional[str], iou_threshold: float = NMS_IOU
@@ -146,7 +154,7 @@ def select_instances(candidates: Candidates, family: Optional[str], spec: Instan
     if isinstance(spec, Instances):
         check_instances(spec, candidates.boxes.shape[0], candidates.classes)
         return spec
-    if isinstance(spec, Tensor) or (isinstance(spec, (list, tuple)) and spec and not isinstance(spec, str)):
+    if given_boxes(spec):
         try:
             boxes = torch.as_tensor(spec, dtype=torch.float32, device=device)
         except (ValueError, TypeError) as error:
@@ -209,8 +217,7 @@ def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: 
     family = detector_family(model)
     candidates = candidates_of(output, model, batch.shape[-2:], family)
     instances = select_instances(candidates, family, spec)
-    given_boxes = isinstance(spec, (Tensor, list, tuple))
-    if given_boxes and instances.count:
+    if given_boxes(spec) and instances.count:
         unmatched = (~instances.present).nonzero().tolist()
         shown = ", ".join(f"({image}, {index}) {[round(value, 1) for value in instances.boxes[image, index].tolist()]}"
                           for image, index in unmatched[:6]) + (" …" if len(unmatched) > 6 else "")
@@ -257,15 +264,18 @@ class InstanceTarget:
     similar to it (see the module's docstring).
 
     instances: the reference instances (``Instances``, in the input's pixels). model: the detector (its family says
-    how to read its output). input_size: (H, W) of the input. quantity: "score" (the matched candidate's class score)
+    how to read its output). input_size: (H, W) of the model input the instances' boxes are in, or None: inside an
+    ``explain`` call, the size of the batch explained (a size given that differs from it is refused: the boxes
+    would be read in another input's pixels); outside one, needed for transformers detectors (whose boxes are
+    fractions of the input). quantity: "score" (the matched candidate's class score)
     or a box coordinate "x0", "y0", "x1", "y1" (ODAM's box maps). weight_by_iou: the class score times the IoU of
     the matched box with the instance's (the box's agreement; in the graph through the box). min_iou: the overlap
     below which a candidate is not the instance.
     Called on the model's output for the N images, returns (N, K) scores; ``scores_for_rows`` scores copies.
     """
 
-    def __init__(self, instances: Instances, model: nn.Module, input_size: Sequence[int], quantity: str = "score",
-                 weight_by_iou: bool = False, min_iou: float = 0.5):
+    def __init__(self, instances: Instances, model: nn.Module, input_size: Optional[Sequence[int]] = None,
+                 quantity: str = "score", weight_by_iou: bool = False, min_iou: float = 0.5):
         if quantity not in QUANTITIES:
             raise ValueError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}.")
         if not 0 <= min_iou < 1:
@@ -274,7 +284,7 @@ class InstanceTarget:
         self.instances = instances
         self.model = model
         self.family = detector_family(model)
-        self.input_size = tuple(int(size) for size in input_size)
+        self.input_size = None if input_size is None else _size_pair(input_size)
         self.quantity = quantity
         self.weight_by_iou = bool(weight_by_iou)
         self.min_iou = float(min_iou)
@@ -289,12 +299,33 @@ class InstanceTarget:
                               self.min_iou)
 
     def candidates(self, output: Any) -> Candidates:
-        """The candidates of the model's output (for rows of the input's size)."""
-        candidates = candidates_of(output, self.model, self.input_size, self.family)
+        """The candidates of the model's output (for rows of the input's size: ``size``)."""
+        candidates = candidates_of(output, self.model, self.size(), self.family)
         if not self._checked:
             check_instances(self.instances, classes=candidates.classes)
             self._checked = True
         return candidates
+
+    def size(self) -> tuple[int, int]:
+        """(H, W) of the inputs whose output is read: the batch of the ``explain`` call in progress, else
+        ``input_size``. A clear error where the two differ, or where neither is known and the detector's boxes are
+        fractions of the input (transformers)."""
+        explained = _explained_size()
+        if explained is not None:
+            if self.input_size is not None and self.input_size != explained:
+                raise ValueError(f"the InstanceTarget was made with input_size={self.input_size}, but the batch "
+                                 f"explained is {explained[0]} × {explained[1]} pixels (after preprocessing): its "
+                                 "instances' boxes would be read in another input's pixels. Give the boxes in the "
+                                 "pixels of the model-input batch explained and input_size=batch.shape[-2:] (or leave "
+                                 "input_size out): detect them on that batch, explain.detection.detect(model, batch).")
+            return explained
+        if self.input_size is not None:
+            return self.input_size
+        if self.family == "huggingface":
+            raise ValueError(f"{type(self.model).__name__}'s boxes are fractions of its input, and this InstanceTarget "
+                             "was called outside an explain call without input_size: give input_size=(H, W), the "
+                             "model-input batch's batch.shape[-2:].")
+        return (0, 0)  # not read: the other families give boxes in pixels
 
     def similarity(self, candidates: Candidates, image_index: Tensor, gated: bool = True) -> tuple[Tensor, Tensor]:
         """D-RISE's similarity of each candidate of each row to each instance of the row's image, (R, K, P):
@@ -356,7 +387,13 @@ class InstanceTarget:
         return self._scores(candidates, torch.arange(candidates.boxes.shape[0], device=candidates.boxes.device))
 
     def _check_images(self, images: int) -> None:
-        if images != self.instances.present.shape[0]:
+        held = self.instances.present.shape[0]
+        if images != held and _explained_images() == held:
+            raise ValueError(f"the method scored the instances on {images} rows that are not the {held} image(s) "
+                             "explained (windows, crops or rescaled copies of them, as SESS makes): an instance's box "
+                             "is in the images' own pixels and cannot be found in them. Explain instances with a "
+                             "method that runs the detector on whole images (Grad-CAM, ODAM, D-RISE, Saliency, ...).")
+        if images != held:
             raise ValueError(f"the InstanceTarget holds instances for {self.instances.present.shape[0]} image(s), the "
                              f"batch explained has {images}: give one row of instances per image (detect them on this "
                              "batch: explain.detection.detect).")
@@ -400,6 +437,30 @@ class InstanceTarget:
     def __repr__(self) -> str:
         return (f"InstanceTarget({self.instances.count} instance(s) per image, quantity={self.quantity!r}, "
                 f"weight_by_iou={self.weight_by_iou}, min_iou={self.min_iou})")
+
+
+def _size_pair(size: Sequence[int]) -> tuple[int, int]:
+    """``input_size`` as (H, W), checked."""
+    try:
+        pair = tuple(int(side) for side in size)
+    except (TypeError, ValueError):
+        pair = ()
+    if len(pair) != 2 or min(pair) < 1:
+        raise ValueError(f"input_size must be (H, W) in pixels, the model-input batch's batch.shape[-2:]; got "
+                         f"{size!r}.")
+    return (pair[0], pair[1])
+
+
+def _explained_size() -> Optional[tuple[int, int]]:
+    """(H, W) of the batch of this thread's ``explain`` call in progress, or None outside one."""
+    shape = explained_batch_shape()
+    return None if shape is None else (shape[-2], shape[-1])
+
+
+def _explained_images() -> Optional[int]:
+    """N, the images of this thread's ``explain`` call in progress, or None outside one."""
+    shape = explained_batch_shape()
+    return None if shape is None else shape[0]
 
 
 def _pairwise_iou(references: Tensor, boxes: Tensor) -> Tensor:

@@ -6,7 +6,6 @@ import inspect
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import (
     Any,
     Callable,
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..core.call_record import PassRecord, call_passes
 from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     ModelInputError,
@@ -74,59 +74,6 @@ _progress_bars = threading.local()
 """``open``: how many explainers' progress bars this thread has open (an inner call shows none)."""
 
 
-@dataclass
-class PassRecord:
-    """The model's passes that ran in an ``explain`` call, so that a later pass that fails can say what ran before.
-
-    images: the images explained (rows of the prepared batch); image_shape: their shape, without the row.
-    passes: how many passes of the model have run; shapes: each input shape that ran → its first pass (1, 2, …).
-    """
-
-    images: int
-    image_shape: tuple[int, ...]
-    passes: int = 0
-    shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
-
-    def ran(self, inputs: Tensor) -> None:
-        """Count a pass of the model that ran on ``inputs``."""
-        self.passes += 1
-        self.shapes.setdefault(tuple(inputs.shape), self.passes)
-
-    def failure(self, error: ModelInputError, inputs: Tensor) -> ModelInputError:
-        """What to raise for the model's ``error`` on ``inputs`` in the pass after the ones recorded: an error that
-        says so where an input of that shape ran earlier in the call (its size is not the cause) or the failed input
-        is a batch of copies of the images explained; else ``error`` as it is (it blames the input's size)."""
-        shape, rows, failed = tuple(inputs.shape), int(inputs.shape[0]), self.passes + 1
-        original = f"{type(error.model_error).__name__}: {str(error.model_error).strip().splitlines()[0]}" \
-            if str(error.model_error).strip() else type(error.model_error).__name__
-        if shape in self.shapes:
-            text = (f"the model failed on pass {failed} of this call, on an input of shape {shape}, the shape it ran "
-                    f"on in pass {self.shapes[shape]} of the same call: {original}. So its size is not the cause: the "
-                    "model fails on a later pass of the same shape, as a forward that changes its own state or "
-                    "counts its calls does, or one that fails only with gradients on (the method's passes differ in "
-                    "that). Make the model's forward give the same result whenever it is called.")
-        elif shape[1:] == self.image_shape and rows != self.images:
-            images = "the image" if self.images == 1 else f"the {self.images} images"
-            copies = (f"a batch of {rows} rows (the method's copies of {images} explained, each row of shape "
-                      f"{self.image_shape}")
-            fixed_rows = ("If the model takes only a fixed number of rows (a forward that reshapes to batch size 1, or "
-                          "keeps per-image state), pass batch_size= where the method takes it, or make the forward "
-                          "take any number of rows.")
-            earlier = [(first, ran) for ran, first in self.shapes.items() if ran[1:] == self.image_shape]
-            if not earlier:  # nothing of this shape ran: the size may be the cause, as the error says
-                text = f"{error} The input was {copies}). {fixed_rows}"
-            else:
-                text = (f"the model failed on pass {failed} of this call, {copies}; an input of shape {earlier[0][1]} "
-                        f"ran in pass {earlier[0][0]} of this call): {original}. {fixed_rows}")
-        else:
-            return error
-        failure = ModelInputError(text)
-        failure.model_error = error.model_error
-        return failure
-
-
-_call_passes = threading.local()
-"""``record``: the ``PassRecord`` of this thread's ``explain`` call in progress (None outside one)."""
 
 
 def warn_about_precision(explainer: "Explainer", precision: Optional[str], instances: bool = False) -> None:
@@ -389,7 +336,7 @@ class Explainer(ABC):
         faster (``explain.core.memory_format``)."""
         inputs = model_batch(self.model, inputs)
         call = self._forward_call
-        record: Optional[PassRecord] = getattr(_call_passes, "record", None)
+        record: Optional[PassRecord] = getattr(call_passes, "record", None)
         try:
             if call is None:
                 output = run_model(self.model, inputs)
@@ -482,9 +429,9 @@ class Explainer(ABC):
             prepared = prepare_inputs(inputs, self.preprocess, device, model_dtype(self.model),
                                       channels=model_input_channels(self.model))
             outer_call = self._forward_call  # this explainer's call in progress, when it is called inside it
-            outer_passes = getattr(_call_passes, "record", None)
-            _call_passes.record = PassRecord(prepared.batch.shape[0], tuple(prepared.batch.shape[1:]))
-            scope.add_undo(lambda: setattr(_call_passes, "record", outer_passes))
+            outer_passes = getattr(call_passes, "record", None)
+            call_passes.record = PassRecord(prepared.batch.shape[0], tuple(prepared.batch.shape[1:]))
+            scope.add_undo(lambda: setattr(call_passes, "record", outer_passes))
             probability_function = self.probability_function()
             if probability_function == "sigmoid":
                 self._check_sigmoid_scores()  # a wrapper taking a wrapped explainer's option

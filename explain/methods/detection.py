@@ -41,8 +41,10 @@ class ODAM(CAM):
         coordinate of its box, "x0", "y0", "x1", "y1" (the paper's box maps; the authors differentiate the box head's
         outputs, here the decoded coordinate in input pixels). layer: the feature maps, e.g. the FPN level or head
         input the instance is detected at (the authors take the detection's own level).
-    Call ``explain(image, instances=...)``. The authors' training loss and ODAM-NMS are not part of the
-    explanation. Other keyword arguments: see ``CAM`` (``normalize`` defaults to "minmax", as the authors').
+    Call ``explain(image, instances=...)``, or give ``target=explain.detection.InstanceTarget(...)``, whose own
+    ``quantity`` is then explained (one that differs from a ``quantity`` other than "score" given here is refused).
+    The authors' training loss and ODAM-NMS are not part of the explanation. Other keyword arguments: see ``CAM``
+    (``normalize`` defaults to "minmax", as the authors').
     """
 
     name = "odam"
@@ -70,7 +72,12 @@ class ODAM(CAM):
         return target
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        _instance_target(target, self.method_name)
+        given = _instance_target(target, self.method_name)
+        if self.quantity != "score" and given.quantity != self.quantity:
+            raise ValueError(f"{self.method_name} was made with quantity={self.quantity!r}, and the InstanceTarget "
+                             f"given explains quantity={given.quantity!r}: give the quantity once, to the target "
+                             f"(InstanceTarget(..., quantity={self.quantity!r})) or to {self.method_name} with "
+                             "instances=.")
         return super().attribute(batch, target, topk)
 
 

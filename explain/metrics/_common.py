@@ -56,7 +56,8 @@ def check_count(count: int, what: str, expected: int, expected_what: str) -> Non
 
 def as_maps(maps: MapsLike, size: Optional[Sequence[int]] = None) -> Tensor:
     """An Explanation (one target per image) or a (N, H, W) / (H, W) tensor → (N, H, W) float,
-    resized bilinearly to ``size`` when given. Maps with NaN or inf are refused, naming them."""
+    resized bilinearly to ``size`` when given (refused when not in its proportions, ``check_aspect``). Maps with
+    NaN or inf are refused, naming them."""
     if isinstance(maps, Explanation):
         if maps.keep_target_dim and maps.map_grid.shape[1] != 1:
             raise ValueError(
@@ -71,8 +72,21 @@ def as_maps(maps: MapsLike, size: Optional[Sequence[int]] = None) -> Tensor:
     check_finite(maps, "map", "such a map ranks no pixels and scores nothing. Check how it was computed (a "
                  "method's maps are finite; torch.nan_to_num replaces NaN and inf).")
     if size is not None and tuple(maps.shape[-2:]) != tuple(size):
+        check_aspect(maps.shape[-2:], size)
         maps = F.interpolate(maps[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
     return maps
+
+
+def check_aspect(map_size: Sequence[int], size: Sequence[int]) -> None:
+    """Refuse (h, w) maps whose shape is not the (H, W) input's at a lower or higher resolution: more than one
+    cell off either way (a layer's grid rounds H / stride up or down). A transposed map, or one of other images,
+    would otherwise be stretched onto the input without a word."""
+    (height, width), (target_height, target_width) = map_size, size
+    if abs(height - target_height * width / target_width) > 1 + 1e-9 or \
+            abs(width - target_width * height / target_height) > 1 + 1e-9:
+        raise ValueError(f"maps of {height} × {width} do not have the shape of the {target_height} × {target_width} "
+                         f"input (at any resolution): they would be stretched onto it. Give maps of these images, "
+                         f"(N, H, W) with H, W in the input's proportions (a transposed map: maps.transpose(-1, -2)).")
 
 
 def check_boxes(boxes: Tensor, size: Sequence[int]) -> Tensor:
@@ -244,11 +258,13 @@ def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, b
 
 def ranking(maps: Tensor, seed: int = 0) -> Tensor:
     """(N, H, W) maps → (N, H, W) rank of each pixel, 0 for the most relevant.
-    Ties are broken by a seeded random order, so a constant map ranks pixels at random."""
+    Ties are broken by a seeded random order, so a constant map ranks pixels at random. The order is the
+    same for every map, so a map's ranks do not depend on the other maps of the batch (an image scores the
+    same alone as in any batch)."""
     count = maps.shape[0]
     flat = maps.reshape(count, -1)
     generator = torch.Generator().manual_seed(seed)
-    shuffle = torch.stack([torch.randperm(flat.shape[1], generator=generator) for _ in range(count)]).to(flat.device)
+    shuffle = torch.randperm(flat.shape[1], generator=generator).to(flat.device).expand(count, -1)
     order_in_shuffle = torch.argsort(-flat.gather(1, shuffle), dim=1, stable=True)
     order = shuffle.gather(1, order_in_shuffle)  # pixel indices, most relevant first
     ranks = torch.empty_like(order)

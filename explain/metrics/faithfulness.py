@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.memory_format import channels_last_copies, may_be_layout_error, model_batch, usual_layout_only
 from ..core.targets import OutputSelector, Target
 from ..io.blur import reflect_blur
@@ -249,7 +250,8 @@ def noisy_linear_imputation(
     x_i = Σ_j w_ij x_j / Σ_j w_ij over each pixel's neighbours j (ROAD, Rong et al. 2022), solved
     by conjugate gradients for all images and channels at once (until the residual is below
     ``tolerance`` relative to the right-hand side, at most ``iterations``), then add Gaussian noise of
-    ``noise`` × the image's value range to the imputed pixels (seeded)."""
+    ``noise`` × the image's value range to the imputed pixels (seeded; the same draw for every image, so that
+    an image is imputed alike alone and in any batch)."""
     count, channels, height, width = batch.shape
     image = batch.float().reshape(count * channels, 1, height, width)
     unknown = removed.to(batch.device).repeat_interleave(channels, dim=0)[:, None].float()
@@ -282,7 +284,8 @@ def noisy_linear_imputation(
     if noise > 0:
         generator = torch.Generator().manual_seed(seed)
         spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).float().repeat_interleave(channels)
-        jitter = torch.randn(imputed.shape, generator=generator).to(batch.device)
+        jitter = torch.randn(1, channels, height, width, generator=generator)  # the same for every image: an
+        jitter = jitter.expand(count, -1, -1, -1).reshape(imputed.shape).to(batch.device)  # image alone as in a batch
         imputed = imputed + jitter * noise * spread.view(-1, 1, 1, 1) * unknown
     return imputed.reshape(batch.shape).to(batch.dtype)
 
@@ -349,9 +352,21 @@ def confidence_change(
     output: OutputSelector = None,
 ) -> ConfidenceChange:
     """Average drop and increase in confidence (Chattopadhyay et al. 2018): the model sees only
-    what the map keeps, the input multiplied by the map (clipped to [0, 1]) in model-input space."""
+    what the map keeps, the input multiplied by the map (clipped to [0, 1], with a warning naming the maps that
+    reach outside it) in model-input space."""
     check_score_options("probability", batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
+    flat = heat.flatten(1)
+    outside = (flat.amin(dim=1) < -1e-6) | (flat.amax(dim=1) > 1 + 1e-6)
+    if bool(outside.any()):
+        indices = outside.nonzero()[:, 0].tolist()
+        named = ", ".join(map(str, indices[:8])) + (" and more" if len(indices) > 8 else "")
+        warn_at_callers_line(
+            f"confidence_change multiplies each image by its map clipped to [0, 1], but map"
+            f"{'s' if len(indices) > 1 else ''} {named} reach{'' if len(indices) > 1 else 'es'} outside it "
+            f"(values in [{float(flat.min()):.3g}, {float(flat.max()):.3g}]): clipping changes what the map keeps. "
+            "Give maps scaled to [0, 1] (an Explanation's normalised maps of an unsigned method, or "
+            "m.clamp_min(0) / m.amax()).")
     heat = heat.clamp(0, 1)
     original = class_scores(model, batch, classes, "probability", batch_size, output)
     masked = class_scores(model, batch * heat[:, None].to(batch.dtype), classes, "probability", batch_size, output)

@@ -118,7 +118,8 @@ def top_k_pixels(values: Tensor, k: int, seed: Optional[int] = 0) -> Tensor:
     needed = k - above.sum(dim=1, keepdim=True)
     if bool((tied.sum(dim=1, keepdim=True) == needed).all()):  # no tie to break (the usual case)
         return above | tied
-    priority = torch.rand(values.shape, generator=random_generator(seed, torch.device("cpu"))).to(values.device)
+    drawn = torch.rand(values.shape[1], generator=random_generator(seed, torch.device("cpu")))
+    priority = drawn.to(values.device).expand_as(values)  # the same order for every row: alone as in a batch
     priority = torch.where(tied, priority, -1.0)  # ties only, in random order
     tie_rank = torch.empty_like(priority).scatter_(
         1, priority.argsort(dim=1, descending=True), torch.arange(values.shape[1], device=values.device,

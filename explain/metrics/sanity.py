@@ -8,6 +8,7 @@ it learned is not explaining the model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -111,12 +112,32 @@ covers: position embeddings, class tokens, relative position bias tables, layer 
 HuggingFace's own initialisation of such parameters)."""
 
 
+@contextlib.contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """A scope whose draws from torch's global generators (``reset_parameters``) start from ``seed``: the CPU's,
+    every CUDA device's once CUDA is in use, and MPS's; each is left as it was after the scope (unlike
+    ``torch.manual_seed``, which reseeds every device's for good and queues a seed for a CUDA not yet used)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    mps = torch.backends.mps.is_available()
+    mps_state = torch.mps.get_rng_state() if mps else None
+    try:
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+            torch.random.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed_all(seed)
+            if mps:
+                torch.mps.manual_seed(seed)
+            yield
+    finally:
+        if mps_state is not None:
+            torch.mps.set_rng_state(mps_state)
+
+
 def reinitialize(module: nn.Module, generator_seed: int) -> None:
     """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded: each submodule's own
     ``reset_parameters`` (``_reset_parameters`` for nn.MultiheadAttention) where it has one, else its own
     parameters drawn afresh (``reinitialize_free_parameters``)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(generator_seed)
+    with seeded_rng(generator_seed):
         for submodule in module.modules():
             if isinstance(submodule, _ResetsParameters):  # hasattr(submodule, "reset_parameters")
                 submodule.reset_parameters()
@@ -188,8 +209,7 @@ def randomized_copies(
             if randomize is None:
                 reinitialize(modules[name], seed + index)
                 if name == executed[0]:  # the model's own parameters go with the embedding, which runs first
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(seed + index + len(sequence))
+                    with seeded_rng(seed + index + len(sequence)):
                         reinitialize_free_parameters(randomized.model)
             else:
                 randomize(modules[name], index)

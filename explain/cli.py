@@ -168,6 +168,12 @@ def check_output_folder(path: str) -> Path:
     return out
 
 
+def user_path(text: str) -> str:
+    """A path argument with a leading ``~`` (``~/data``, ``~user/data``) expanded, as the shell does not in
+    ``--out=~/runs`` or a quoted ``"~/runs"``: a folder named ``~`` would be made instead."""
+    return os.path.expanduser(text)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int ≥ 1."""
     try:
@@ -741,9 +747,10 @@ def run_evaluate(argv: Sequence[str]) -> int:
                         help="a metric's setting instead of its default, e.g. --metric-option "
                         "pointing_game.tolerance=4 (repeatable; the table and the figure show every metric's "
                         "settings, the settings below)")
-    parser.add_argument("--data", default="demo", help="'demo' (held-out synthetic images of the shipped models, "
-                        "with object masks) or a folder with one sub-folder per class (no masks: no localisation "
-                        "metrics; images of different sizes go in batches of one size; an --out folder inside it is "
+    parser.add_argument("--data", default="demo", type=user_path,
+                        help="'demo' (held-out synthetic images of the shipped models, with object masks) or a "
+                        "folder with one sub-folder per class (no masks: no localisation metrics; images of "
+                        "different sizes go in batches of one size; an --out folder inside it is "
                         "left out)")
     parser.add_argument("--images", type=positive_int, default=32, help="with --data demo: how many (default 32)")
     parser.add_argument("--batch-size", type=positive_int, default=8,
@@ -752,7 +759,7 @@ def run_evaluate(argv: Sequence[str]) -> int:
                         help="with --data FOLDER: processes that read and preprocess the images ahead of the batch "
                         f"being evaluated (default: min(8, CPU cores - 1), here {default_workers()}; 0: in the main "
                         "process)")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, type=user_path, help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     arguments = parser.parse_args(argv)
     for name in ("output", "size", "mean", "std", "class_names"):
@@ -891,10 +898,12 @@ def _folder_batches(folder: Path, loaded: LoadedModel, batch_size: int, out: Opt
     started first), or at the end (in the order they were started). The same folder gives the same batches. The
     images are read and preprocessed by ``workers`` worker processes, ahead of the batch being evaluated (0: in this
     process; a preprocess that cannot be sent to them, with a warning)."""
-    from .dataset_tools.batch import image_files
+    from .dataset_tools.batch import check_output_outside, image_files
     from .dataset_tools.labels import folder_labels
     from .dataset_tools.pipeline import preprocessed_images, usable_workers
 
+    if out is not None:
+        check_output_outside(folder, out)
     files = image_files(folder, exclude=out)
     labels = folder_labels(folder, files, "folders", loaded.class_names, exclude=out)
     assert labels is not None, "labels='folders' always gives labels"
@@ -968,11 +977,11 @@ def run_batch(argv: Sequence[str]) -> int:
     from .dataset_tools.batch import TARGET_MODES
 
     parser = Parser(prog="explain batch", description=run_batch.__doc__)
-    parser.add_argument("folder", help="folder of images (searched recursively)")
+    parser.add_argument("folder", type=user_path, help="folder of images (searched recursively)")
     _add_model_options(parser)
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=user_path,
                         help="output folder: index.csv, run.json, maps/, overlays/, skipped.csv")
-    parser.add_argument("--labels", metavar="folders|FILE.csv",
+    parser.add_argument("--labels", metavar="folders|FILE.csv", type=user_path,
                         help="the images' true classes: 'folders' (the first folder under DIR is the class, matched "
                         "by name to the model's class names, else numbered in sorted order) or a CSV file with the "
                         "columns path,label (path relative to DIR; label a class index or name)")

@@ -90,6 +90,7 @@ from typing import (
     Any,
     BinaryIO,
     Callable,
+    Collection,
     Generator,
     Iterable,
     Iterator,
@@ -185,7 +186,8 @@ class RunSummary:
     labels came from and how their classes were numbered ("" without labels); labelled and
     misclassified: how many of this run's images had a label, and a label other than the
     model's prediction; notes: what the run warned about (duplicated index rows it removed, a
-    run.json of an earlier version that it could not check against)."""
+    run.json of an earlier version that it could not check against, a folder without images, a
+    resume that writes overlays of some images only)."""
 
     index: Path
     explained: int = 0
@@ -324,6 +326,16 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     return sorted(files)
 
 
+def check_output_outside(folder: Path, out: Path) -> None:
+    """ValueError when the output folder is the input folder or holds it: the output folder is left out of the
+    images to explain (its overlays are no images of the data), so every image would be."""
+    if folder.is_dir() and folder.resolve().is_relative_to(out.resolve()):
+        where = "is the input folder" if folder.resolve() == out.resolve() else "holds the input folder"
+        raise ValueError(f"the output folder {display_name(out)} {where} {display_name(folder)}, and the output "
+                         "folder's files are never read as images, so there would be no image to explain: give an "
+                         f"output folder outside it, or one inside it (e.g. {display_name(folder / 'explained')}).")
+
+
 def _check_labels_unchanged(out: Path, label_of: Mapping[str, Optional[int]]) -> None:
     """LabelError when an image already in the folder's indexes has another label now (``label_of``:
     each image id's label, None for none): a label file edited between two runs. Those images are
@@ -344,6 +356,27 @@ def _check_labels_unchanged(out: Path, label_of: Mapping[str, Optional[int]]) ->
                          f"{shown}. Images already done are not explained again, so their rows and maps would keep "
                          "the earlier labels: give another output folder to explain them with these labels, or go "
                          "on with the earlier ones.")
+
+
+def _overlays_note(out: Path, done: Collection[str], overlays: bool, more_to_do: bool) -> Optional[str]:
+    """What to warn when a resumed run leaves the folder with overlays of some images only: it writes overlays and
+    images already ``done`` have none (the earlier run wrote none), or it writes none, images already done have them
+    and there may be images still to do (``more_to_do``). Images already done are not explained again, so their
+    overlays are not written (or the new images lack theirs). None when the folder stays whole."""
+    folder = out / "overlays"
+    present = ({entry.name[: -len(".png")] for entry in os.scandir(folder) if entry.name.endswith(".png")}
+               if folder.is_dir() else set())
+    having = sum(item in present for item in done)
+    if overlays and having < len(done):
+        return (f"overlays=True (--overlays): {len(done) - having} of the {len(done)} image(s) already explained in "
+                f"{display_name(out)} have no overlay (the run that explained them wrote none), and images already "
+                "done are not explained again: only the images still to do get overlays. For overlays of every "
+                "image, give another output folder (or delete this one first).")
+    if not overlays and having and more_to_do:
+        return (f"{having} of the {len(done)} image(s) already explained in {display_name(out)} have overlays "
+                f"({display_name(folder)}/<id>.png), and this run writes none (overlays=False, no --overlays): the "
+                "images still to do get no overlays. For overlays of every image, resume with overlays.")
+    return None
 
 
 def _folder_groups(loaded_batches: Generator[LoadedBatch, None, None], chunks: Sequence[Sequence[int]],
@@ -541,9 +574,13 @@ def run(
         label), "predicted" (the default without labels), or a target as in ``explain`` (a class
         index or name, a callable: role "given"). topk: each image's k top classes (role "topk").
     Images already in the index are skipped; files that cannot be read as images are skipped
-    and listed in OUT/skipped.csv with the reason (a rerun tries them again). Hidden files and
+    and listed in OUT/skipped.csv with the reason (a rerun tries them again; images the model
+    fails on are skipped too, unless they are the whole first batch of a run into a folder
+    without images explained yet: then the run stops with the model's error). Hidden files and
     folders (".ipynb_checkpoints/") and an output folder inside the input folder are not
-    explained. A full disk raises an OSError saying so, with the index consistent (the same run
+    explained; an output folder that is the input folder or holds it is a ValueError. A resume
+    that writes overlays (``overlays``) of some images only, the earlier run having written them
+    or not, warns. A full disk raises an OSError saying so, with the index consistent (the same run
     resumes after space is freed). Memory stays that of a few batches: the next ones being loaded,
     the ones waiting to be written. Under torchrun each process takes every world_size-th image.
     on_batch(done) is called after each batch's rows are in the index, with the number of images
@@ -598,7 +635,11 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
     highest_label: list[tuple[int, str]] = []  # the folder's highest label and its file, checked with the first group
     if isinstance(data, (str, Path)):
         folder = Path(data)
+        check_output_outside(folder, out)
         all_files = image_files(folder, exclude=out)
+        if not all_files:
+            summary.notes.append(f"no image file in {display_name(folder)} (nor its sub-folders): nothing to explain. "
+                                 f"Images are files ending in {', '.join(sorted(IMAGE_SUFFIXES))} (any case).")
         read = folder_labels(folder, all_files, labels, class_names, exclude=out)
         if read is None and plan.labels_required:
             raise LabelError(f"target={plan.mode!r} explains the images' true classes: give their labels (labels="
@@ -638,6 +679,9 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
     if isinstance(data, (str, Path)):
         workers, reason = usable_workers(workers, explainer.preprocess)
         summary.notes += [reason] if reason else []
+    overlays_note = _overlays_note(out, done, overlays, not isinstance(data, (str, Path))
+                                   or any(item not in done for item in file_ids)) if done else None
+    summary.notes += [overlays_note] if overlays_note else []
     for note in summary.notes:
         warn_at_callers_line(note)
     if done and isinstance(data, (str, Path)) and read is not None:
@@ -648,9 +692,12 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
     line_ending = index_line_ending(summary.index)
     device = model_device(explainer.model)
     explained = 0  # images explained by this run, written or waiting to be
+    resumed = bool(done)  # images explained by an earlier run of the same record: the run's settings work
 
     def nothing_explained() -> bool:
-        return explained == 0
+        """Whether no image was explained with these settings yet, by this run or an earlier one into the folder
+        (then a batch that fails as a whole is a problem of the run; else one of its files, skipped)."""
+        return explained == 0 and not resumed
 
     groups: Generator[Union[_Group, _BatchEnd], None, None]
     if isinstance(data, (str, Path)):
@@ -687,7 +734,7 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
             except LabelError:
                 raise
             except (ValueError, ModelInputError) as error:
-                if explained == 0 and group.whole_batch:
+                if nothing_explained() and group.whole_batch:
                     raise  # the first batch fails as a whole: a problem of the run, not of its files
                 for name in group.names:
                     summary.skipped[name] = f"explaining it failed: {error_line(error)}"

@@ -254,7 +254,9 @@ def test_the_report_draws_compact_maps_as_it_drew_the_earlier_files(tmp_path):
     assert len(thumbnails) == 12 and thumbnails == sorted(path.relative_to(files) for path in files.rglob("*.jpg"))
     for path in thumbnails:
         one, other = (np.asarray(Image.open(root / path)).astype(int) for root in (compact, files))
-        assert np.abs(one - other).mean() < 0.5 and np.abs(one - other).max() <= 24  # a colour step, JPEG-spread
+        # a colour step, JPEG-spread: float16 moves 1-2 % of the values into the next of matplotlib's 256 equal
+        # colour bins (whose edges k/256 float16 holds exactly), mean difference 0.64 on these thumbnails
+        assert np.abs(one - other).mean() < 1.0 and np.abs(one - other).max() <= 24
 
 
 def test_a_damaged_maps_file_is_a_clear_error_and_its_images_are_left_out_with_a_note(tmp_path):

@@ -260,21 +260,32 @@ def _check_record(folder: Path, record: dict[str, Any]) -> None:
 
 
 def _check_and_write_record(folder: Path, record: dict[str, Any]) -> None:
+    """Refuse ``record`` where stored batches were measured with other settings (or with settings unknown: batches
+    without a record), else write it. A new record leaves no patch of the earlier settings behind: patches are
+    reused by name, so another layer's or model's would be shown for the new references."""
     path = folder / RECORD_FILE
+    stored = any((folder / "batches").glob("[0-9]*.pt"))
+    if not path.exists() and stored:
+        raise ValueError(f"{folder} holds measured batches (batches/) but no {RECORD_FILE}, so the settings they "
+                         "were measured with are unknown and they cannot be resumed; delete the folder's batches/ "
+                         "(or the whole folder) to start afresh, or give another folder.")
     if path.exists():
         try:
             earlier = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
-            raise ValueError(f"{path} is not an atlas record ({error}); delete it to start afresh.") from None
+            raise ValueError(f"{path} is not an atlas record ({error}); delete it and the folder's batches/ to start "
+                             "afresh.") from None
         if earlier == record:
             return
-        if any((folder / "batches").glob("[0-9]*.pt")):
+        if stored:
             keys = list(record) + [key for key in earlier if key not in record]
             differences = [f"{key}: {earlier.get(key)!r} earlier, {record.get(key)!r} now"
                            + (f" ({RECORD_MEANINGS[key]})" if key in RECORD_MEANINGS else "")
                            for key in keys if earlier.get(key) != record.get(key)]
             raise ValueError(f"{folder} holds an atlas with other settings ({'; '.join(differences)}); rerun with "
                              "the earlier settings to resume it, or give another folder.")
+    for stale in (folder / "patches").glob("*.png"):  # no batches: an earlier atlas's, or one of unknown settings
+        stale.unlink(missing_ok=True)
     write_atomically(path, lambda target: target.write_text(json.dumps(record, indent=1), encoding="utf-8"))
 
 

@@ -469,7 +469,7 @@ def _panels_from_maps(maps: Optional[np.ndarray], source: Optional[Path], count:
     if background is not None:
         pixels = render.overlay(background, small, cmap=cmap)
     else:
-        pixels = _colour_table(cmap)[(small.numpy().clip(0.0, 1.0) * 255.0).round().astype(np.intp)]
+        pixels = _colour_table(cmap)[render.colour_indices(small).numpy()]
     return [Image.fromarray(np.ascontiguousarray(panel)) for panel in pixels]
 
 
@@ -750,7 +750,7 @@ def _write_data(folder: Path, images: Sequence[ImageRecord], files: dict[str, _I
 def _read_strategies(out: Path, path: Path, images: Sequence[ImageRecord], files: dict[str, _ImageFiles],
                      class_names: dict[int, str], notes: list[str]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """OUT/strategies.json as the page shows it (classes with a flagged cluster first), and its
-    method; (None, None) with a note when it cannot be read."""
+    method; (None, None) with a note when it cannot be read. Its notes join the report's."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -760,6 +760,8 @@ def _read_strategies(out: Path, path: Path, images: Sequence[ImageRecord], files
     if not isinstance(data, dict) or not isinstance(data.get("classes"), list):
         notes.append("strategies.json is not a strategies file (no list of classes); the strategies are not shown.")
         return None, None
+    if isinstance(data.get("notes"), list):  # what SpRAy left out or doubted (maps unreadable, without a place...)
+        notes.extend(f"strategies: {note}" for note in data["notes"])
     records = {record.id: record for record in images}
     skipped = 0
     classes = []

@@ -75,6 +75,7 @@ from scipy import sparse
 from scipy.sparse.linalg import eigsh
 from tqdm.auto import tqdm
 
+from ..core.caller import warn_at_callers_line
 from ..io import render
 from .index import MapReader, read_index_contents
 from .run_folder import FolderInUseError, display_name, folder_lock, write_atomically
@@ -99,6 +100,9 @@ BORDER_LIFT = 3.0
 cluster's other maps, is at least this many times its mean relevance per pixel (1 where the maps are noise)."""
 MIN_FLAG_SIZE = 5
 """A cluster smaller than this is never flagged: a handful of maps peaking together says little."""
+ZERO_EIGENVALUE = 1e-9
+"""Eigenvalues of the normalised Laplacian below this are 0 (rounding leaves them near 1e-16): one per connected
+component of the graph."""
 DENSE_LIMIT = 2000
 """Up to this many maps the Laplacian's eigenvalues are computed densely (exact), above by ARPACK."""
 ROLES = ("predicted", "label")
@@ -389,6 +393,12 @@ def strategies(
         result = Strategies(method=method or "unspecified", map_size=(int(size[0]), int(size[1])), classes=[],
                             notes=notes)
         class_values = sorted(set(loaded.classes.tolist()))
+        _warn_of_maps_without_place(loaded, notes)
+        if isinstance(clusters, Mapping) and set(clusters) - set(class_values):
+            unknown = sorted(set(clusters) - set(class_values), key=str)
+            warn_at_callers_line(f"clusters= names class(es) {unknown} that have no maps here (the classes: "
+                                 f"{class_values[:20]}{' …' if len(class_values) > 20 else ''}); their counts are "
+                                 "not used. Key the mapping by the class index each map explains.")
         for class_index in tqdm(class_values, disable=not progress or len(class_values) < 2, desc="strategies",
                                 unit="class"):
             chosen = np.flatnonzero(loaded.classes == class_index)
@@ -399,15 +409,40 @@ def strategies(
                     "explain more images of this class")))
                 continue
             wanted = clusters.get(class_index) if isinstance(clusters, Mapping) else clusters
-            result.classes.append(analyse_class(
+            entry = analyse_class(
                 loaded.maps[chosen], [loaded.ids[i] for i in chosen], class_index, name,
                 None if objects is None else objects[chosen], wanted, seed, neighbors, max_clusters,
-                outside_threshold, border, border_share, spread_ratio, position_tolerance))
+                outside_threshold, border, border_share, spread_ratio, position_tolerance)
+            result.classes.append(entry)
+            if wanted is None and separate_groups(entry.eigenvalues) == len(entry.eigenvalues) > max_clusters:
+                note = (f"the maps of class {class_index} ({name or 'unnamed'}) fall into more than {max_clusters} "
+                        f"separate groups (their graph has at least {max_clusters + 1} parts with no edge between "
+                        f"them), more than max_clusters={max_clusters} allows: some of its {max_clusters} clusters "
+                        f"join several groups. Raise max_clusters (or give clusters=) to see them apart.")
+                notes.append(note)
+                warn_at_callers_line(note)
         if out is not None:
             if not locked:  # out= made now
                 held.enter_context(writing_lock(out))
             result._write(Path(out))
     return result
+
+
+def _warn_of_maps_without_place(loaded: _LoadedMaps, notes: list[str]) -> None:
+    """A note and a warning naming the maps that put their relevance at no place in particular (no positive value,
+    or the same value everywhere): normalised, they are uniform, identical to each other, so they form a cluster
+    of their own whatever the images show."""
+    flat = loaded.maps.reshape(len(loaded.maps), -1)
+    uniform = np.flatnonzero(flat.max(1) - flat.min(1) <= 1e-6 * flat.max(1))
+    if not len(uniform):
+        return
+    examples = ", ".join(repr(loaded.ids[i]) for i in uniform[:3]) + (" …" if len(uniform) > 3 else "")
+    note = (f"{len(uniform)} of the {len(flat)} maps hold no positive relevance, or the same value everywhere (e.g. "
+            f"{examples}): they show no place, so SpRAy reads them as uniform and they group together, whatever the "
+            "images show. Check the maps' sign (SpRAy compares where the positive relevance lies: for maps whose "
+            "evidence is negative, pass their negation) or leave those maps out.")
+    notes.append(note)
+    warn_at_callers_line(note)
 
 
 def _check_options(size: tuple[int, int], neighbors: int, max_clusters: int, min_images: int,
@@ -458,17 +493,37 @@ def downsample(maps: Union[np.ndarray, torch.Tensor], size: tuple[int, int]) -> 
 def normalise(maps: np.ndarray) -> np.ndarray:
     """Maps (N, h, w) → (N, h, w) float32, negative values set to 0 and each map scaled to sum 1; a map without
     positive values becomes uniform."""
-    positive = np.clip(np.nan_to_num(maps.astype(np.float32), nan=0.0, posinf=0.0, neginf=0.0), 0.0, None)
-    totals = positive.reshape(len(positive), -1).sum(1)
+    positive = np.clip(np.nan_to_num(np.asarray(maps, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0), 0.0, None)
+    totals = positive.reshape(len(positive), -1).sum(1)  # in float64: float32 sums of values near 1e38 overflow
     empty = totals <= 0
     positive[empty] = 1.0
     totals[empty] = positive[0].size
-    return positive / totals[:, None, None]
+    return (positive / totals[:, None, None]).astype(np.float32)
+
+
+def unit_peak(maps: np.ndarray) -> np.ndarray:
+    """Maps (N, H, W) of any real dtype → float32, each divided by its largest absolute value (where it is not 0).
+    SpRAy scales each map to sum 1 anyway; without this, maps of large values (near 1e38 in float32, past it in
+    float64) overflow to inf in float32 (the cast, or the area averaging's sums) and silently become all 0."""
+    values = np.asarray(maps)
+    if values.dtype != np.float64:  # float16, ints, bools: divided in float32, not rounded to float16 once more
+        values = values.astype(np.float32)
+    peaks = np.abs(values).reshape(len(values), -1).max(1) if values.size else np.zeros(len(values))
+    peaks = np.where(peaks > 0, peaks, 1)
+    return (values / peaks[:, None, None]).astype(np.float32)
 
 
 def _load_arrays(maps: Union[np.ndarray, torch.Tensor], classes: Any, ids: Optional[Sequence[str]],
                  class_names: Optional[Sequence[str]], size: tuple[int, int]) -> _LoadedMaps:
-    array = maps.detach().float().cpu().numpy() if isinstance(maps, torch.Tensor) else np.asarray(maps)
+    if isinstance(maps, torch.Tensor):
+        array = maps.detach().cpu().to(torch.float64 if maps.dtype == torch.float64 else torch.float32).numpy()
+    elif isinstance(maps, (list, tuple)) and len({np.shape(item) for item in maps}) > 1:
+        sizes = sorted({"×".join(str(side) for side in np.shape(item)) for item in maps})
+        raise ValueError(f"maps of different sizes ({', '.join(sizes[:5])}): SpRAy compares maps place by place, so "
+                         "they need one size. Resize them to one (H, W) first, e.g. with "
+                         "torch.nn.functional.interpolate, and pass them as one (N, H, W) array.")
+    else:
+        array = np.asarray(maps)
     if array.ndim != 3:
         raise ValueError(f"maps must be (N, H, W), one map per image (of an Explanation e: e.maps, or "
                          f"e.map_grid[:, k] for its k-th target); got shape {array.shape}.")
@@ -489,7 +544,9 @@ def _load_arrays(maps: Union[np.ndarray, torch.Tensor], classes: Any, ids: Optio
                          f"({len(set(id_list))} distinct).")
     names = {int(c): (class_names[int(c)] if class_names is not None and 0 <= int(c) < len(class_names) else "")
              for c in set(class_array.tolist())}
-    return _LoadedMaps(normalise(downsample(array, size)), class_array.astype(np.int64), id_list, names, id_list,
+    small = np.concatenate([downsample(unit_peak(array[start:start + 256]), size)  # a copy of 256 maps at a time
+                            for start in range(0, len(array), 256)])
+    return _LoadedMaps(normalise(small), class_array.astype(np.int64), id_list, names, id_list,
                        (int(array.shape[1]), int(array.shape[2])))
 
 
@@ -596,7 +653,7 @@ def _load_folder(folder: Path, roles: Sequence[str], size: tuple[int, int], prog
                 f"maps of different sizes: {first_size[1]} is {first_size[0][0]}×{first_size[0][1]}, {row['id']} is "
                 f"{shape[0]}×{shape[1]}. SpRAy compares maps place by place, so they need one size: run explain "
                 "batch with a fixed input size (--size), or pass maps resized to one size as an array.")
-        maps.append(downsample(one[None], size)[0])
+        maps.append(downsample(unit_peak(one[None]), size)[0])
         kept.append(row)
     if unreadable:
         files_count = len({entry.split(" (")[0] for entry in unreadable})
@@ -728,9 +785,20 @@ def laplacian_eigenvalues(affinity: sparse.spmatrix, count: int, seed: int = 0) 
 
 def eigengap_count(eigenvalues: np.ndarray, max_clusters: int) -> int:
     """The number of clusters c in 1 … max_clusters whose gap λ_c − λ_(c−1) (0-based, ascending eigenvalues) is
-    the largest; ties go to the smaller count."""
-    gaps = np.diff(np.asarray(eigenvalues)[: max_clusters + 1])
-    return int(np.argmax(gaps)) + 1
+    the largest; ties go to the smaller count. Eigenvalues below ZERO_EIGENVALUE count as 0 (one per connected
+    component of the graph): where all of λ_0 … λ_max_clusters are 0, the graph falls into more separate groups
+    than max_clusters, and the count is max_clusters (its gaps are rounding noise, which chose any count)."""
+    values = np.asarray(eigenvalues, dtype=np.float64)[: max_clusters + 1]
+    values = np.where(values < ZERO_EIGENVALUE, 0.0, values)
+    if not values[-1] > 0:
+        return len(values) - 1
+    return int(np.argmax(np.diff(values))) + 1
+
+
+def separate_groups(eigenvalues: np.ndarray) -> int:
+    """How many of ``eigenvalues`` are 0 (below ZERO_EIGENVALUE): the graph's connected components, where fewer
+    than the eigenvalues given."""
+    return int((np.asarray(eigenvalues) < ZERO_EIGENVALUE).sum())
 
 
 def spectral_labels(affinity: sparse.spmatrix, count: int, seed: int) -> np.ndarray:

@@ -42,6 +42,7 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     LayerOutputError,
     LayerSpec,
@@ -322,6 +323,8 @@ class ConceptRelevance:
         classes = unconditional.class_indices[:, 0]
         count, channels = layer_relevance.shape
         chosen = self._concepts(concepts, layer_relevance)  # (N, M)
+        if is_whole_number(concepts):
+            _warn_about_empty_concepts(layer_relevance, chosen, unconditional.scores[:, 0].cpu())
         per_image = chosen.shape[1]
         rows_image = torch.arange(count).repeat_interleave(per_image)
         rows_concept = chosen.reshape(-1)
@@ -453,6 +456,24 @@ class ConceptRelevance:
             raise ValueError(f"concepts must be an int, (M,) channel indices or (N, M) per image for {count} images; "
                              f"got shape {tuple(chosen.shape)}.")
         return chosen
+
+
+def _warn_about_empty_concepts(layer_relevance: Tensor, chosen: Tensor, scores: Tensor) -> None:
+    """Warn where the most relevant concepts of an image (``chosen``, (N, M), by signed R_c) include channels with
+    R_c = 0 while other channels carry relevance: fewer than M channels have positive relevance (as when the score
+    explained is negative), so those concepts' maps are zero everywhere, not evidence."""
+    relevance = layer_relevance.gather(1, chosen.to(layer_relevance.device))
+    empty = (relevance == 0).any(dim=1) & (layer_relevance != 0).any(dim=1)
+    if not bool(empty.any()):
+        return
+    images = empty.nonzero().flatten().tolist()
+    listed = ", ".join(f"image {n} (score {float(scores[n]):.3g}, {int((layer_relevance[n] > 0).sum())} channel(s) "
+                       "with positive relevance)" for n in images[:6]) + (" and more" if len(images) > 6 else "")
+    warn_at_callers_line(
+        f"CRP: among the most relevant concepts of {listed} are channels with no relevance (R_c = 0), whose maps are "
+        "zero everywhere: fewer channels than asked for carry positive relevance (most do when the score explained "
+        "is negative). Explain a class with a positive score (target=), give fewer concepts, or give the channels "
+        "(concepts=[...]); diagnostics['layer_relevance'] holds every channel's R_c.", RuntimeWarning)
 
 
 def _concept_indices(concepts: Any, channels: Optional[int]) -> Tensor:

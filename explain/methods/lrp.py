@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..core.caller import warn_at_callers_line
 from ..core.targets import Target, select_targets
 from ..io.loaded_model import ModelSource
 from ._lrp_rules import COMPOSITES, Composite, make_composite
@@ -56,6 +57,9 @@ from .options import bool_option
 from .registry import register
 
 __all__ = ["COMPOSITES", "LRP", "Composite", "make_composite"]
+
+VANISHED = 1e-6
+"""Relevance at the input below this share of the score's: it vanished on the way (a warning says where)."""
 
 
 @register
@@ -121,7 +125,7 @@ class LRP(GradientExplainer):
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{label} must be a non-negative number; got {value!r}.")
         self.composite = make_composite(composite, float(epsilon), float(gamma), float(stabilizer))
-        self.stabilizer = float(stabilizer)
+        self.epsilon, self.stabilizer = float(epsilon), float(stabilizer)
         self.low, self.high = self._box(low, high)
 
     def _box(self, low: Any, high: Any) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -177,8 +181,47 @@ class LRP(GradientExplainer):
             raise trace.non_finite_error(non_finite.nonzero().tolist(), self.method_name, attributions.dtype)
         trace.warn_about_gaps(output, self.method_name, problems)
         output_relevance = trace.output_relevance(count, targets)
-        return self.attribution_from(
-            attributions, selected, zero_gradient=all_zero(attributions), relevance_sum=relevance_sum,
-            output_relevance=output_relevance, conservation_error=relevance_sum - output_relevance,
-            **trace.layer_diagnostics(count, targets),
+        layers = trace.layer_diagnostics(count, targets)
+        vanished = (relevance_sum.abs() <= VANISHED * output_relevance.abs()) & (output_relevance != 0)
+        empty = all_zero(attributions)
+        attribution = self.attribution_from(
+            attributions, selected, zero_gradient=lambda: empty() & ~vanished.to(attributions.device),
+            relevance_sum=relevance_sum, output_relevance=output_relevance,
+            conservation_error=relevance_sum - output_relevance, **layers,
         )
+        if bool(vanished.any()):
+            reason = self._vanished_reason(vanished, relevance_sum, output_relevance, layers)
+            attribution.empty_reason = reason  # the maps that are all zero: their warning says why
+            # maps that are all zero in float32 (as a float64 remnant of 1e-60 is) get the empty-map warning
+            nonzero = vanished & ~all_zero(attributions.float())().cpu()
+            if bool(nonzero.any()) and not getattr(self._thread_state, "empty_maps_expected", False):
+                pairs = ", ".join(f"({n}, {k})" for n, k in nonzero.nonzero().tolist()[:8])
+                warn_at_callers_line(f"{self.method_name}: the maps of (image, target) {pairs} hold almost no "
+                                     f"relevance: {reason}.", RuntimeWarning)
+        return attribution
+
+    def _vanished_reason(self, vanished: Tensor, relevance_sum: Tensor, output_relevance: Tensor,
+                         layers: dict[str, Any]) -> str:
+        """Why the relevance of the first vanished (image, target) did not reach the input: the first layer of the
+        backward pass that passed on less than 1e-3 of what it received, and what to do."""
+        n, k = vanished.nonzero()[0].tolist()
+        received, sent = layers["layer_output_relevance"][n, k], layers["layer_input_relevance"][n, k]
+        shares = (sent.abs() / received.abs()).nan_to_num(nan=1.0, posinf=1.0)
+        where, small = "", max(self.epsilon, self.stabilizer)
+        tiny = float(output_relevance[n, k].abs()) < 1e3 * small  # a score ε absorbs a visible share of
+        losing = (shares < 1e-3).nonzero()
+        if len(losing):  # the last in forward order: where the backward pass first lost it
+            index = int(losing[-1])
+            tiny |= float(received[index].abs()) < 1e3 * small
+            where = (f"; {layers['layers'][index]} passed on {float(shares[index]):.2g} of the relevance it received "
+                     f"({float(received[index]):.3g} → {float(sent[index]):.3g})")
+        cause = (f"The model's activations are far smaller than epsilon={self.epsilon:g} and "
+                 f"stabilizer={self.stabilizer:g}, which then absorb the relevance (as in torchvision's EfficientNet "
+                 "and MobileNet with random weights, whose depthwise convolutions are initialised so small that the "
+                 "activations shrink ~100× per stage; zennit gives the same). Load trained weights, or pass smaller "
+                 "epsilon= and stabilizer= (e.g. 1e-30)") if tiny else (
+                 "The rules' biases and stabilisers, or calls without a rule, lost it: the map does not show where "
+                 "the score comes from")
+        return (f"the relevance vanished on its way to the input (image {n}, target {k}: the score's relevance is "
+                f"{float(output_relevance[n, k]):.3g}, the input's {float(relevance_sum[n, k]):.3g}{where}). "
+                + cause)

@@ -103,6 +103,12 @@ MIN_FLAG_SIZE = 5
 ZERO_EIGENVALUE = 1e-9
 """Eigenvalues of the normalised Laplacian below this are 0 (rounding leaves them near 1e-16): one per connected
 component of the graph."""
+SMALL_CLASS = 256
+"""Up to this many maps, a class's nearest neighbours are found with numpy (``small_knn_columns``), above by
+scikit-learn, whose fixed cost per call (0.03 to 0.1 s) dominates for small classes."""
+TIE_TOLERANCE = 1e-9
+"""Squared distances closer than this × (‖a‖² + max ‖b‖²) count as equal in ``small_knn_columns`` (the rounding of
+either computation is below 1e-12 × that for maps of up to 4096 pixels)."""
 DENSE_LIMIT = 2000
 """Up to this many maps the Laplacian's eigenvalues are computed densely (exact), above by ARPACK."""
 ROLES = ("predicted", "label")
@@ -750,11 +756,58 @@ def _needs_scikit_learn() -> Iterator[None]:
 
 def knn_affinity(features: np.ndarray, neighbors: int) -> sparse.csr_matrix:
     """The symmetrised k-nearest-neighbour graph of the rows of ``features`` (N, D): (N, N) sparse, A = (C + Cᵀ)/2
-    where C[i, j] = 1 when j is one of i's ``neighbors`` nearest rows (Euclidean, i itself excluded)."""
+    where C[i, j] = 1 when j is one of i's ``neighbors`` nearest rows (Euclidean, i itself excluded). Up to
+    SMALL_CLASS rows, C is built from ``small_knn_columns`` (scikit-learn's graph, array for array, without its
+    fixed cost of 0.03 to 0.1 s a call); above, or where that declines, by scikit-learn's ``kneighbors_graph``."""
+    count = len(features)
+    columns = small_knn_columns(features, neighbors) if count <= SMALL_CLASS else None
+    if columns is None:
+        connectivity = sklearn_knn_connectivity(features, neighbors)
+    else:  # as kneighbors_graph builds it
+        connectivity = sparse.csr_matrix((np.ones(columns.size), columns.ravel(),
+                                          np.arange(0, columns.size + 1, neighbors)), shape=(count, count))
+    return sparse.csr_matrix((connectivity + connectivity.T) * 0.5)
+
+
+def sklearn_knn_connectivity(features: np.ndarray, neighbors: int) -> sparse.csr_matrix:
+    """C of ``knn_affinity`` by scikit-learn's ``kneighbors_graph`` (any number of rows)."""
     with _needs_scikit_learn():
         from sklearn.neighbors import kneighbors_graph
-    connectivity = kneighbors_graph(features, n_neighbors=neighbors, mode="connectivity", include_self=False)
-    return sparse.csr_matrix((connectivity + connectivity.T) * 0.5)
+    connectivity: sparse.csr_matrix = kneighbors_graph(features, n_neighbors=neighbors, mode="connectivity",
+                                                       include_self=False)
+    return connectivity
+
+
+def small_knn_columns(features: np.ndarray, neighbors: int) -> Optional[np.ndarray]:
+    """(N, neighbors) int64: row i lists i's ``neighbors`` nearest other rows, nearest first, as scikit-learn's
+    brute-force search (the one it uses on more than 15 features) lists them; or None where this cannot tell how it
+    would list them.
+
+    scikit-learn sorts the ``neighbors`` + 1 nearest rows to each row i, i itself included, by distance, then drops
+    i. Here the same, from squared distances ‖a‖² + ‖b‖² − 2 a·b as it computes them (0 from i to itself). Rows at
+    (nearly) equal distances from i, copies of one map most often, are put in order by rounding there (its
+    distances from a row to two identical rows differ in the last bits): where two of the neighbours kept, or the
+    last kept and the next, are within TIE_TOLERANCE of the distances' scale, None, so that the caller asks
+    scikit-learn. (A copy of i itself ties with i; no matter: i is dropped.)"""
+    count, dimensions = features.shape
+    if dimensions <= 15 or neighbors >= count:  # scikit-learn would search a KD-tree, or refuse
+        return None
+    values = np.asarray(features, dtype=np.float64)
+    norms = (values * values).sum(1)
+    squared = np.maximum(norms[:, None] + norms[None, :] - 2.0 * (values @ values.T), 0.0)
+    np.fill_diagonal(squared, 0.0)
+    order = np.argsort(squared, axis=1, kind="stable")[:, : neighbors + 2]
+    ranked = np.take_along_axis(squared, order, axis=1)
+    itself = order[:, : neighbors + 1] == np.arange(count)[:, None]
+    if not itself.any(1).all():  # more than ``neighbors`` copies of i: which ones scikit-learn keeps is rounding
+        return None
+    kept = ranked[:, : neighbors + 1][~itself].reshape(count, neighbors)
+    if neighbors + 1 < count:
+        kept = np.concatenate([kept, ranked[:, neighbors + 1 :]], axis=1)  # the first one left out
+    tolerance = TIE_TOLERANCE * (norms + norms.max())  # rounding errors of ‖a‖² + ‖b‖² − 2 a·b scale with this
+    if (np.diff(kept, axis=1) <= tolerance[:, None]).any():
+        return None
+    return order[:, : neighbors + 1][~itself].reshape(count, neighbors).astype(np.int64)
 
 
 def class_neighbors(neighbors: int, count: int) -> int:

@@ -243,15 +243,30 @@ def neighbour_sum(values: Tensor) -> Tensor:
     return DIRECT_WEIGHT * direct + DIAGONAL_WEIGHT * diagonal
 
 
+NOISE_SCALES = ("range", "absolute")
+"""ROAD's imputation noise: standard deviation ``noise`` × each image's value range ("range", the default: the
+authors' noise of ``noise`` on the [0, 1] image, carried to the model input's scale) or ``noise`` itself on the model
+input ("absolute", as Quantus and pytorch-grad-cam add it)."""
+
+
+def check_noise_scale(noise_scale: object) -> None:
+    if not isinstance(noise_scale, str) or noise_scale not in NOISE_SCALES:
+        raise ValueError(f"noise_scale must be 'range' (noise × each image's value range, the default) or 'absolute' "
+                         f"(standard deviation noise on the model input, as Quantus); got {short_repr(noise_scale)}.")
+
+
 def noisy_linear_imputation(
-    batch: Tensor, removed: Tensor, noise: float = 0.01, seed: int = 0, iterations: int = 400, tolerance: float = 1e-4
+    batch: Tensor, removed: Tensor, noise: float = 0.01, seed: int = 0, iterations: int = 400, tolerance: float = 1e-4,
+    noise_scale: str = "range",
 ) -> Tensor:
     """Replace the ``removed`` pixels ((N, H, W) bool) of ``batch`` (N, C, H, W) by the solution of
     x_i = Σ_j w_ij x_j / Σ_j w_ij over each pixel's neighbours j (ROAD, Rong et al. 2022), solved
     by conjugate gradients for all images and channels at once (until the residual is below
-    ``tolerance`` relative to the right-hand side, at most ``iterations``), then add Gaussian noise of
-    ``noise`` × the image's value range to the imputed pixels (seeded; the same draw for every image, so that
-    an image is imputed alike alone and in any batch)."""
+    ``tolerance`` relative to the right-hand side, at most ``iterations``), then add Gaussian noise to the
+    imputed pixels: of standard deviation ``noise`` × the image's value range (``noise_scale="range"``) or
+    ``noise`` (``"absolute"``, as Quantus adds it to the tensor it imputes). Seeded; the same draw for every
+    image, so that an image is imputed alike alone and in any batch."""
+    check_noise_scale(noise_scale)
     count, channels, height, width = batch.shape
     image = batch.float().reshape(count * channels, 1, height, width)
     unknown = removed.to(batch.device).repeat_interleave(channels, dim=0)[:, None].float()
@@ -283,10 +298,13 @@ def noisy_linear_imputation(
     imputed = image * known + solution * unknown
     if noise > 0:
         generator = torch.Generator().manual_seed(seed)
-        spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).float().repeat_interleave(channels)
         jitter = torch.randn(1, channels, height, width, generator=generator)  # the same for every image: an
         jitter = jitter.expand(count, -1, -1, -1).reshape(imputed.shape).to(batch.device)  # image alone as in a batch
-        imputed = imputed + jitter * noise * spread.view(-1, 1, 1, 1) * unknown
+        deviation = torch.full((count * channels,), float(noise), device=batch.device)
+        if noise_scale == "range":
+            spread = (batch.amax(dim=(1, 2, 3)) - batch.amin(dim=(1, 2, 3))).float().repeat_interleave(channels)
+            deviation = deviation * spread
+        imputed = imputed + jitter * deviation.view(-1, 1, 1, 1) * unknown
     return imputed.reshape(batch.shape).to(batch.dtype)
 
 
@@ -303,11 +321,20 @@ def road(
     batch_size: int = 64,
     preprocess: PreprocessSpec = None,
     output: OutputSelector = None,
+    noise_scale: str = "range",
 ) -> Curve:
     """ROAD, RemOve And Debias (Rong et al. 2022): the score after removing a share of the pixels,
     "morf" most relevant first (lower area is better) or "lerf" least relevant first (higher is
     better), the removed pixels filled by noisy linear imputation so that the removal's shape
-    does not leak class information. ``area`` is the mean score over the percentages."""
+    does not leak class information. ``area`` is the mean score over the percentages.
+
+    The imputation works on the model input. The authors (github.com/tleemann/road_evaluation,
+    ``NoisyLinearImputer`` with noise 0.01, run on the [0, 1] image before it is normalised) add Gaussian noise
+    of standard deviation 0.01 in pixel units. On the model input, whose scale this function does not know, the
+    default ``noise_scale="range"`` draws ``noise`` × each image's value range: 0.01 for a [0, 1] image of full
+    range, about 0.044 on an ImageNet-normalised one (0.01 / 0.226), as the authors' pixel noise becomes there.
+    ``noise_scale="absolute"`` draws ``noise`` itself on the model input, as Quantus and pytorch-grad-cam do
+    (their numbers are reproduced with it)."""
     if not isinstance(order, str) or order not in ("morf", "lerf"):
         raise ValueError(f"order must be 'morf' or 'lerf'; got {short_repr(order)}.")
     if isinstance(percentages, (str, bytes)) or not isinstance(percentages, Iterable):
@@ -316,13 +343,15 @@ def road(
     if not percentages or max(percentages) > 1:
         raise ValueError(f"percentages must be one or more shares in [0, 1]; got {short_repr(percentages)}.")
     number_option("noise", noise)
+    check_noise_scale(noise_scale)
     check_score_options(score, batch_size)
     batch, heat, classes = _prepared(model, inputs, maps, target, preprocess, output)
     ranks = ranking(heat if order == "morf" else -heat).to(batch.device)
     pixels = heat.shape[-1] * heat.shape[-2]
     curves: list[Tensor] = []
     for share in percentages:
-        imputed = noisy_linear_imputation(batch, ranks < round(share * pixels), noise=noise)
+        imputed = noisy_linear_imputation(batch, ranks < round(share * pixels), noise=noise,
+                                          noise_scale=noise_scale)
         curves.append(class_scores(model, imputed, classes, score, batch_size, output).cpu())
     curves_tensor = torch.stack(curves, dim=1)
     return Curve(fractions=torch.tensor(list(percentages)), curves=curves_tensor, area=curves_tensor.mean(dim=1))

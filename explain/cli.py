@@ -502,8 +502,12 @@ def run_strategies(argv: Sequence[str]) -> int:
     parser.add_argument("--min-images", type=positive_int, default=20, help="classes with fewer maps are skipped")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     arguments = parser.parse_args(argv)
-    found = strategies(arguments.out, clusters=arguments.clusters, min_images=arguments.min_images,
-                       progress=not arguments.no_progress)
+    with warnings.catch_warnings(record=True) as caught:
+        found = strategies(arguments.out, clusters=arguments.clusters, min_images=arguments.min_images,
+                           progress=not arguments.no_progress)
+    for warning in caught:  # the notes are printed below, once; other warnings are shown as they came
+        if str(warning.message) not in found.notes:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     for entry in found.classes:
         print(f"{entry.class_name}: {entry.images} map(s), {len(entry.clusters)} cluster(s)")
         for cluster in entry.clusters:
@@ -512,6 +516,8 @@ def run_strategies(argv: Sequence[str]) -> int:
                   f"x {cluster.peak[1]:.2f}){flag}")
     for skipped in found.skipped:
         print(f"{skipped.class_name}: skipped ({skipped.reason})")
+    for note in found.notes:  # unreadable maps, maps without a place, more groups than max_clusters...
+        print(f"note: {note}", file=sys.stderr)
     print(f"written to {found.json_file}")
     return 0
 

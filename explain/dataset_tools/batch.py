@@ -303,11 +303,19 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
     to a folder above cannot loop), sorted; hidden files and files in hidden folders (a name
     starting with ".": ``.ipynb_checkpoints/``, ``.git/``) and files under ``exclude`` (the output
     folder, when it lies inside the input folder) are left out."""
+    return image_files_and_broken_links(folder, exclude)[0]
+
+
+def image_files_and_broken_links(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = None
+                                 ) -> tuple[list[Path], list[Path]]:
+    """``image_files``, and the symbolic links with an image file's name that lead to no file (their target
+    missing), which it leaves out, sorted."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
     excluded = Path(exclude).resolve() if exclude is not None else None
     files: list[Path] = []
+    broken: list[Path] = []
     visited: set[Path] = set()
     for root, folders, names in os.walk(folder, followlinks=True):
         real = Path(root).resolve()
@@ -318,12 +326,23 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
         folders[:] = [name for name in folders if not name.startswith(".")]
         for name in names:
             path = Path(root) / name
-            if name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+            if name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES:
                 continue
-            if excluded is not None and path.resolve().is_relative_to(excluded):
-                continue
-            files.append(path)
-    return sorted(files)
+            if path.is_file():
+                if excluded is None or not path.resolve().is_relative_to(excluded):
+                    files.append(path)
+            elif path.is_symlink() and not path.exists():  # its target missing, or a loop of links
+                broken.append(path)
+    return sorted(files), sorted(broken)
+
+
+def _broken_link_reason(path: Path) -> str:
+    """The skipped.csv reason of a symbolic link that leads to no file."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return "a broken symbolic link: it leads to no file"
+    return f"a broken symbolic link: its target {display_name(target)!r} does not exist (or is a loop of links)"
 
 
 def check_output_outside(folder: Path, out: Path) -> None:
@@ -636,10 +655,14 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
     if isinstance(data, (str, Path)):
         folder = Path(data)
         check_output_outside(folder, out)
-        all_files = image_files(folder, exclude=out)
+        all_files, broken = image_files_and_broken_links(folder, exclude=out)
+        if shard.rank == 0:  # one process lists them: they are no rank's files
+            summary.skipped.update((display_name(path), _broken_link_reason(path)) for path in broken)
         if not all_files:
             summary.notes.append(f"no image file in {display_name(folder)} (nor its sub-folders): nothing to explain. "
-                                 f"Images are files ending in {', '.join(sorted(IMAGE_SUFFIXES))} (any case).")
+                                 f"Images are files ending in {', '.join(sorted(IMAGE_SUFFIXES))} (any case)."
+                                 + (f" {len(broken)} broken symbolic link(s) with such a name are listed in "
+                                    "skipped.csv." if broken else ""))
         read = folder_labels(folder, all_files, labels, class_names, exclude=out)
         if read is None and plan.labels_required:
             raise LabelError(f"target={plan.mode!r} explains the images' true classes: give their labels (labels="

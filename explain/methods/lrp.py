@@ -61,6 +61,14 @@ __all__ = ["COMPOSITES", "LRP", "Composite", "make_composite"]
 VANISHED = 1e-6
 """Relevance at the input below this share of the score's: it vanished on the way (a warning says where)."""
 
+NEAR_EPSILON = 1e3
+"""A score below this many times max(epsilon, stabilizer) is small enough that they absorb a visible share of it."""
+
+ABSORBED = 0.1
+"""The share of a score near epsilon whose loss is said: less is within what the rules' biases take anyway (random
+weights: torchvision's resnet18 ~2 %, timm's resnet10t ~30 %, whatever epsilon is; their scores, far above epsilon,
+get no warning), more (timm's efficientnet_b0 with random weights: ~25 %, all of it ε's) changes the map visibly."""
+
 
 @register
 class LRP(GradientExplainer):
@@ -96,7 +104,8 @@ class LRP(GradientExplainer):
     difference: what the biases, ε and the stabilisers absorbed (these three float64 whatever the model's precision);
     "layers" the calls with a redistributing rule in forward order, with "layer_output_relevance" and
     "layer_input_relevance" (N, K, L), the relevance each received and passed on (float64); "unruled" the calls on
-    the input's path that have no LRP rule (a warning names them).
+    the input's path that have no LRP rule (a warning names them). A warning says when the relevance vanished on the
+    way, and when a score within 1e3 × max(epsilon, stabilizer) lost more than a tenth of it (ε's share).
 
     One difference from zennit: its folded BatchNorm still computes x / √(1 + eps), not x, so zennit explains a
     slightly rescaled model (~1e-4 apart after resnet18's 20 BatchNorms); here the model is computed as it is.
@@ -198,7 +207,32 @@ class LRP(GradientExplainer):
                 pairs = ", ".join(f"({n}, {k})" for n, k in nonzero.nonzero().tolist()[:8])
                 warn_at_callers_line(f"{self.method_name}: the maps of (image, target) {pairs} hold almost no "
                                      f"relevance: {reason}.", RuntimeWarning)
+        if not getattr(self._thread_state, "empty_maps_expected", False):  # CRP's masked passes lose it by design
+            self._warn_if_epsilon_absorbed(relevance_sum, output_relevance, vanished)
         return attribution
+
+    def _warn_if_epsilon_absorbed(self, relevance_sum: Tensor, output_relevance: Tensor, vanished: Tensor) -> None:
+        """A warning where a score within ``NEAR_EPSILON`` × max(epsilon, stabilizer) lost more than ``ABSORBED`` of
+        its relevance on the way to the input (but did not vanish, which has its own warning): at such a score ε and
+        the stabiliser take that share, so the map shows only what they left."""
+        small = max(self.epsilon, self.stabilizer)
+        kept = relevance_sum / output_relevance.where(output_relevance != 0, torch.ones_like(output_relevance))
+        absorbed = ((output_relevance.abs() < NEAR_EPSILON * small) & (output_relevance != 0) & ~vanished
+                    & (kept < 1 - ABSORBED))
+        if not bool(absorbed.any()):
+            return
+        found = absorbed.nonzero().tolist()
+        pairs = ", ".join(f"({n}, {k})" for n, k in found[:8]) + (" …" if len(found) > 8 else "")
+        n, k = found[0]
+        warn_at_callers_line(
+            f"{self.method_name}: the maps of (image, target) {pairs} lost a large share of their relevance on the "
+            f"way to the input (image {n}, target {k}: {1 - float(kept[n, k]):.0%} of the score's "
+            f"{float(output_relevance[n, k]):.3g}; diagnostics['conservation_error']). The score is within "
+            f"{NEAR_EPSILON:g}× epsilon={self.epsilon:g} / stabilizer={self.stabilizer:g}, which then likely absorb "
+            "a visible share of it at each layer (as in EfficientNet and MobileNet with random weights, whose "
+            "activations are tiny), so the map shows only what they left; the rules' biases take a share too, and "
+            "a rerun with smaller epsilon= and stabilizer= (e.g. 1e-30) tells which. Load trained weights, or pass "
+            "those smaller values.", RuntimeWarning)
 
     def _vanished_reason(self, vanished: Tensor, relevance_sum: Tensor, output_relevance: Tensor,
                          layers: dict[str, Any]) -> str:
@@ -208,11 +242,11 @@ class LRP(GradientExplainer):
         received, sent = layers["layer_output_relevance"][n, k], layers["layer_input_relevance"][n, k]
         shares = (sent.abs() / received.abs()).nan_to_num(nan=1.0, posinf=1.0)
         where, small = "", max(self.epsilon, self.stabilizer)
-        tiny = float(output_relevance[n, k].abs()) < 1e3 * small  # a score ε absorbs a visible share of
+        tiny = float(output_relevance[n, k].abs()) < NEAR_EPSILON * small  # a score ε absorbs a visible share of
         losing = (shares < 1e-3).nonzero()
         if len(losing):  # the last in forward order: where the backward pass first lost it
             index = int(losing[-1])
-            tiny |= float(received[index].abs()) < 1e3 * small
+            tiny |= float(received[index].abs()) < NEAR_EPSILON * small
             where = (f"; {layers['layers'][index]} passed on {float(shares[index]):.2g} of the relevance it received "
                      f"({float(received[index]):.3g} → {float(sent[index]):.3g})")
         cause = (f"The model's activations are far smaller than epsilon={self.epsilon:g} and "

@@ -125,7 +125,7 @@ def _two_token_readout(model: nn.Module, module: nn.Module) -> Optional[str]:
     if isinstance(getattr(module, "head_dist", None), nn.Module) and _token_count(getattr(module, "dist_token", None),
                                                                                  False):
         return None if getattr(module, "distilled_training", False) and module.training else "class+distillation"
-    for outer in model.modules():  # the HF model, or a module of the user's holding it
+    for outer in list(model.modules()):  # the HF model, or a module of the user's holding it (a list: see model_tokens)
         if isinstance(getattr(outer, "cls_classifier", None), nn.Module) and isinstance(
                 getattr(outer, "distillation_classifier", None), nn.Module):
             return "class+distillation"
@@ -251,7 +251,9 @@ def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
     no module does."""
     if model is None:
         return None
-    for name, module in model.named_modules():
+    # a list, not the generator: a return from the loop leaves no suspended generator, whose finalisation would
+    # swallow a Ctrl-C that lands in it ("Exception ignored")
+    for name, module in list(model.named_modules()):
         classes = sum(_token_count(getattr(module, attribute, None), False) for attribute in CLASS_TOKENS)
         distillation = sum(_token_count(getattr(module, attribute, None), False) for attribute in DISTILLATION_TOKENS)
         registers = sum(_token_count(getattr(module, attribute, None), True) for attribute in REGISTER_TOKENS)

@@ -132,11 +132,12 @@ def test_boxes_given_as_an_ndarray_are_boxes():
 
 def test_instances_refused_by_a_method_scoring_windows():
     """SESS scores its target on windows of the image, where an instance's box (in the image's pixels) cannot be
-    found: the error says so and what to use, not that the instances are for another number of images."""
+    found: SESS refuses instances before it runs, saying so and what to use, not that the instances are for another
+    number of images."""
     model = SmallDetector().eval()
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     before = model_state(model)
-    with pytest.raises(ValueError, match=r"5 rows that are not the 1 image\(s\) explained \(windows"):
+    with pytest.raises(ValueError, match=r"SESS cannot explain detected instances.*Saliency"):
         explain.SESS(model, "features.4", window=16, num_scales=2, reshape="channels_first").explain(
             image, instances=2)
     assert_state_equal(before, model_state(model))

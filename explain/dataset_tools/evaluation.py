@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -40,10 +41,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import metrics
+from ..core.caller import warn_at_callers_line
 from ..core.capture import preserved_model_state
 from ..core.layers import default_layer
-from ..detection import Instances, InstanceSpec, detect
+from ..detection import Instances, InstanceSpec, InstanceTarget, detect
 from ..detection.candidates import check_detector
+from ..detection.instances import given_boxes
 from ..io.explanation import Explanation
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from ..methods.base import Explainer, progress_shown_by_caller
@@ -685,29 +688,56 @@ def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size
         yield _ordinary(batch[0], torch.as_tensor(batch[1]), masks)
 
 
+MATCHING_IOU: float = inspect.signature(InstanceTarget).parameters["min_iou"].default
+"""The IoU at which an explanation finds a given box's instance among the detections (``InstanceTarget``'s)."""
+
+
 def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Instances:
     """The batch's instances (one forward pass without a graph, the model left as found); none (K = 0) where
-    nothing in the batch is selected."""
+    nothing in the batch is selected. Given boxes that no detection overlaps by the IoU the explanations find an
+    instance at (``InstanceTarget.min_iou``) are padding, said in a warning: their maps would be empty and their
+    values those of an empty map."""
     batch = inputs.to(_device_of(model))
     with torch.no_grad(), preserved_model_state(model):
         output = model(batch)
     try:
-        found = detect(model, batch, instances, output, warn_unmatched=False)  # warned below, for the data set
+        found: Optional[Instances] = detect(model, batch, instances, output, warn_unmatched=False)  # warned below
     except ValueError as error:
         if not str(error).startswith("no instance selected"):
             raise
         found = None
     if isinstance(instances, Tensor):  # given boxes: those no detection overlaps are left out, with a word
-        missing = instances.shape[-2] * batch.shape[0] if found is None else int((~found.present).sum())
+        if found is not None:
+            target = InstanceTarget(found, model, batch.shape[-2:])
+            present = found.present & ~target.empty_regions(output).to(found.present.device)
+            found = replace(found, present=present) if bool(present.any()) else None
+        given = instances.shape[-2] * batch.shape[0]
+        missing = given if found is None else int((~found.present).sum())
         if missing:
-            warnings.warn(f"{missing} of the {instances.shape[-2] * batch.shape[0]} given boxes in a batch of "
-                          f"{batch.shape[0]} images overlap no detection of the model: their values are NaN and left "
-                          "out of the means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning,
-                          stacklevel=4)
-    if found is not None:
-        return found
-    empty = torch.zeros(batch.shape[0], 0)
+            warn_at_callers_line(
+                f"{missing} of the {given} given boxes in a batch of {batch.shape[0]} images overlap no detection of "
+                f"the model by IoU ≥ {MATCHING_IOU}: their values are NaN and "
+                "left out of the means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning)
+    return found if found is not None else _no_instances(batch.shape[0])
+
+
+def _no_instances(images: int) -> Instances:
+    """Instances of ``images`` images with none in any (K = 0)."""
+    empty = torch.zeros(images, 0)
     return Instances(empty[..., None].expand(-1, -1, 4), empty.long(), empty, empty.bool())
+
+
+def _given_boxes(instances: Optional[InstanceSpec]) -> Optional[InstanceSpec]:
+    """``instances`` with boxes given as an ndarray or nested lists read as a float32 tensor, one box (4,) as (1, 4);
+    the other specs as given."""
+    if isinstance(instances, Instances) or not given_boxes(instances):
+        return instances
+    try:
+        boxes = torch.as_tensor(instances, dtype=torch.float32).detach().cpu()
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"boxes for instances must be one (K, 4) array of x0, y0, x1, y1 for every image; torch "
+                         f"could not read them: {error}") from None
+    return boxes[None] if boxes.dim() == 1 else boxes
 
 
 def _check_kinds(model: nn.Module, chosen: list[Metric], instances: Optional[InstanceSpec]) -> None:
@@ -982,6 +1012,7 @@ def evaluate(
     explainers, chosen = _explainers(model, methods), _metrics(default if metrics is None else metrics)
     if isinstance(model, LoadedModel):  # the explainers built on it hold its parts; the metrics need the module
         model = model.model
+    instances = _given_boxes(instances)  # an ndarray or lists of boxes: the tensor they hold
     _check_kinds(model, chosen, instances)
     names = [metric.name for metric in chosen]
     settings: dict[str, Any] = {"methods": list(explainers), "metrics": names, "batch_size": batch_size,

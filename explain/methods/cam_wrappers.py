@@ -11,6 +11,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..core.targets import SelectedTargets, Target, select_targets
+from ..detection.instances import InstanceSpec, InstanceTarget
 from ..io.blur import gaussian_blur
 from ..io.loaded_model import ModelSource, loaded_model_parts
 from .base import Explainer
@@ -144,6 +145,12 @@ class FinerCAM(Explainer):
 
 POOLS = ("mean", "max")
 
+INSTANCES_REFUSED = (
+    "SESS cannot explain detected instances (instances= or an InstanceTarget): it scores the target on windows of "
+    "the image, resized at several scales, where an instance's box, in the image's own pixels, matches the wrong "
+    "detection or none. Explain instances with a method that runs the detector on the whole image: explain.GradCAM, "
+    "explain.ODAM, explain.DRISE or explain.Saliency.")
+
 
 @register
 class SESS(Explainer):
@@ -166,6 +173,8 @@ class SESS(Explainer):
         reflected) of the fused map; softmax_scores: a window's score is the class's softmax probability
         (the paper) rather than its logit (both clipped at 0; callable targets score the raw output).
     batch_size: windows per pass, for the scores and for the CAMs.
+    Detected instances (``instances=``, an ``InstanceTarget``) are refused: their boxes are in the image's pixels,
+    not in a window's.
     Costs one CAM per window: 150 windows of 224 px at the default 12 scales of a 224 px image.
     """
 
@@ -204,6 +213,10 @@ class SESS(Explainer):
     def reads_pixel_gradients(self) -> bool:
         return self.cam.reads_pixel_gradients()
 
+    def instance_target(self, batch: Tensor, instances: InstanceSpec) -> InstanceTarget:
+        """Refused, before the detector runs: instances cannot be found in windows (``INSTANCES_REFUSED``)."""
+        raise ValueError(INSTANCES_REFUSED)
+
     def scales_for(self, window: int) -> list[int]:
         """The shorter side's sizes, each checked to be at least the window."""
         step = round(window * self.scale_step)
@@ -214,6 +227,8 @@ class SESS(Explainer):
         return list(scales)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
+        if isinstance(target, InstanceTarget):
+            raise ValueError(INSTANCES_REFUSED)
         count, _, height, width = batch.shape
         with torch.no_grad():
             output = self.call_model(batch)

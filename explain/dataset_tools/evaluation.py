@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import inspect
 import io
 import itertools
 import json
@@ -46,7 +45,7 @@ from ..core.capture import preserved_model_state
 from ..core.layers import default_layer
 from ..detection import Instances, InstanceSpec, InstanceTarget, detect
 from ..detection.candidates import check_detector
-from ..detection.instances import given_boxes
+from ..detection.instances import MIN_IOU, given_boxes
 from ..io.explanation import Explanation
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from ..methods.base import Explainer, progress_shown_by_caller
@@ -688,10 +687,6 @@ def _batches(data: Union[EvaluationBatch, Iterable[EvaluationBatch]], batch_size
         yield _ordinary(batch[0], torch.as_tensor(batch[1]), masks)
 
 
-MATCHING_IOU: float = inspect.signature(InstanceTarget).parameters["min_iou"].default
-"""The IoU at which an explanation finds a given box's instance among the detections (``InstanceTarget``'s)."""
-
-
 def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Instances:
     """The batch's instances (one forward pass without a graph, the model left as found); none (K = 0) where
     nothing in the batch is selected. Given boxes that no detection overlaps by the IoU the explanations find an
@@ -716,7 +711,7 @@ def _detected(model: nn.Module, inputs: Tensor, instances: InstanceSpec) -> Inst
         if missing:
             warn_at_callers_line(
                 f"{missing} of the {given} given boxes in a batch of {batch.shape[0]} images overlap no detection of "
-                f"the model by IoU ≥ {MATCHING_IOU}: their values are NaN and "
+                f"the model by IoU ≥ {MIN_IOU}: their values are NaN and "
                 "left out of the means. Give boxes the model detects, or instances='all' / k.", RuntimeWarning)
     return found if found is not None else _no_instances(batch.shape[0])
 

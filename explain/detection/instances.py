@@ -31,6 +31,10 @@ NMS_IOU = 0.5
 """Detections of one class overlapping by more than this IoU are one instance (the higher score kept), for the
 families whose output is before non-maximum suppression (YOLO, the {"boxes", "scores"} models)."""
 
+MIN_IOU = 0.5
+"""The overlap with an instance's box below which a candidate is not that instance (``InstanceTarget``'s
+``min_iou``)."""
+
 QUANTITIES = ("score", "x0", "y0", "x1", "y1")
 """What an ``InstanceTarget`` explains of its instance: its class score, or one coordinate of its box (ODAM's
 box maps)."""
@@ -275,7 +279,7 @@ class InstanceTarget:
     """
 
     def __init__(self, instances: Instances, model: nn.Module, input_size: Optional[Sequence[int]] = None,
-                 quantity: str = "score", weight_by_iou: bool = False, min_iou: float = 0.5):
+                 quantity: str = "score", weight_by_iou: bool = False, min_iou: float = MIN_IOU):
         if quantity not in QUANTITIES:
             raise ValueError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}.")
         if not 0 <= min_iou < 1:

@@ -191,7 +191,10 @@ class LRP(GradientExplainer):
         trace.warn_about_gaps(output, self.method_name, problems)
         output_relevance = trace.output_relevance(count, targets)
         layers = trace.layer_diagnostics(count, targets)
-        vanished = (relevance_sum.abs() <= VANISHED * output_relevance.abs()) & (output_relevance != 0)
+        scored = output_relevance != 0
+        kept = relevance_sum / output_relevance.where(scored, torch.ones_like(output_relevance))  # share at the input
+        vanished = scored & (kept.abs() <= VANISHED)
+        masked_pass = getattr(self._thread_state, "empty_maps_expected", False)  # CRP's: loses relevance by design
         empty = all_zero(attributions)
         attribution = self.attribution_from(
             attributions, selected, zero_gradient=lambda: empty() & ~vanished.to(attributions.device),
@@ -203,22 +206,21 @@ class LRP(GradientExplainer):
             attribution.empty_reason = reason  # the maps that are all zero: their warning says why
             # maps that are all zero in float32 (as a float64 remnant of 1e-60 is) get the empty-map warning
             nonzero = vanished & ~all_zero(attributions.float())().cpu()
-            if bool(nonzero.any()) and not getattr(self._thread_state, "empty_maps_expected", False):
+            if bool(nonzero.any()) and not masked_pass:
                 pairs = ", ".join(f"({n}, {k})" for n, k in nonzero.nonzero().tolist()[:8])
                 warn_at_callers_line(f"{self.method_name}: the maps of (image, target) {pairs} hold almost no "
                                      f"relevance: {reason}.", RuntimeWarning)
-        if not getattr(self._thread_state, "empty_maps_expected", False):  # CRP's masked passes lose it by design
-            self._warn_if_epsilon_absorbed(relevance_sum, output_relevance, vanished)
+        if not masked_pass:
+            self._warn_if_epsilon_absorbed(kept, output_relevance, scored & ~vanished)
         return attribution
 
-    def _warn_if_epsilon_absorbed(self, relevance_sum: Tensor, output_relevance: Tensor, vanished: Tensor) -> None:
+    def _warn_if_epsilon_absorbed(self, kept: Tensor, output_relevance: Tensor, checked: Tensor) -> None:
         """A warning where a score within ``NEAR_EPSILON`` × max(epsilon, stabilizer) lost more than ``ABSORBED`` of
-        its relevance on the way to the input (but did not vanish, which has its own warning): at such a score ε and
-        the stabiliser take that share, so the map shows only what they left."""
+        its relevance on the way to the input: at such a score ε and the stabiliser take that share, so the map shows
+        only what they left. kept: (N, K) the share of each score's relevance that reached the input; checked: the
+        (N, K) to check (scored, and not vanished, which has its own warning)."""
         small = max(self.epsilon, self.stabilizer)
-        kept = relevance_sum / output_relevance.where(output_relevance != 0, torch.ones_like(output_relevance))
-        absorbed = ((output_relevance.abs() < NEAR_EPSILON * small) & (output_relevance != 0) & ~vanished
-                    & (kept < 1 - ABSORBED))
+        absorbed = checked & (output_relevance.abs() < NEAR_EPSILON * small) & (kept < 1 - ABSORBED)
         if not bool(absorbed.any()):
             return
         found = absorbed.nonzero().tolist()

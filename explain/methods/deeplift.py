@@ -47,6 +47,7 @@ from ._deeplift_rules import deeplift_rules, detached_output
 from .expected_gradients import check_references, references_for
 from .gradients import GradientExplainer, GradientOptions, all_zero, baseline_like
 from .maps import Attribution
+from .options import number_option
 from .passes import checked_batch_size
 from .registry import register
 
@@ -78,7 +79,7 @@ class DeepLift(GradientExplainer):
                  **options: Unpack[GradientOptions]):
         super().__init__(model, **options)
         baseline_like(baseline, None)  # validates
-        self.baseline, self.eps = baseline, eps
+        self.baseline, self.eps = baseline, number_option("eps", eps)
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]

@@ -250,6 +250,10 @@ class GradientExplainer(Explainer):
         baseline_is_input: (N,) bool, where a path method's baseline equals the image (either may be a function
         that computes it, see ``Attribution``)."""
         disconnected, self._disconnected = self._disconnected, None
+        # an input or baseline that requires grad (the caller's) must not carry its graph into the results
+        attributions = attributions.detach()
+        diagnostics = {key: value.detach() if isinstance(value, Tensor) else value
+                       for key, value in diagnostics.items()}
         return Attribution(
             maps=reduce_channels(attributions, self.reduce),
             selected=selected,
@@ -307,7 +311,11 @@ def baseline_like(baseline: Union[str, Tensor], batch: Optional[Tensor]) -> Tens
     if isinstance(baseline, str) and baseline not in BASELINES:
         raise ValueError(f"baseline must be 'zeros', 'blur' or a tensor; got {baseline!r}.")
     if not isinstance(baseline, (str, Tensor)):
-        raise TypeError(f"baseline must be 'zeros', 'blur' or a tensor; got {type(baseline).__name__}.")
+        fix = (f" For a constant baseline give a 0-d tensor: baseline=torch.tensor({baseline!r})."
+               if isinstance(baseline, (int, float)) and not isinstance(baseline, bool) else
+               " For a baseline computed from the images, compute it first and give the tensor: baseline=f(images)."
+               if callable(baseline) else "")
+        raise TypeError(f"baseline must be 'zeros', 'blur' or a tensor; got {type(baseline).__name__}.{fix}")
     if isinstance(baseline, Tensor) and baseline.dim() in (1, 2):  # (C,) broadcasts along the width: say which
         raise ValueError(
             f"the baseline has shape {tuple(baseline.shape)}: a baseline is a (C, H, W) or (N, C, H, W) tensor in the "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import functools
 import hashlib
 import html
 import json
@@ -439,12 +438,6 @@ def _save_jpeg(picture: Image.Image, path: Path) -> None:
     write_atomically(path, lambda temporary: picture.save(temporary, format="JPEG", quality=THUMBNAIL_QUALITY))
 
 
-@functools.lru_cache(maxsize=4)
-def _colour_table(cmap: str = "jet") -> np.ndarray:
-    """render.colorize's colours as uint8, (256, 3): built once per colour map, not for every thumbnail."""
-    return (render.colormap_table(cmap).numpy() * 255.0).round().astype(np.uint8)
-
-
 def _panels_from_maps(maps: Optional[np.ndarray], source: Optional[Path], count: int, size: int
                       ) -> Optional[list[Image.Image]]:
     """An image's K maps, (K, H, W) in [0, 1], drawn at about ``size`` pixels: on the source image when
@@ -469,7 +462,7 @@ def _panels_from_maps(maps: Optional[np.ndarray], source: Optional[Path], count:
     if background is not None:
         pixels = render.overlay(background, small, cmap=cmap)
     else:
-        pixels = _colour_table(cmap)[render.colour_indices(small).numpy()]
+        pixels = render.colour_table_uint8(cmap)[render.colour_indices(small).numpy()]
     return [Image.fromarray(np.ascontiguousarray(panel)) for panel in pixels]
 
 
@@ -481,10 +474,10 @@ def _draw_mean_map(values: Any, path: Path, size: int = 96) -> bool:
         return False
     if array.ndim != 2 or min(array.shape) < 1:
         return False
-    pixels = (render.colorize(render.resize_maps(np.nan_to_num(array).clip(0, 1), (size, size))).numpy() * 255)
+    small = render.resize_maps(np.nan_to_num(array).clip(0, 1), (size, size))
+    pixels = render.colour_table_uint8()[render.colour_indices(small).numpy()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, lambda temporary: Image.fromarray(pixels.round().astype(np.uint8)).save(temporary,
-                                                                                                    format="PNG"))
+    write_atomically(path, lambda temporary: Image.fromarray(pixels).save(temporary, format="PNG"))
     return True
 
 

@@ -245,7 +245,8 @@ class Strategies:
         for entry in self.classes:
             for cluster in entry.clusters:
                 name = f"class{entry.class_index}_cluster{cluster.cluster}.png"
-                colours = (render.colorize(cluster.mean_map).numpy() * 255).round().astype(np.uint8)
+                indices = render.colour_indices(render.map_as_float(cluster.mean_map)).numpy()
+                colours = render.colour_table_uint8()[indices]
                 picture = Image.fromarray(np.repeat(np.repeat(colours, scale, axis=0), scale, axis=1))
                 write_atomically(figures / name, functools.partial(_save_png, picture))
                 cluster.mean_map_file = f"{FIGURES_FOLDER}/{name}"

@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import html
 import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
@@ -159,6 +160,13 @@ class Explanation:
             diagnostics={name: pick_diagnostic(value) for name, value in self.diagnostics.items()},
             boxes=None if self.boxes is None else pick(self.boxes),
         )
+
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray:
+        """Refused, with what to use instead: an explanation is maps, images and overlays, not one array (without
+        this, ``np.asarray(e)`` would recurse into ``e[0][0]...`` and fail on numpy's dimension limit)."""
+        raise TypeError("an Explanation is not one array: take e.maps.cpu().numpy() for the maps (float, (N, H, W) "
+                        "or (N, K, H, W)), e.overlay() for the overlays (uint8 RGB) or e.images.numpy() for the "
+                        "display images.")
 
     def __iter__(self) -> Iterator[Explanation]:
         """The explanation of each image, in order (each an Explanation of 1 image)."""
@@ -317,7 +325,7 @@ class Explanation:
         return render.overlay_figure(self.images, grid, map_titles, self.description() if title is None else title,
                                      alpha=alpha, cmap=cmap, boxes=self.boxes, **layout)
 
-    def save(self, path: Union[str, Path], alpha: float = 0.5, cmap: render.ColormapSpec = "jet",
+    def save(self, path: Union[str, bytes, Path], alpha: float = 0.5, cmap: render.ColormapSpec = "jet",
              dpi: int = 150) -> Path:
         """Write the overlays to ``path``.
 
@@ -327,7 +335,7 @@ class Explanation:
         titled figure of ``figure()`` as vector graphics (text as text, each
         panel one embedded image drawn at ``dpi``). The folder must exist.
         """
-        path = Path(path).expanduser()
+        path = Path(os.fsdecode(path)).expanduser()
         if path.is_dir():
             raise IsADirectoryError(f"{str(path)!r} is a folder: give a file name in it, e.g. "
                                     f"{str(path / 'cam.png')!r}.")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.caller import warn_at_callers_line
 from . import render
 from .explanation import Explanation
 
@@ -53,8 +54,11 @@ def _panel_values(explanation: Explanation, image: int, signed: bool, clip_perce
                   method_scale: Optional[float], drawn: Optional[Tensor]) -> Tensor:
     """One map in [0, 1] for display: signed maps centred at 0.5, others as normalised (``drawn``: the
     explanation's ``drawn_map_grid``, a map that is not normalised scaled to its own maximum); divided by
-    ``method_scale`` (the method's largest |value| over the images) when given."""
+    ``method_scale`` (the method's largest finite |value| over the images) when given: NaN pixels are then drawn as
+    no evidence and ±inf as the strongest, as ``drawn_map_grid`` draws them."""
     raw = explanation.raw_map_grid[image, 0].detach().float().cpu()
+    if method_scale is not None:
+        raw = torch.where(raw.isfinite(), raw, torch.where(raw.isnan(), 0.0, raw.sign() * method_scale))
     if signed:
         if method_scale is not None:
             return (raw / method_scale).clamp(-1, 1) * 0.5 + 0.5
@@ -66,8 +70,21 @@ def _panel_values(explanation: Explanation, image: int, signed: bool, clip_perce
 
 
 def method_scale(explanation: Explanation) -> float:
-    """The largest |value| of a method's shown maps (each image's first target) over the images; 1 for all-zero maps."""
-    return float(explanation.raw_map_grid[:, 0].detach().abs().max()) or 1.0
+    """The largest finite |value| of a method's shown maps (each image's first target) over the images (NaN and
+    ±inf pixels left out); 1 for all-zero maps."""
+    values = explanation.raw_map_grid[:, 0].detach().abs()
+    return float(torch.where(values.isfinite(), values, 0.0).max()) or 1.0
+
+
+def _warn_if_not_finite(explanations: Sequence[Explanation]) -> None:
+    """Say, at the caller's line, which explanations' shown maps hold NaN or ±inf pixels, and how they are drawn."""
+    for position, explanation in enumerate(explanations, start=1):
+        shown = explanation.raw_map_grid[:, 0].detach()
+        if not bool(shown.isfinite().all()):
+            nans = int(shown.isnan().sum())
+            warn_at_callers_line(f"explanation {position} ({explanation.description()}): its maps hold {nans} NaN and "
+                                 f"{int((~shown.isfinite()).sum()) - nans} infinite pixel(s), drawn as no evidence "
+                                 "(NaN) and as the strongest evidence (±inf).")
 
 
 def is_signed(explanation: Explanation) -> bool:
@@ -178,6 +195,11 @@ def figure(
     if headers is None:  # long layer names go on their own line, so headers never overlap
         headers = [explanation.description() for explanation in explanations]
         headers = [header.replace(" @ ", "\n@ ") if len(header) > 22 else header for header in headers]
+    for position, explanation in enumerate(explanations, start=1):
+        if "meta" in (explanation.map_grid.device.type, explanation.raw_map_grid.device.type):
+            raise ValueError(f"explanation {position}'s maps are on the meta device: they hold no values to draw. "
+                             "Explain on a real device (the CPU or a GPU).")
+    _warn_if_not_finite(explanations)
     signs = [is_signed(e) if signed is None else signed for e in explanations]
     columns = len(explanations) + int(show_image)
     grid_shape = (count, columns) if rows == "images" else (columns, count)
@@ -216,9 +238,10 @@ def figure(
                  render.rows_height(panel_height, panel_size, titled_rows, fontsize)),
         layout="constrained"))
     axes = fig.subplots(*grid_shape, squeeze=False)
+    aspect = render.panel_aspect(images.shape[1], images.shape[2])
     for grid_row, grid_column, picture, title in placed:
         axis = axes[grid_row, grid_column]
-        axis.imshow(picture, interpolation="bilinear")
+        axis.imshow(picture, interpolation="bilinear", aspect=aspect)
         axis.set_xticks([])
         axis.set_yticks([])
         if title:

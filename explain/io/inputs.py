@@ -251,21 +251,22 @@ def open_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     return opener(path)
 
 
-def load_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
+def load_image(path: Union[str, bytes, "os.PathLike[str]"]) -> Image.Image:
     """Open an image file as an RGB PIL image, turned as viewers show it (its EXIF orientation applied: a phone
     photo stored sideways is explained upright); palette, grayscale and CMYK files are converted. The file is
     closed before this returns (the first frame of an animation is kept)."""
-    return _checked_rgb(_read_image(path), source=str(path))
+    return _checked_rgb(_read_image(path), source=os.fsdecode(path))
 
 
-def _read_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
-    """An image file as a PIL image in its own mode, upright (see ``load_image``)."""
-    text = os.fspath(path)
-    if isinstance(text, str) and "://" in text:
+def _read_image(path: Union[str, bytes, "os.PathLike[str]"]) -> Image.Image:
+    """An image file as a PIL image in its own mode, upright (see ``load_image``); a path as str, bytes (as ``open``
+    takes it) or a path object."""
+    text = os.fsdecode(path)
+    if "://" in text:
         raise ValueError(f"{text!r} is a URL; explain reads local files only and downloads nothing. Download it "
                          "first (e.g. urllib.request.urlretrieve(url, 'image.jpg')) and pass the file, or pass the "
                          "image opened as a PIL image.")
-    path = Path(path)
+    path = Path(text)
     if path.is_dir():
         raise IsADirectoryError(f"{str(path)!r} is a folder, not an image file. Pass the image files (e.g. "
                                 "sorted(Path(folder).glob('*.jpg'))), or run `explain batch FOLDER --model MODEL "

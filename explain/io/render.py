@@ -16,9 +16,10 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import ImageFont
+from PIL import Image, ImageFont
 from torch import Tensor
 
+from ..core.caller import warn_at_callers_line
 from .inputs import outside_unit_range
 
 if TYPE_CHECKING:
@@ -64,9 +65,11 @@ def _is_float_or_uint8(values: ArrayLike) -> bool:
     return array.dtype == np.uint8 or np.issubdtype(array.dtype, np.floating)
 
 
-def image_as_float(images: ArrayLike) -> Tensor:
-    """RGB images, uint8 (0-255) or float (0-1), → float tensor in [0, 1] of the same shape. Other integer
-    types and floats outside [0, 1] are refused: their scale is not known."""
+def image_as_float(images: Union[ArrayLike, Image.Image]) -> Tensor:
+    """RGB images, uint8 (0-255) or float (0-1), or an RGB PIL image, → float tensor in [0, 1] of the same shape.
+    Other integer types and floats outside [0, 1] are refused: their scale is not known."""
+    if isinstance(images, Image.Image):
+        images = np.asarray(images)  # uint8 for RGB; other modes are refused below by their shape or dtype
     if not _is_float_or_uint8(images):
         dtype = images.dtype if isinstance(images, Tensor) else np.asarray(images).dtype
         raise ValueError(f"images must be uint8 (0-255) or float in [0, 1]; got {dtype} values. Convert "
@@ -96,6 +99,9 @@ def map_as_float(maps: ArrayLike) -> Tensor:
 def resize_maps(maps: ArrayLike, size: tuple[int, int]) -> Tensor:
     """Maps (..., h, w) → (..., H, W) by bilinear interpolation (float tensor, CPU; uint8 maps read as 0-255)."""
     tensor = map_as_float(maps)
+    if tensor.dim() < 2 or tensor.shape[-2] < 1 or tensor.shape[-1] < 1:
+        raise ValueError(f"maps must be (h, w), (N, h, w) or (N, K, h, w) with at least one pixel; got shape "
+                         f"{tuple(tensor.shape)}.")
     if tuple(tensor.shape[-2:]) == tuple(size):
         return tensor
     leading = tensor.shape[:-2]
@@ -135,6 +141,26 @@ def colour_indices(values: Tensor) -> Tensor:
     so a figure drawn with ``plt.imshow(map, cmap=...)`` shows the same colours). Values outside [0, 1] are
     clipped, NaN reads as 0."""
     return (values.nan_to_num(0.0).clamp(0.0, 1.0) * 256.0).floor().clamp(max=255.0).long()
+
+
+def colour_table_uint8(cmap: ColormapSpec = "jet") -> np.ndarray:
+    """``colormap_table(cmap)`` as uint8, (256, 3), read-only: a map's uint8 RGB pixels are
+    ``colour_table_uint8(cmap)[colour_indices(values).numpy()]`` (``colorize``'s colours, rounded). Built once per
+    colour map name."""
+    if isinstance(cmap, str):
+        return _named_colour_table_uint8(cmap)
+    return _frozen_uint8_table(cmap)
+
+
+@functools.lru_cache(maxsize=16)
+def _named_colour_table_uint8(cmap: str) -> np.ndarray:
+    return _frozen_uint8_table(cmap)
+
+
+def _frozen_uint8_table(cmap: ColormapSpec) -> np.ndarray:
+    table = (colormap_table(cmap) * 255.0).round().to(torch.uint8).numpy()
+    table.flags.writeable = False  # shared by every caller (cached)
+    return table
 
 
 def colorize(maps: ArrayLike, cmap: ColormapSpec = "jet") -> Tensor:
@@ -225,9 +251,10 @@ def overlay(
 ) -> np.ndarray:
     """Draw heatmaps on RGB images.
 
-    images: (H, W, 3) or (N, H, W, 3), uint8 or float in [0, 1].
-    maps: (h, w), (N, h, w) or (N, K, h, w) in [0, 1]; resized to the images' size.
-        With a K dimension each image gets K overlays.
+    images: (H, W, 3) or (N, H, W, 3), uint8 or float in [0, 1] (or an RGB PIL image).
+    maps: (h, w), (N, h, w) or (N, K, h, w) in [0, 1]; resized to the images' size (bilinear, whatever their
+        aspect ratio). With a K dimension each image gets K overlays. Values outside [0, 1] are clipped, with a
+        warning (scale them first); NaN is drawn as 0.
     mode: "blend" ``(1 - alpha) * image + alpha * colour``; "alpha" the same with the opacity
         scaled by the map's value (alpha · m), so irrelevant pixels show the image; "mask" the
         image where the map is in its top ``keep`` share of pixels and above 0 (an all-zero map
@@ -245,9 +272,21 @@ def overlay(
         raise ValueError(f"alpha must lie in [0, 1]; got {alpha}.")
     if mode not in OVERLAY_MODES:
         raise ValueError(f"mode must be one of {OVERLAY_MODES}; got {mode!r}.")
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep is the share of pixels that mode='mask' keeps, in [0, 1] (0.2: the top 20 %); "
+                         f"got {keep}.")
+    if any(not 0.0 <= float(level) <= 1.0 for level in levels):
+        raise ValueError(f"levels are map values in [0, 1] at which mode='contour' draws iso-lines; got "
+                         f"{list(levels)}.")
     image_tensor = image_as_float(images)
     height, width = image_tensor.shape[-3:-1]
-    values = resize_maps(maps, (height, width)).nan_to_num(0.0).clamp(0, 1)
+    values = resize_maps(maps, (height, width))
+    if outside_unit_range(values):
+        warn_at_callers_line(f"overlay draws maps in [0, 1]; these span [{float(values.min()):.4g}, "
+                             f"{float(values.max()):.4g}] and are clipped (all above 1 one colour, all below 0 "
+                             "another). Scale them first: maps / maps.max() for positive maps, "
+                             "render.signed_to_unit(maps) with signed=True for signed ones.")
+    values = values.nan_to_num(0.0).clamp(0, 1)
     extra_dims = values.dim() + 1 - image_tensor.dim()
     if extra_dims < 0:
         raise ValueError(f"got {tuple(image_tensor.shape)} images for maps of shape {tuple(values.shape)}.")
@@ -286,7 +325,7 @@ def _contours(images: Tensor, values: Tensor, levels: Sequence[tuple[float, bool
     the values at or above its level, or at or below it)."""
     import cv2
 
-    table = colormap_table(cmap)
+    table = colour_table_uint8(cmap)
     flat_images = (images.reshape(-1, *images.shape[-3:]).numpy() * 255).round().astype(np.uint8).copy()
     flat_values = values.reshape(-1, *values.shape[-2:]).numpy()
     thickness = max(1, round(min(flat_values.shape[-2:]) / 100))
@@ -294,7 +333,7 @@ def _contours(images: Tensor, values: Tensor, levels: Sequence[tuple[float, bool
         for level, above in levels:
             region = heat >= level if above else heat <= level
             contours, _ = cv2.findContours(region.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
-            colour = tuple(int(c) for c in (table[int(colour_indices(torch.tensor(level)))] * 255).round())
+            colour = tuple(int(c) for c in table[int(colour_indices(torch.tensor(level)))])
             cv2.drawContours(canvas, contours, -1, colour, thickness)
     return torch.from_numpy(flat_images).float().reshape(images.shape) / 255.0
 
@@ -309,14 +348,29 @@ def tile(images: np.ndarray) -> np.ndarray:
     return np.concatenate(columns, axis=1)
 
 
+MAX_PANEL_ASPECT = 8.0
+"""The flattest (and narrowest) a figure panel is: an image more than 8 times wider than tall (or taller than wide),
+such as a 1 × 2000 strip, is stretched to fill a panel of this ratio, else it would be drawn less than a pixel
+thick (``panel_inches``, ``panel_aspect``)."""
+
+
 def panel_inches(height: int, width: int, panel_size: float) -> tuple[float, float]:
     """(width, height) in inches of a figure panel showing an image of ``height`` × ``width`` pixels: its longer
     side ``panel_size`` (a wide image's panel is as wide as a square one's and less tall), a tall image's panel no
-    narrower than half of ``panel_size`` (room for its title), so that panels are not mostly blank."""
-    aspect = width / max(height, 1)
+    narrower than half of ``panel_size`` (room for its title), so that panels are not mostly blank; a wide panel no
+    flatter than 1 : MAX_PANEL_ASPECT."""
+    aspect = min(width / max(height, 1), MAX_PANEL_ASPECT)
     if aspect >= 1:
         return panel_size, panel_size / aspect
     return panel_size * max(aspect, 0.5), panel_size
+
+
+def panel_aspect(height: int, width: int) -> str:
+    """``imshow``'s aspect for a panel of an image of ``height`` × ``width`` pixels: "equal" (square pixels), or
+    "auto" (the image stretched over its panel) for one flatter or narrower than 1 : MAX_PANEL_ASPECT, which drawn
+    with square pixels would be a line too thin to see."""
+    ratio = width / max(height, 1)
+    return "auto" if not 1 / MAX_PANEL_ASPECT <= ratio <= MAX_PANEL_ASPECT else "equal"
 
 
 TITLE_LINE_HEIGHT = 1.3
@@ -371,13 +425,23 @@ def title_inches(texts: Sequence[str], fontsize: float) -> float:
     return lines * fontsize * TITLE_LINE_HEIGHT / 72.0 + (0.08 if lines else 0.0)
 
 
+TITLE_SHARE = 0.3
+"""The most of a square panel's height that its title may take (``rows_height``); a longer title gets more room."""
+
+
 def rows_height(panel_height: float, panel_size: float, titled_rows: Sequence[Sequence[str]], fontsize: float) -> float:
     """The height in inches of a figure's rows of panels ``panel_height`` tall, with their titles (one list of texts per
     row) and 0.3 in for the figure's margins. A square panel (``panel_height`` = ``panel_size``) gives up some of its
-    height to its title, as constrained layout shrinks it; a flatter panel cannot, so its title's room is added, in
-    the share that the panel is flatter than square."""
+    height to its title, as constrained layout shrinks it, at most TITLE_SHARE of it (a title of many lines gets the
+    rest as room of its own, so the panel is not shrunk to nothing); a flatter panel cannot, so its title's room is
+    added, in the share that the panel is flatter than square."""
     flatter = max(0.0, 1.0 - panel_height / panel_size)
-    return sum(panel_height + title_inches(row, fontsize) * flatter for row in titled_rows) + 0.3
+
+    def room(row: Sequence[str]) -> float:
+        title = title_inches(row, fontsize)
+        return max(title * flatter, title - TITLE_SHARE * panel_height)
+
+    return sum(panel_height + room(row) for row in titled_rows) + 0.3
 
 
 def overlay_figure(
@@ -433,19 +497,21 @@ def overlay_figure(
     titled_rows += [[map_titles[index][target] for index in range(count)] for target in range(targets_per_image)]
     titled_rows = [[wrap_title(str(text), panel_width, fontsize) for text in row] for row in titled_rows]
     heading = wrap_title(title, panel_width * count, 10.0) if title != "" else ""
-    size = (panel_width * count, rows_height(panel_height, panel_size, titled_rows, fontsize))
+    heading_room = max(0.0, title_inches([heading], 10.0) - title_inches(["one line"], 10.0))  # lines 2, 3, ...
+    size = (panel_width * count, rows_height(panel_height, panel_size, titled_rows, fontsize) + heading_room)
     if figure is None:
         figure = shown_in_notebooks(Figure(figsize=size, layout="constrained"))
     else:
         figure.set_size_inches(*size)
         figure.set_layout_engine("constrained")
     axes = figure.subplots(len(titled_rows), count, squeeze=False)
+    aspect = panel_aspect(overlays.shape[-3], overlays.shape[-2])
     for image_index in range(count):
         if show_original:
-            axes[0, image_index].imshow(pictures[image_index], interpolation="nearest")
+            axes[0, image_index].imshow(pictures[image_index], interpolation="nearest", aspect=aspect)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
-            axis.imshow(overlays[image_index, target_index], interpolation="nearest")
+            axis.imshow(overlays[image_index, target_index], interpolation="nearest", aspect=aspect)
     for row, texts in enumerate(titled_rows):
         for image_index, text in enumerate(texts):
             axes[row, image_index].set_title(text, fontsize=fontsize, parse_math=False)

@@ -312,7 +312,7 @@ def token_html(
                "p": None if probabilities is None else round(probabilities[k], 6),
                "score": round(scores[k], 6) if math.isfinite(scores[k]) else None}
               for k, text in enumerate(texts)]
-    table = (render.colormap_table(colour_map) * 255).round().to(torch.uint8).reshape(-1).tolist()
+    table = render.colour_table_uint8(colour_map).reshape(-1).tolist()
     data = {"tokens": tokens, "maps": [_data_uri(picture, quality, ("PNG", "JPEG"))
                                      for picture in _map_pictures(values, map_size)],
             "lut": table, "signed": colour_map == render.DIVERGING_CMAP, "alpha": alpha,

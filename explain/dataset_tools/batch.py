@@ -148,7 +148,7 @@ from .labels import (
     folder_labels,
     split_loader_batch,
 )
-from .pipeline import BackgroundWriter, LoadedBatch, default_workers, load_batches, usable_workers
+from .pipeline import BackgroundWriter, FileWarnings, LoadedBatch, default_workers, load_batches, usable_workers
 from .run_folder import FolderInUseError, Shard, display_name, error_line, folder_lock, one_line, write_atomically
 from .run_record import (
     RUN_RECORD,
@@ -736,6 +736,7 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
         groups = _loader_groups(batches, done, device, summary)
     normalize = getattr(explainer, "normalize", None)
     stopping = threading.Event()  # a second Ctrl-C: the writer stops early (see BackgroundWriter)
+    file_warnings = FileWarnings()  # the warnings of explaining a batch, naming its files
     with contextlib.closing(groups), open(summary.index, "ab", buffering=0) as index_file, \
             progress_shown_by_caller(), tqdm(total=total, disable=not progress or shard.rank != 0,  # one bar: rank 0's
                                              desc=f"explain {explainer.method_name}", unit="image",
@@ -748,23 +749,61 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
                 if group.explained and on_batch is not None:
                     writer.put(group)
                 continue
+            for result in _explained(explainer, group, plan, summary, file_warnings, nothing_explained, highest_label,
+                                     normalize=normalize, overlays=overlays):
+                writer.put(result)
+                explained += len(result.ids)
+    _write_skipped(summary)
+
+
+def _explained(explainer: Explainer, group: _Group, plan: _TargetPlan, summary: RunSummary,
+               file_warnings: FileWarnings, nothing_explained: Callable[[], bool],
+               highest_label: list[tuple[int, str]], *, normalize: Optional[str], overlays: bool
+               ) -> Iterator[_GroupResult]:
+    """A group explained (``_explain_group``), its warnings naming its files (``FileWarnings``); its labels, and the
+    folder's ``highest_label`` (emptied once checked), checked first (``_check_labels``). Where explaining it
+    fails (a ValueError: a score that is not finite, an input the model refuses), its images are explained one by
+    one, so that only those that fail are skipped (recorded in ``summary`` with the reason), each named; the
+    error is raised where no image of the run's first batch could be explained (a problem of the run, not of its
+    files)."""
+    try:
+        with file_warnings.naming(group.names, keep_on_error=len(group.ids) == 1):
+            _check_labels(explainer, group.inputs, group.labels + [label for label, _ in highest_label],
+                          group.names + [name for _, name in highest_label], plan)
+            highest_label.clear()
+            result = _group_result(group, *_explain_group(explainer, group.inputs, group.labels, plan),
+                                   normalize=normalize, overlays=overlays)
+    except LabelError:
+        raise
+    except (ValueError, ModelInputError) as error:
+        first_error = error
+    else:
+        yield result  # outside ``naming``: the caller's code runs with the warnings as the caller set them
+        return
+    failed = 0
+    if len(group.ids) > 1:
+        for image in range(len(group.ids)):
+            one = _Group(group.ids[image : image + 1], group.names[image : image + 1], group.labels[image : image + 1],
+                         group.inputs[image : image + 1],
+                         None if group.displays is None else group.displays[image : image + 1], whole_batch=False)
             try:
-                _check_labels(explainer, group.inputs, group.labels + [label for label, _ in highest_label],
-                              group.names + [name for _, name in highest_label], plan)
-                highest_label = []
-                result = _group_result(group, *_explain_group(explainer, group.inputs, group.labels, plan),
-                                       normalize=normalize, overlays=overlays)
+                with file_warnings.naming(one.names):
+                    result = _group_result(one, *_explain_group(explainer, one.inputs, one.labels, plan),
+                                           normalize=normalize, overlays=overlays)
             except LabelError:
                 raise
             except (ValueError, ModelInputError) as error:
-                if nothing_explained() and group.whole_batch:
-                    raise  # the first batch fails as a whole: a problem of the run, not of its files
-                for name in group.names:
-                    summary.skipped[name] = f"explaining it failed: {error_line(error)}"
-                _write_skipped(summary)
+                failed += 1
+                summary.skipped[one.names[0]] = f"explaining it failed: {error_line(error)}"
                 continue
-            writer.put(result)
-            explained += len(group.ids)
+            yield result
+    else:
+        failed = 1
+        summary.skipped[group.names[0]] = f"explaining it failed: {error_line(first_error)}"
+    if failed == len(group.ids) and nothing_explained() and group.whole_batch:
+        for name in group.names:
+            summary.skipped.pop(name, None)
+        raise first_error  # the first batch fails as a whole: a problem of the run, not of its files
     _write_skipped(summary)
 
 

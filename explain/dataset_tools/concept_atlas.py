@@ -20,9 +20,11 @@ One run at a time writes into OUT (it holds OUT/.explain.lock; the shards of one
 the same i are refused). The references' patches are written per concept (OUT/patches/), then OUT/atlas.json and
 OUT/atlas.html.
 
-Files that cannot be read as images, or that the model's preprocessing refuses (an alpha channel, 16-bit pixels), are
-left out, listed with the reason in atlas.json's "skipped" and on the page, and a warning says how many; images whose
-preprocessed sizes differ are measured in groups of one size.
+Files that cannot be read as images, or that the model's preprocessing refuses (an alpha channel, 16-bit pixels), and
+symbolic links with an image's name that lead to no file (as ``explain batch`` lists them in skipped.csv) are left out,
+listed with the reason in atlas.json's "skipped" and on the page, and a warning says how many; images whose
+preprocessed sizes differ are measured in groups of one size. An output folder inside the data folder is left out of
+its images.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from ..methods.concepts import (
     _uint8,
 )
 from ..methods.signatures import setting_text
+from .batch import _broken_link_reason as broken_link_reason
+from .batch import image_files_and_broken_links as folder_image_files
 from .run_folder import LOCKS_UNSUPPORTED, Shard, display_name, error_line, folder_lock, write_atomically
 
 try:
@@ -107,22 +111,36 @@ def load_atlas(folder: Union[str, Path]) -> Atlas:
     return Atlas(Path(folder), json.loads(path.read_text(encoding="utf-8")))
 
 
-def image_files(data: Union[str, Path, Sequence[Union[str, Path]]]) -> tuple[list[Path], list[str]]:
-    """(the image files, the names the atlas gives them): a folder's files, sub-folders included, sorted by path
-    relative to it (their names); or a list of files (their paths as given)."""
+def image_files(data: Union[str, Path, Sequence[Union[str, Path]]], exclude: Optional[Union[str, Path]] = None
+                ) -> tuple[list[Path], list[str]]:
+    """(the image files, the names the atlas gives them): a folder's files, sub-folders included (as ``explain
+    batch`` lists them: ``explain.dataset_tools.batch.image_files``, ``exclude`` left out), sorted by path relative to
+    it (their names); or a list of files (their paths as given)."""
+    files, names, _ = image_files_and_broken_links(data, exclude)
+    return files, names
+
+
+def image_files_and_broken_links(data: Union[str, Path, Sequence[Union[str, Path]]],
+                                 exclude: Optional[Union[str, Path]] = None
+                                 ) -> tuple[list[Path], list[str], dict[str, str]]:
+    """``image_files``, and {name: reason} for a folder's symbolic links with an image's name that lead to no file
+    (left out, as ``explain batch`` lists them in skipped.csv)."""
+    broken: dict[str, str] = {}
     if isinstance(data, (str, Path)):
         root = Path(data)
         if not root.is_dir():
-            raise ValueError(f"{root} is not a folder of images.")
-        files = sorted(path for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
-                       and not any(part.startswith(".") for part in path.relative_to(root).parts))
+            raise ValueError(f"{display_name(root)} is not a folder of images.")
+        files, links = folder_image_files(root, exclude)
         names = [display_name(path.relative_to(root)) for path in files]
+        broken = {display_name(path.relative_to(root)): broken_link_reason(path) for path in links}
     else:
         files = [Path(path) for path in data]
         names = [display_name(path) for path in files]
     if not files:
-        raise ValueError(f"{data} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-    return files, names
+        listed = (f"; {len(broken)} broken symbolic link(s) with such a name: "
+                  + "; ".join(f"{name}: {reason}" for name, reason in list(broken.items())[:3]) if broken else "")
+        raise ValueError(f"{data} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}){listed}.")
+    return files, names, broken
 
 
 def _fingerprint(texts: Sequence[str]) -> str:
@@ -200,8 +218,8 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
         raise ValueError(f"batch_size must be a whole number ≥ 1; got {batch_size!r}.")
     if shard is not None and not (len(shard) == 2 and 0 <= shard[0] < shard[1]):
         raise ValueError(f"shard must be (i, n) with 0 ≤ i < n; got {shard!r}.")
-    files, names = image_files(data)
     folder = Path(out)
+    files, names, broken = image_files_and_broken_links(data, exclude=folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file; give a folder for the atlas (it is created if missing).")
     crp = ConceptRelevance(model, layer, method, batch_size=batch_size, **method_options)  # a wrong layer: no folder
@@ -230,25 +248,27 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
             return None
         parts = [torch.load(folder / "batches" / f"{index:06d}.pt") for index in range(len(batches))]
         measured = [part for part in parts if len(part["rows"])]
-        skipped = {int(row): reason for part in parts for row, reason in part["skipped"].items()}
+        skipped = {names[int(row)]: reason for part in parts for row, reason in part["skipped"].items()}
+        skipped = dict(sorted({**skipped, **broken}.items()))  # by name, the broken links among the files
         if not measured:
             raise ValueError(f"none of the {len(files)} files of {data} could be used: "
-                             + "; ".join(f"{names[row]}: {reason}" for row, reason in sorted(skipped.items())[:3]))
+                             + "; ".join(f"{name}: {reason}" for name, reason in list(skipped.items())[:3]))
         rows = torch.cat([part["rows"] for part in measured]).tolist()
         relevance = torch.cat([part["relevance"] for part in measured])
         activation = torch.cat([part["activation"] for part in measured])
         classes = torch.cat([part["classes"] for part in measured])
         entries = _entries(crp, [files[row] for row in rows], [names[row] for row in rows], relevance, activation,
                            classes, top, folder, progress)
-        entries["skipped"] = [{"image": names[row], "reason": reason} for row, reason in sorted(skipped.items())]
+        entries["skipped"] = [{"image": name, "reason": reason} for name, reason in skipped.items()]
         write_atomically(folder / ATLAS_FILE, lambda path: path.write_text(json.dumps(entries, indent=1),
                                                                            encoding="utf-8"))
         write_atomically(folder / PAGE_FILE, lambda path: path.write_text(_page(entries), encoding="utf-8"))
     if skipped:
+        first = next(iter(skipped))
         warn_at_callers_line(
-            f"{len(skipped)} of the {len(files)} files of the atlas were left out, as they could not be used "
-            f"(e.g. {names[min(skipped)]}: {skipped[min(skipped)]}); atlas.json's \"skipped\" lists them all. Fix "
-            "or remove them and build the atlas again in a new folder to include them.", RuntimeWarning)
+            f"{len(skipped)} of the {len(files) + len(broken)} files of the atlas were left out, as they could not be "
+            f"used (e.g. {first}: {skipped[first]}); atlas.json's \"skipped\" lists them all. Fix or remove them and "
+            "build the atlas again in a new folder to include them.", RuntimeWarning)
     return Atlas(folder, entries)
 
 

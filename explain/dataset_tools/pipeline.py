@@ -9,11 +9,14 @@ decoder nor for the disk.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import queue
+import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, Generic, Iterator, Optional, Sequence, TypeVar, Union
@@ -211,6 +214,66 @@ def preprocessed_images(files: Sequence[Path], preprocess: Callable[[Any], Tenso
         yield item
 
 
+IMAGE_POSITION = re.compile(r"\bimage (\d+)\b")
+"""How a method's warning names an image of its batch: "image 2, target 0"."""
+PAIR_LIST = re.compile(r"\(image, target\)\s*((?:\(\d+, \d+\)(?:,\s*)?)+)")
+"""... or a list of (image, target) pairs: "(image, target) (0, 0), (2, 1)"."""
+NAMES_SHOWN = 3
+"""The files of a batch a warning that names no image of it lists (then "and N more")."""
+
+
+def named_positions(message: str) -> list[int]:
+    """The images of its batch that a warning's message names ("image 2", "(image, target) (2, 0), (3, 1)"), in
+    order, each once."""
+    positions = [int(found) for found in IMAGE_POSITION.findall(message)]
+    for pairs in PAIR_LIST.findall(message):
+        positions += [int(found) for found in re.findall(r"\((\d+), \d+\)", pairs)]
+    return list(dict.fromkeys(positions))
+
+
+class FileWarnings:
+    """Warnings raised while a batch of files is explained, shown naming the files: a method numbers the images of
+    the batch it is given ("image 2, target 0"), which tells a user who explains a folder nothing. Each warning
+    raised inside ``naming(names)`` is shown when the block ends, attributed to the line the method attributed it
+    to, with the files it concerns: those it names by position, else the batch's (the first ``NAMES_SHOWN``).
+    A warning that names no image is shown once a run (its first batch named), as one about the run (the model,
+    the method's settings) would repeat for every batch; one that names images once for each text."""
+
+    def __init__(self) -> None:
+        self.shown: set[tuple[type[Warning], str]] = set()
+
+    @contextlib.contextmanager
+    def naming(self, names: Sequence[str], *, keep_on_error: bool = True) -> Iterator[None]:
+        """Hold back the warnings raised inside, then show them naming ``names`` (the batch's files, in its order);
+        when the block raises, only with ``keep_on_error`` (False: the batch is explained again in parts, which
+        warn again)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            failed = True
+            try:
+                yield
+                failed = False
+            finally:
+                held = list(caught)
+        if failed and not keep_on_error:
+            return
+        for warning in held:
+            self._show(warning, names)
+
+    def _show(self, warning: warnings.WarningMessage, names: Sequence[str]) -> None:
+        text = str(warning.message)
+        key = (warning.category, text)
+        if key in self.shown:
+            return
+        self.shown.add(key)
+        positions = [position for position in named_positions(text) if position < len(names)]
+        if positions:
+            text += " (" + "; ".join(f"image {position}: {names[position]!r}" for position in positions) + ")"
+        elif names:
+            listed = ", ".join(repr(name) for name in names[:NAMES_SHOWN])
+            more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+            text += f" (first while explaining {listed}{more})"
+        warnings.warn_explicit(text, warning.category, warning.filename, warning.lineno, source=warning.source)
 
 
 class BackgroundWriter(Generic[Item]):

@@ -107,3 +107,18 @@ def test_an_atlas_folder_inside_the_data_folder_is_not_read_as_images(tmp_path):
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(folder / "atlas" / "patches" / "r00000_0.png")
     files, names, _ = image_files_and_broken_links(folder, exclude=folder / "atlas")
     assert names == ["img 0 é.png", "img 1 é.png"]  # a rerun's image list (its record) is the first run's
+
+
+def test_the_same_position_in_two_batches_is_two_files_each_named(tmp_path):
+    """A method numbers the images of its own batch: "image 0" of the first batch and of the second are two files,
+    and each gets its warning (the text alone is the same)."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in ("a black.png", "b black.png"):
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(folder / name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(gradcam(), folder, tmp_path / "out", target=3, batch_size=1, progress=False, workers=0)
+    zero = [str(warning.message) for warning in caught if "zero everywhere" in str(warning.message)]
+    assert len(zero) == 2, zero
+    assert repr(str(folder / "a black.png")) in zero[0] and repr(str(folder / "b black.png")) in zero[1]

@@ -237,7 +237,7 @@ class FileWarnings:
     raised inside ``naming(names)`` is shown when the block ends, attributed to the line the method attributed it
     to, with the files it concerns: those it names by position, else the batch's (the first ``NAMES_SHOWN``).
     A warning that names no image is shown once a run (its first batch named), as one about the run (the model,
-    the method's settings) would repeat for every batch; one that names images once for each text."""
+    the method's settings) would repeat for every batch; one that names images once for each text and files named."""
 
     def __init__(self) -> None:
         self.shown: set[tuple[type[Warning], str]] = set()
@@ -262,17 +262,17 @@ class FileWarnings:
 
     def _show(self, warning: warnings.WarningMessage, names: Sequence[str]) -> None:
         text = str(warning.message)
-        key = (warning.category, text)
-        if key in self.shown:
-            return
-        self.shown.add(key)
         positions = [position for position in named_positions(text) if position < len(names)]
-        if positions:
+        if positions:  # about these files (the same position in another batch is another file): once for each
             text += " (" + "; ".join(f"image {position}: {names[position]!r}" for position in positions) + ")"
-        elif names:
+        key = (warning.category, text)
+        if not positions and names:  # about the run: once, its first batch named
             listed = ", ".join(repr(name) for name in names[:NAMES_SHOWN])
             more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
             text += f" (first while explaining {listed}{more})"
+        if key in self.shown:
+            return
+        self.shown.add(key)
         warnings.warn_explicit(text, warning.category, warning.filename, warning.lineno, source=warning.source)
 
 

@@ -31,6 +31,7 @@ always right whatever the rest of the model reads (a residual connection around 
 from __future__ import annotations
 
 import numbers
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     LayerOutputError,
     LayerSpec,
@@ -50,11 +52,13 @@ from ..core.capture import (
     run_model,
 )
 from ..core.scope import CallScope
-from ..io.inputs import Inputs, Preprocess, PreprocessSpec, as_preprocess, prepare_inputs
+from ..core.targets import OutputSelector, select_output
+from ..io.inputs import Preprocess, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
 from .factorization import nmf
 from .maps import upsample_maps
 from .options import is_whole_number
+from .tcav import ImageSet, folder_images
 
 
 def _whole_number(name: str, value: object, least: int) -> int:
@@ -140,7 +144,10 @@ class CRAFT:
         (default: 30 % of the image's shorter side, the authors' 64 pixels of 224); patch_stride: the grid's step
         (default: 80 % of the patch). batch_size: images (patches, masked copies) per forward pass.
     iterations, tolerance, seed: of the factorisation (``explain.methods.factorization.nmf``); seed also draws the
-        Sobol design. preprocess: as for the explainers.
+        Sobol design. preprocess: as for the explainers. output: which part of the model's output holds the logits
+        (automatic: a tensor, HuggingFace's ``.logits``, a dict's "logits"; a key, index or callable picks).
+    Images (``fit``, ``importance``...) are a folder of image files or anything ``explain()`` takes. Each call runs in
+    the model's own precision (an enclosing autocast is turned off: bfloat16 activations change the factorisation).
 
     After ``fit``: ``concept_bank`` (r, C) ≥ 0 with rows of length 1; ``patch_coefficients`` (P, r) ≥ 0;
     ``patches`` (P, p, p, 3) uint8 crops of the display images; ``patch_activations`` (P, C);
@@ -150,8 +157,9 @@ class CRAFT:
 
     def __init__(self, model: ModelSource, layer: LayerSpec, *, concepts: int = 10, patch_size: Optional[int] = None,
                  patch_stride: Optional[int] = None, batch_size: int = 64, iterations: int = 1000,
-                 tolerance: float = 1e-7, seed: int = 0, preprocess: PreprocessSpec = None):
-        module, loaded_preprocess, _, _ = loaded_model_parts(model)
+                 tolerance: float = 1e-7, seed: int = 0, preprocess: PreprocessSpec = None,
+                 output: OutputSelector = None):
+        module, loaded_preprocess, _, loaded_output = loaded_model_parts(model, output=output)
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(module).__name__}.")
         check_hookable(module)
@@ -170,6 +178,7 @@ class CRAFT:
             raise ValueError(f"tolerance must be a number in [0, 1); got {tolerance!r}.")
         self.tolerance: float = float(tolerance)
         self.preprocess: Preprocess = as_preprocess(preprocess if preprocess is not None else loaded_preprocess)
+        self.output: OutputSelector = loaded_output
         self.concept_bank: Optional[Tensor] = None
         self.patch_coefficients: Optional[Tensor] = None
         self.patch_activations: Optional[Tensor] = None
@@ -180,8 +189,11 @@ class CRAFT:
 
     # ------------------------------------------------------------------ the layer's activations
 
-    def _prepared(self, images: Inputs) -> tuple[Tensor, Tensor]:
-        """The model batch (N, C, H, W) and display images (N, H, W, 3) in [0, 1] of ``images``."""
+    def _prepared(self, images: ImageSet) -> tuple[Tensor, Tensor]:
+        """The model batch (N, C, H, W) and display images (N, H, W, 3) in [0, 1] of ``images`` (a folder: its image
+        files, sorted)."""
+        if isinstance(images, (str, Path)) and Path(images).is_dir():
+            images = folder_images(images)
         prepared = prepare_inputs(images, self.preprocess, model_device(self.model), model_dtype(self.model),
                                   channels=model_input_channels(self.model))
         return prepared.batch, prepared.images
@@ -189,15 +201,21 @@ class CRAFT:
     def _checked_output(self, output: object) -> Tensor:
         if not isinstance(output, Tensor) or output.dim() not in (2, 4):
             shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+            tokens = isinstance(output, Tensor) and output.dim() == 3
             raise LayerOutputError(f"layer {self.layer_name!r} gives {shape}; CRAFT needs a layer whose output is a "
-                                   "(N, C, h, w) feature map or an (N, C) vector (a CNN's stage, or its pooled "
-                                   "features).")
+                                   "(N, C, h, w) feature map or an (N, C) vector (a CNN's stage after a ReLU, or its "
+                                   "pooled features)" + (
+                                       ". Tokens (N, tokens, D) of a transformer are not one: they take negative "
+                                       "values (after a LayerNorm or GELU), which the non-negative factorisation "
+                                       "cannot take; use CRAFT on a CNN, or TCAV to test a named concept at a "
+                                       "token layer." if tokens else "."))
         return output
 
     def _activations(self, batch: Tensor) -> Tensor:
         """The layer's output for ``batch`` ((N, C, h, w) or (N, C), float64), checked non-negative."""
         recorded: list[Tensor] = []
         with CallScope(self.model, eval_mode=True) as scope, torch.no_grad():
+            self._full_precision(scope)
             scope.forward_hook(self.layer, lambda module, args, output: recorded.append(
                 self._checked_output(output).detach().double()))
             for start in range(0, batch.shape[0], self.batch_size):
@@ -216,8 +234,15 @@ class CRAFT:
         smallest = float(activations.min())
         if smallest < 0:
             raise ValueError(f"layer {self.layer_name!r} has negative activations (min {smallest:.3g}); CRAFT's "
-                             "non-negative factorisation needs a non-negative layer, such as one after a ReLU.")
+                             "non-negative factorisation needs a non-negative layer, such as one after a ReLU "
+                             "(`explain layers MODEL` lists the layers); it is refused rather than clamped. A model "
+                             "with no ReLU layer (SiLU, GELU or hard-swish activations: EfficientNet, ConvNeXt, "
+                             "MobileNetV3) cannot be factorised by CRAFT.")
         return activations
+
+    def _full_precision(self, scope: CallScope) -> None:
+        """Autocast off for the scope: activations, factorisation and logits in the model's own precision."""
+        scope.enter(torch.autocast(model_device(self.model).type, enabled=False))
 
     def _fitted_bank(self) -> Tensor:
         if self.concept_bank is None:
@@ -235,8 +260,9 @@ class CRAFT:
                    for left in range(0, width - size + 1, stride)]
         return size, corners
 
-    def fit(self, class_images: Inputs) -> "CRAFT":
-        """Discover the concepts of ``class_images`` (anything ``explain()`` takes, one size after preprocessing):
+    def fit(self, class_images: ImageSet) -> "CRAFT":
+        """Discover the concepts of ``class_images`` (a folder, or anything ``explain()`` takes; one size after
+        preprocessing):
         patches of a grid, resized to the image's size, their layer activations averaged over positions, factorised
         into ``concepts`` concepts. Returns self (see the class docstring for what it then holds)."""
         batch, display = self._prepared(class_images)
@@ -265,6 +291,14 @@ class CRAFT:
         if not bool((matrix > 0).any()):
             raise ValueError(f"layer {self.layer_name!r} is zero on every patch: there is nothing to factorise; "
                              "give a layer that responds to these images.")
+        rank = int(torch.linalg.matrix_rank(matrix, rtol=1e-6))
+        if rank < self.concepts:
+            warn_at_callers_line(
+                f"the {matrix.shape[0]} patches' activations at layer {self.layer_name!r} span only {rank} "
+                f"dimension{'s' if rank > 1 else ''}, fewer than the {self.concepts} concepts asked (patches that "
+                "look alike, e.g. of constant images, or channels that are copies of each other): the bank is not "
+                "unique, so how the concepts share those dimensions, and their maps and importances, are arbitrary. "
+                f"Give more varied images, or concepts ≤ {rank}.")
         coefficients, bank, error = nmf(matrix, self.concepts, iterations=self.iterations, tolerance=self.tolerance,
                                         seed=self.seed)
         lengths = bank.norm(dim=1).clamp_min(1e-12)  # each concept's profile of length 1, U scaled to match
@@ -304,14 +338,14 @@ class CRAFT:
         flat = activations.permute(0, 2, 3, 1).reshape(-1, channels)
         return nmf_transform(flat, bank).view(count, height, width, -1).permute(0, 3, 1, 2)
 
-    def concept_coefficients(self, images: Inputs) -> Tensor:
+    def concept_coefficients(self, images: ImageSet) -> Tensor:
         """The concepts' coefficients in each image: (N, r, h, w) at the layer's positions ((N, r) for a vector
         layer), ≥ 0, float64; the activation at each position ≈ Σ_j coefficient_j · concept_bank[j]."""
         self._fitted_bank()
         batch, _ = self._prepared(images)
         return self._coefficients_of(self._activations(batch))
 
-    def concept_maps(self, images: Inputs) -> Tensor:
+    def concept_maps(self, images: ImageSet) -> Tensor:
         """(N, r, H, W) ≥ 0 float32: each concept's coefficient map (``concept_coefficients``) upsampled bilinearly
         to the input's size; comparable across images and concepts (not normalised)."""
         self._fitted_bank()
@@ -324,7 +358,7 @@ class CRAFT:
 
     # ------------------------------------------------------------------ 2. importance
 
-    def importance(self, class_images: Inputs, target: int, *, designs: int = 32) -> Tensor:
+    def importance(self, class_images: ImageSet, target: int, *, designs: int = 32) -> Tensor:
         """The total Sobol index of each concept for class ``target``'s logit, averaged over ``class_images``:
         (r,) float64, ≥ 0 (about 1 for a concept the logit depends on alone, 0 for one it ignores; the indices
         of interacting concepts add to more than 1). designs: rows of A and B of the Sobol design
@@ -342,6 +376,7 @@ class CRAFT:
         bank64 = bank.double().to(coefficients.device)
         scores: list[Tensor] = []
         with CallScope(self.model, eval_mode=True) as scope, torch.no_grad():
+            self._full_precision(scope)
             replacement: list[Tensor] = []
 
             def replace(module: nn.Module, args: object, output: object) -> Tensor:
@@ -358,13 +393,15 @@ class CRAFT:
                 images, mask_rows = rows[start:start + self.batch_size].T
                 masked = coefficients[images] * masks[mask_rows].view(len(images), -1, *[1] * (coefficients.dim() - 2))
                 replacement.append(torch.einsum("nr...,rc->nc...", masked, bank64))
-                logits = run_model(self.model, batch[images.to(batch.device)])
+                output = run_model(self.model, batch[images.to(batch.device)])
                 if replacement:
                     raise LayerOutputError(f"layer {self.layer_name!r} did not run in the forward pass.")
+                logits = select_output(output, self.output)
                 if not isinstance(logits, Tensor) or logits.dim() != 2:
                     raise ValueError("CRAFT's importance reads a class logit: the model must return (N, classes) "
                                      f"scores; got {type(logits).__name__}"
-                                     f"{tuple(logits.shape) if isinstance(logits, Tensor) else ''}.")
+                                     f"{tuple(logits.shape) if isinstance(logits, Tensor) else ''} (pass output=, a "
+                                     "key, index or callable, to say which part of the model's output they are).")
                 if not 0 <= target < logits.shape[1]:
                     raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
                 scores.append(logits[:, target].double().cpu())

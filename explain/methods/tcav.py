@@ -60,6 +60,14 @@ ImageSet = Union[str, Path, Inputs]
 """A set of images: a folder of image files, or anything ``explain()`` accepts (a list of paths, a tensor...)."""
 
 
+def folder_images(folder: Union[str, Path]) -> list[Path]:
+    """The image files of ``folder`` (by suffix), sorted; refused where it holds none."""
+    files = sorted(path for path in Path(folder).iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"{folder} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+    return files
+
+
 def fastcav(concept: Tensor, random: Tensor) -> Tensor:
     """FastCAV's closed-form CAV (D,): with μ the mean of all P + Q activations, the mean of (a − μ) over the P
     concept activations, normalised to length 1. concept: (P, D); random: (Q, D)."""
@@ -225,10 +233,7 @@ class TCAV:
     def _images(self, images: ImageSet) -> list[Any]:
         """The set as a list of single images (a folder's image files, sorted)."""
         if isinstance(images, (str, Path)) and Path(images).is_dir():
-            files = sorted(path for path in Path(images).iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
-            if not files:
-                raise ValueError(f"{images} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-            return list(files)
+            return folder_images(images)
         if isinstance(images, Tensor) and images.dim() == 4:
             items = list(images)
         elif isinstance(images, (list, tuple)):
@@ -243,8 +248,11 @@ class TCAV:
         items = self._images(images)
         device, dtype = model_device(self.model), model_dtype(self.model)
         channels = model_input_channels(self.model)
-        return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype, channels).batch
-                for start in range(0, len(items), self.batch_size)]
+        try:
+            return [prepare_inputs(items[start:start + self.batch_size], self.preprocess, device, dtype, channels).batch
+                    for start in range(0, len(items), self.batch_size)]
+        except ValueError as error:  # an image that cannot be read, of another size...: named with its set by test
+            raise ImageSetError(str(error)) from error
 
     def _logits_and_layers(self, batch: Tensor) -> tuple[Tensor, list[Tensor]]:
         """The model's (N, classes) logits for a batch and each layer's output as the layer returned it
@@ -314,11 +322,19 @@ class TCAV:
                         raise ValueError(f"target {target} is not a class of the model's {logits.shape[1]} outputs.")
                     if self.differentiate == "log_probability":  # row-wise: each image's own
                         logits = log_probabilities(logits)
+                    for name, output in zip(self.layer_names, layer_outputs):
+                        if not output.requires_grad:
+                            raise ValueError(f"layer {name}'s output carries no gradient: the model computes it under "
+                                             "torch.no_grad() or detaches it, so no class output can be "
+                                             "differentiated at it. Give a layer the prediction is computed through "
+                                             "with gradients.")
                     grads = torch.autograd.grad(logits[:, target].sum(), layer_outputs, allow_unused=True)
                     for name, grad in zip(self.layer_names, grads):
                         if grad is None:
                             raise ValueError(f"class {target}'s {self.differentiate} does not depend on layer "
-                                             f"{name}.")
+                                             f"{name} through gradients (the layer does not feed the class, or the "
+                                             "model uses its output under torch.no_grad() or detached): give a "
+                                             "layer the prediction is computed through with gradients.")
                         gathered[name].append(self._per_image(grad))
         return {name: torch.cat(values) for name, values in gathered.items()}
 
@@ -391,14 +407,17 @@ class TCAV:
         return TCAVResult(target, tests, alpha)
 
 
+class ImageSetError(ValueError):
+    """A set's images could not be made into a batch (a file that is no image, RGBA or 16-bit pixels, images of
+    several sizes)."""
+
+
 def _naming_the_set(role: str, read: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
-    """``read()``, with an error about the set's images (of several sizes, a file that is no image) naming the set."""
+    """``read()``, with an error about the set's images (``ImageSetError``) naming the set."""
     try:
         return read()
-    except ValueError as error:
-        if "different sizes" in str(error) or "could not be read" in str(error):
-            raise ValueError(f"{role}: {error}") from None
-        raise
+    except ImageSetError as error:
+        raise ValueError(f"{role}: {error}") from None
 
 
 def _check_sets(gradients: dict[str, Tensor], activations: dict[str, dict[str, Tensor]]) -> None:
@@ -413,13 +432,24 @@ def _check_sets(gradients: dict[str, Tensor], activations: dict[str, dict[str, T
                     f"{gradient.shape[1]}: the sets' images differ in size. Give images of one size, or a preprocess "
                     "that resizes them (explain.load_model's, or torchvision's weights.transforms()).")
     roles = list(activations)
+    rows_in_order = {role: {layer: _rows_in_a_fixed_order(values[layer]) for layer in gradients}
+                     for role, values in activations.items()}
     for first_index, first in enumerate(roles):
         for second in roles[first_index + 1:]:
-            if all(torch.equal(activations[first][layer], activations[second][layer]) for layer in gradients):
+            if all(torch.equal(rows_in_order[first][layer], rows_in_order[second][layer]) for layer in gradients):
                 raise ValueError(f"{first} and {second} have equal activations at every layer: a CAV between them "
                                  "has no direction. They are the same images, or the layers give all images the "
-                                 "same activations (constant, e.g. zero after a ReLU). Give each set its own images, "
-                                 "and layers that respond to them.")
+                                 "same activations (constant, e.g. zero after a ReLU). Give each set its own images "
+                                 "(the same images in another order are the same set), and layers that respond to "
+                                 "them.")
+
+
+def _rows_in_a_fixed_order(values: Tensor) -> Tensor:
+    """The rows of ``values`` (N, D) sorted by a fixed projection: the same images in another order give the same
+    tensor."""
+    generator = torch.Generator().manual_seed(0)
+    projection = torch.randn(values.shape[1], dtype=torch.float64, generator=generator).to(values.device)
+    return values[(values.double() @ projection).argsort(stable=True)]
 
 
 def _two_sided_t_test(scores: Tensor, null: Tensor) -> float:

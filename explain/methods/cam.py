@@ -248,6 +248,10 @@ class CAM(Explainer):
     def layer_names(self) -> list[str]:
         return [name for name, _ in self.layers or []]
 
+    def default_layer_name(self, batch: Tensor) -> str:
+        """The layer explained when none was given, chosen on the first call (``explain.core.layers.default_layer``)."""
+        return default_layer(self.model, batch, run=self.call_model)
+
     def layer_map(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         """The method's formula: A (N, C, h, w) and G = ∂y/∂A (N, C, h, w) → map (N, h, w), before ReLU.
         Default: ``reduce_channels(channel_terms(A, G))``."""
@@ -317,7 +321,7 @@ class CAM(Explainer):
 
     def _attribute_once(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         if self.layers is None:
-            self.layers = find_layers(self.model, default_layer(self.model, batch, run=self.call_model))
+            self.layers = find_layers(self.model, self.default_layer_name(batch))
         self._guard_batch_norm_from_layers(target)
         # a hidden unit may lie before the target layer: then the graph must start at the input
         prefix = contextlib.nullcontext() if isinstance(target, BoundUnits) else torch.no_grad()
@@ -828,7 +832,10 @@ class ClassActivationMapping(CAM):
     Targets are classes (an int, one per image, K per image, or ``topk``): row c of the classifier's
     weight matrix weights the maps, so the classifier has one row per class of the model's output.
     The layer must be the one whose pooled output the classifier reads (torchvision's DenseNet applies
-    a last ReLU as a function after ``features``: the map of ``features`` uses the features before it).
+    a last ReLU as a function after ``features``: the map of ``features`` uses the features before it); a call
+    raises where the classifier's input is not the layer averaged over positions (``check_pooled``: a ViT's class
+    token, ConvNeXt's normalised pooled features, a transformer block's norm). With layer=None the default is that
+    layer (a Swin's final ``norm``), not the family's default where the classifier does not read it.
     The paper's map is signed, as with ``relu=False``; the default ``relu=True`` keeps its positive
     evidence, as every CAM here.
     """
@@ -841,6 +848,8 @@ class ClassActivationMapping(CAM):
     """During a call, classifier="auto": the (name, module) whose output the last forward pass returned."""
     _output_classes: PerThread[int] = PerThread()
     """During a call: the number of classes of the last forward pass's (N, classes) output."""
+    _classifier_input: PerThread[Tensor] = PerThread()
+    """During a call: the (N, features) input of the classifier (given, or found) in the last forward pass."""
 
     def __init__(self, model: ModelSource, layer: TargetLayers = None, *, classifier: Classifier = "auto",
                  **options: Unpack[CAMOptions]):
@@ -861,14 +870,52 @@ class ClassActivationMapping(CAM):
     def call_model(self, inputs: Tensor, rows: Optional[Tensor] = None) -> Any:
         """The model's forward pass (see ``Explainer.call_model``); with classifier="auto" it also notes which
         candidate classifier produced the output (see ``OutputProducers``)."""
-        if isinstance(self.classifier, nn.Module):
+        given = self.classifier if isinstance(self.classifier, nn.Module) else None
+        with OutputProducers(self.model, given) as producers:
             output = super().call_model(inputs, rows)
-        else:
-            with OutputProducers(self.model) as producers:
-                output = super().call_model(inputs, rows)
-                self._output_classifier = producers.producer_of(output)
+            found = (module_name(self.model, given), given) if given is not None else producers.producer_of(output)
+            if given is None:
+                self._output_classifier = found
+            self._classifier_input = None if found is None else producers.input_of(found[1])
         self._output_classes = output.shape[1] if isinstance(output, Tensor) and output.dim() == 2 else None
         return output
+
+    def default_layer_name(self, batch: Tensor) -> str:
+        """The layer whose average-pooled output the classifier reads: the CAMs' usual default where it is that
+        layer, else the last layer to run that is (``PooledLayers``); the usual default where none is (the call then
+        raises and says why, ``check_pooled``)."""
+        chosen = super().default_layer_name(batch)
+        with torch.no_grad(), PooledLayers(self.model, batch.shape[-2:], self.reshape) as pooled:
+            self.call_model(batch)
+            classifier_input = self._classifier_input
+            names = [] if classifier_input is None else pooled.reading(classifier_input)
+        if chosen in names or not names:
+            return chosen
+        modules = dict(self.model.named_modules())  # a layer that computes, rather than a Permute or Flatten after it
+        return next((name for name in reversed(names) if any(True for _ in modules[name].children())
+                     or any(True for _ in modules[name].parameters(recurse=False))), names[-1])
+
+    def check_pooled(self, feature_maps: Tensor, activation: Tensor, layer_name: str) -> None:
+        """Raise where the classifier's input is not the layer's feature maps (N, C, h, w) averaged over positions
+        (nor those of their ReLU, as DenseNet applies one as a function): the classifier rows then weight
+        features that the score never reads, and the map is not the class score's."""
+        classifier_input = self._classifier_input
+        if classifier_input is None or classifier_input.numel() != feature_maps.shape[0] * feature_maps.shape[1]:
+            return  # no input recorded, or one of another width (``weights_for`` says why)
+        tolerance = max(POOLED_TOLERANCE, 16 * working_unit_roundoff([activation, classifier_input]))
+        read = classifier_input.detach().float().reshape(feature_maps.shape[:2])
+        errors = [pooled_error(pooled, read) for pooled in (feature_maps, torch.relu(feature_maps))]
+        if min(errors) <= tolerance:
+            return
+        classifier = self._output_classifier[0] if self._output_classifier is not None else module_name(
+            self.model, self.classifier) if isinstance(self.classifier, nn.Module) else "the classifier"
+        raise ValueError(
+            f"the classifier {classifier!r} does not read layer {layer_name!r} averaged over positions (its input "
+            f"differs from that average by {errors[0]:.2g} of its largest value): CAM weights the layer's maps by the "
+            "classifier's rows, which is the class score only for a model that average-pools that layer into one "
+            "linear classifier. A ViT's classifier reads its class token, ConvNeXt normalises the pooled features, "
+            "and a transformer block's norm is not what is pooled. Give the layer whose output is pooled (layer=; "
+            "e.g. a Swin's final norm), or use Grad-CAM, which needs no classifier.")
 
     def weights_for(self, channels: int, layer_name: str) -> Tensor:
         """(classes, channels) weights of the classifier (given, or found in this call's forward pass) that
@@ -910,10 +957,11 @@ class ClassActivationMapping(CAM):
             for index, (name, activation) in enumerate(zip(self.layer_names, activations)):
                 feature_maps = self.feature_maps(index, activation).float()
                 weights = self.weights_for(feature_maps.shape[1], name).float().to(feature_maps.device)
+                self.check_pooled(feature_maps, activation, name)
                 maps.append(self.weighted_maps(weights[selected.class_indices.to(weights.device)], feature_maps))
             return maps
         finally:
-            self._output_classifier = self._output_classes = None
+            self._output_classifier = self._output_classes = self._classifier_input = None
 
 
 class OutputProducers(CallScope["OutputProducers"]):
@@ -922,12 +970,20 @@ class OutputProducers(CallScope["OutputProducers"]):
     that ``producer_of`` can tell which one produced the model's output. Other outputs (a transformer's
     per-token projections, a CNN's 1 × 1 convolutions over positions) cannot be the scores and are not kept."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, classifier: Optional[nn.Module] = None):
         super().__init__(model)
+        self.classifier = classifier
+        """The classifier given (its input alone is kept), or None: every candidate."""
         self.outputs: list[tuple[str, nn.Module, Tensor]] = []
+        self.inputs: dict[nn.Module, Tensor] = {}
+        """Per candidate, its input in the last forward of it that could give class scores."""
 
     def setup(self) -> "OutputProducers":
         self.add_undo(self.outputs.clear)
+        self.add_undo(self.inputs.clear)
+        if self.classifier is not None:
+            self.forward_hook(self.classifier, self._hook_for(""))
+            return self
         for name, module in self.model.named_modules() if self.model is not None else ():
             if class_weights(module) is not None:
                 self.forward_hook(module, self._hook_for(name))
@@ -936,9 +992,16 @@ class OutputProducers(CallScope["OutputProducers"]):
     def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
         def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if isinstance(output, Tensor) and (output.dim() == 2 or (output.dim() == 4 and output.shape[2:] == (1, 1))):
-                self.outputs.append((name, module, output))
+                if self.classifier is None:
+                    self.outputs.append((name, module, output))
+                if args and isinstance(args[0], Tensor):
+                    self.inputs[module] = args[0].detach()
 
         return hook
+
+    def input_of(self, classifier: nn.Module) -> Optional[Tensor]:
+        """The classifier's input in its last forward (None if it did not run on class-score shapes)."""
+        return self.inputs.get(classifier)
 
     def producer_of(self, output: object) -> Optional[tuple[str, nn.Module]]:
         """(name, module) of the last candidate whose output is the model's ``output``: the same values in the same
@@ -950,6 +1013,59 @@ class OutputProducers(CallScope["OutputProducers"]):
                     produced.detach().reshape(output.shape).to(output.dtype), output.detach()):
                 return name, module
         return None
+
+
+POOLED_TOLERANCE = 1e-3
+"""CAM: the largest difference, as a fraction of the classifier input's largest |value|, between that input and the
+layer's average-pooled maps for the layer to count as what the classifier reads (float32 pooling rounds to ~1e-7)."""
+
+
+def pooled_error(feature_maps: Tensor, classifier_input: Tensor) -> float:
+    """max |mean over positions of the (N, C, h, w) maps − the (N, C) input| / max |input|."""
+    difference = (feature_maps.float().mean(dim=(2, 3)) - classifier_input).abs().amax()
+    return float(difference / classifier_input.abs().amax().clamp_min(torch.finfo(torch.float32).tiny))
+
+
+class PooledLayers(CallScope["PooledLayers"]):
+    """Forward hooks, for one forward pass, that keep the average over positions of each module's output read as a
+    CAM reads it (``infer_layout``), for the modules that run once and output maps of 2 positions or more;
+    ``reading`` tells which of them the classifier's input is (``POOLED_TOLERANCE``): the layers ClassActivationMapping
+    can explain."""
+
+    def __init__(self, model: nn.Module, input_size: Sequence[int], reshape: Reshape):
+        super().__init__(model)
+        self.input_size, self.reshape = input_size, reshape
+        self.pooled: dict[str, Tensor] = {}
+        """Per module, in the order they finish: its (N, C) output averaged over positions."""
+        self.calls: dict[str, int] = {}
+
+    def setup(self) -> "PooledLayers":
+        self.add_undo(self.pooled.clear)
+        for name, module in self.model.named_modules() if self.model is not None else ():
+            self.forward_hook(module, self._hook_for(name))
+        return self
+
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.pooled.pop(name, None)  # one that runs more than once is not a layer a CAM can explain
+            if self.calls[name] > 1 or not isinstance(output, Tensor) or output.dim() not in (3, 4):
+                return
+            try:
+                tokens = model_tokens(self.model) if output.dim() == 3 else None
+                maps = infer_layout(output, self.input_size, self.reshape, name, module, model=tokens).apply(output)
+            except (ValueError, RuntimeError):
+                return
+            if maps.dim() == 4 and maps.shape[-2] * maps.shape[-1] >= 2:  # a pooled (N, C, 1, 1) output is no map
+                self.pooled[name] = maps.detach().float().mean(dim=(2, 3))
+
+        return hook
+
+    def reading(self, classifier_input: Tensor) -> list[str]:
+        """The modules, in the order they finished, whose pooled output is the (N, C) ``classifier_input``."""
+        read = classifier_input.detach().float().flatten(1)
+        return [name for name, pooled in self.pooled.items()
+                if pooled.shape == read.shape and pooled_error(pooled[..., None, None], read) <= POOLED_TOLERANCE]
 
 
 def class_weights(classifier: nn.Module) -> Optional[Tensor]:

@@ -692,7 +692,8 @@ def test_monotonicity_correlation_ranks_changes_that_only_rounding_orders():
 
     def value(network: nn.Module, images: torch.Tensor) -> torch.Tensor:
         return metrics.monotonicity_correlation(network, images, explanation, y, steps=16, samples=4,
-                                                generator=torch.Generator().manual_seed(0))
+                                                generator=torch.Generator().manual_seed(16))  # draws shared by
+        # the images since session 10: seed 16 gives image 1 groups that rounding orders (seed 0 did before)
 
     single = value(model, x)
     wide = model.double()

@@ -64,11 +64,12 @@ def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     """What removed pixels become, (N, C, H, W) like the batch: "zeros" (zero model input: the mean
     colour under ImageNet normalisation), "blur" (Gaussian, σ = max(H, W) / 16, kernel 2⌈3σ⌉ + 1,
     reflected at the edges, as RISE's insertion; any image size, see ``explain.io.blur.reflect_blur``),
-    "noise" (uniform in each image's value range, seeded), "minimum" / "maximum" / "mean" (each
-    image's smallest / largest / mean value over its channels and pixels; Quantus's "black" is the
-    minimum), a number, a tensor broadcastable to the batch (e.g. a (C, H, W) fill image in
-    model-input space) or a callable ``batch -> tensor`` of the same shape. NaN or inf in a given
-    substrate is refused."""
+    "noise" (uniform in each image's value range, seeded: one (C, H, W) draw u in [0, 1) shared by every
+    image, image n's noise low_n + (high_n − low_n) · u, so that an image gets the same noise alone as at any
+    place in any batch, as ROAD's), "minimum" / "maximum" / "mean" (each image's smallest / largest / mean
+    value over its channels and pixels; Quantus's "black" is the minimum), a number, a tensor broadcastable
+    to the batch (e.g. a (C, H, W) fill image in model-input space) or a callable ``batch -> tensor`` of the
+    same shape. NaN or inf in a given substrate is refused."""
     check_substrate(substrate)
     if isinstance(substrate, numbers.Real) or isinstance(substrate, str) and substrate in BASELINES[1:]:
         return baseline_for(batch, substrate)
@@ -93,7 +94,8 @@ def substrate_for(batch: Tensor, substrate: Substrate, seed: int = 0) -> Tensor:
     generator = torch.Generator().manual_seed(seed)  # "noise"
     low = batch.amin(dim=(1, 2, 3), keepdim=True)
     high = batch.amax(dim=(1, 2, 3), keepdim=True)
-    return low + (high - low) * torch.rand(batch.shape, generator=generator).to(batch.device, batch.dtype)
+    draw = torch.rand(1, *batch.shape[1:], generator=generator)  # the same for every image: alone as in a batch
+    return low + (high - low) * draw.to(batch.device, batch.dtype)
 
 
 def check_score_options(score: object, batch_size: object) -> None:

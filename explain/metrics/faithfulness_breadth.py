@@ -15,6 +15,10 @@ tensor, one per image, resized to the input. The class scored is the explanation
 else each image's top class; ``output=`` picks the scores in a model output that is not a plain
 tensor. Random draws come from ``generator`` (a CPU ``torch.Generator``; default one seeded with 0,
 so the same draws each call) or are given outright (``subsets=``, ``noise=``, ``perturbations=``).
+The draws are made once per call and shared by every image of the batch (as the tie order of
+``explain.metrics._common.ranking`` and ROAD's noise are): each image still gets fresh random subsets
+or noise in every run, and its score is the one it gets alone, at any place in any batch, from a
+generator in the same state. (They are those a batch of one image draws.)
 Results are one value per image on the model's device. Refused with a ValueError that says what was
 wrong: maps with NaN or inf (named), another number of maps than images (none is ignored), draws of
 the wrong shape or range, and every option outside what it takes (named, with its value).
@@ -149,12 +153,13 @@ def _pearson(first: Tensor, second: Tensor) -> Tensor:
 
 
 def _draw_subsets(count: int, runs: int, size: int, feature_count: int, generator: torch.Generator) -> Tensor:
-    """(count, runs, size) long: for each image and run, ``size`` distinct features drawn uniformly."""
-    rows = count * runs
+    """(count, runs, size) long: for each run, ``size`` distinct features drawn uniformly, the same subsets for
+    each of the ``count`` images (so an image's subsets do not depend on its place in the batch or on the
+    other images)."""
     chunk = max(1, 2**22 // feature_count)  # bounds the random keys held at once
-    subsets = [torch.rand(min(chunk, rows - start), feature_count, generator=generator).topk(size, dim=1).indices
-               for start in range(0, rows, chunk)]
-    return torch.cat(subsets).view(count, runs, size)
+    subsets = [torch.rand(min(chunk, runs - start), feature_count, generator=generator).topk(size, dim=1).indices
+               for start in range(0, runs, chunk)]
+    return torch.cat(subsets).view(1, runs, size).expand(count, -1, -1)
 
 
 def _check_subsets(subsets: object, count: int, feature_count: int, name: str) -> Tensor:
@@ -219,7 +224,7 @@ def faithfulness_correlation(
 
     subsets: (N, runs, subset_size) the features of each subset (indices into the H·W pixels or C·H·W
         elements, see the module; runs and subset_size are then its shape); default drawn uniformly from
-        ``generator``.
+        ``generator``, ``runs`` subsets shared by every image of the batch (see the module).
     substrate: what removed features become (``substrate_for``; Quantus's "black" is "minimum").
     score: "logit" (default, as Quantus) or "probability". Costs N · runs forward passes.
     """
@@ -272,7 +277,8 @@ def sensitivity_n(
     ε-LRP, DeepLIFT (Rescale) or Integrated Gradients from the substrate reach 1 for every n.
 
     subset_sizes: the n (default: 8 sizes spread geometrically from 1 to 80 % of the features).
-    subsets: one (N, runs, n) tensor of feature indices per n (default drawn from ``generator``).
+    subsets: one (N, runs, n) tensor of feature indices per n (default drawn from ``generator``, n by n in
+        the order of ``subset_sizes``, shared by every image of the batch as in ``faithfulness_correlation``).
     Costs N · runs forward passes per n.
     """
     features = _check_features(features)
@@ -416,13 +422,15 @@ def monotonicity_correlation(
 
     noise: the values the group's features take, broadcastable to (N, steps, samples, C) in model-input
         space (one value per channel, shared by the group's pixels; for single-pixel groups, one per
-        element); default uniform in each image's value range, drawn from ``generator``. Quantus 0.6 draws
+        element); default uniform in each image's value range, drawn from ``generator``: one (steps, samples,
+        C) draw u in [0, 1) shared by every image of the batch, image n's values low_n + (high_n − low_n) · u
+        (see the module). Quantus 0.6 draws
         one value per image, step and sample, uniform in [0, 1]: pass those as (N, steps, samples, 1).
     Costs N · steps · samples forward passes.
 
-    The correlation ranks the groups' changes, which can be as small as the score's rounding: on a small CNN two
-    groups' changes of 1e-9 lay 2e-4 apart, so float32 and float64 (or two devices, two kernels) ordered them
-    differently and gave 0.638 and 0.650. Compare values across machines in float64, or with more ``samples``.
+    The correlation ranks the groups' changes, which can be as small as the score's rounding: on a small CNN whose
+    groups change the probability by ~1e-9, float32 and float64 (or two devices, two kernels) ordered two of them
+    differently and gave 0.624 and 0.629. Compare values across machines in float64, or with more ``samples``.
     """
     features = _check_features(features)
     steps = int_option("steps", steps, 2)
@@ -434,7 +442,7 @@ def monotonicity_correlation(
     if noise is None:
         low = batch.flatten(1).amin(dim=1).view(-1, 1, 1, 1).cpu()
         high = batch.flatten(1).amax(dim=1).view(-1, 1, 1, 1).cpu()
-        draws = torch.rand(count, steps, samples, channels, generator=_generator(generator))
+        draws = torch.rand(1, steps, samples, channels, generator=_generator(generator))  # shared by the images
         values = (low + (high - low) * draws).to(batch.device, batch.dtype)
     else:
         given = as_tensor(noise, "noise must be a tensor broadcastable to (N, steps, samples, C)").to(batch.device,
@@ -508,10 +516,11 @@ def infidelity(
 
     perturbations: the I, (N, S, C, H, W) or (S, C, H, W) for every image, in model-input space; default
         ``samples`` Gaussian perturbations of standard deviation ``noise`` per value (Yeh et al.'s noisy
-        baseline), drawn from ``generator`` (one seed per image and sample, so the draws do not depend on
-        ``batch_size``). normalize: scale the attributions by the β that minimises the infidelity,
-        β = E[Iᵀa · Δf] / E[(Iᵀa)²] (Yeh et al.'s code; Captum's ``normalize``), to compare methods
-        whatever their scale. Costs N · S forward passes.
+        baseline), drawn from ``generator``: one seed per sample, so the draws do not depend on
+        ``batch_size``, and the S perturbations shared by every image of the batch (see the module).
+    normalize: scale the attributions by the β that minimises the infidelity, β = E[Iᵀa · Δf] / E[(Iᵀa)²]
+        (Yeh et al.'s code; Captum's ``normalize``), to compare methods whatever their scale.
+    Costs N · S forward passes.
     """
     normalize = bool_option("normalize", normalize)
     check_score_options(score, batch_size)
@@ -522,12 +531,13 @@ def infidelity(
     if perturbations is None:
         samples = int_option("samples", samples, 1)
         noise = number_option("noise", noise)
-        seeds = torch.randint(0, 2**62, (count, samples), generator=_generator(generator))
+        seeds = torch.randint(0, 2**62, (samples,), generator=_generator(generator))  # shared by the images
 
         def perturbation(image: Tensor, sample: Tensor) -> Tensor:
-            drawn = [torch.randn(batch.shape[1:], generator=torch.Generator().manual_seed(int(seeds[i, s])))
-                     for i, s in zip(image.tolist(), sample.tolist())]
-            return (torch.stack(drawn) * noise).to(batch.device, batch.dtype)
+            needed, where = sample.cpu().unique(return_inverse=True)
+            drawn = torch.stack([torch.randn(batch.shape[1:], generator=torch.Generator().manual_seed(int(seeds[s])))
+                                 for s in needed.tolist()])
+            return (drawn[where] * noise).to(batch.device, batch.dtype)
     else:
         given = as_tensor(perturbations, "perturbations must be a (N, S, C, H, W) or (S, C, H, W) tensor")
         if given.dim() == 4:

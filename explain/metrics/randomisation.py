@@ -112,7 +112,11 @@ def random_logit(
 
     other_classes: (N,) the other class of each image; default: drawn uniformly among the model's other
         classes from ``generator`` (a CPU ``torch.Generator``; default one seeded with 0, so the same
-        classes each call; seed your own for other draws).
+        classes each call; seed your own for other draws). One draw u in 0 … K − 2 (K classes) is shared
+        by every image of the batch (as the tie order of ``explain.metrics._common.ranking`` and ROAD's
+        noise are): image n's other class is u, or u + 1 where u ≥ its class, uniform over the classes
+        other than its own, and the one it gets alone, at any place in any batch, from a generator in the
+        same state.
     similarity: "ssim" (default: SSIM, Gaussian window of σ 1.5, of |map| / max |map|, in [-1, 1]; as
         ``explain.metrics.ssim``), "spearman" (rank correlation of |map|, in [-1, 1]) or a callable
         (first, second) → (N,) given the raw (N, H, W) maps.
@@ -136,8 +140,8 @@ def random_logit(
         raise ValueError("the model has a single output class: there is no other class to compare with.")
     if other_classes is None:
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        offsets = torch.randint(0, class_count - 1, (classes.shape[0],), generator=generator).to(batch.device)
-        others = offsets + (offsets >= classes).long()  # uniform over the classes other than the image's own
+        offset = torch.randint(0, class_count - 1, (1,), generator=generator).to(batch.device)  # shared by the images
+        others = offset + (offset >= classes).long()  # uniform over the classes other than the image's own
     else:
         others = _check_other_classes(other_classes, classes, class_count)
     second = explainer.explain(batch, others, **options)
@@ -281,7 +285,10 @@ def smooth_mprt(
     model's, in [-1, 1], lower after randomisation is better.
 
     noise: the (S − 1, N, C, H, W) offsets, instead of drawing them from ``generator`` (a CPU
-        ``torch.Generator``, default seeded with 0); every stage uses the same draws.
+        ``torch.Generator``, default seeded with 0): one standard normal (C, H, W) draw per sample, shared by
+        every image of the batch and scaled by each image's spread, so that an image's maps are the ones it
+        gets alone, at any place in any batch (``explain.metrics.robustness``); every stage uses the same
+        draws.
     stages, order ("bottom_up", the paper's recommendation, or "top_down"), seed, randomize: which layers
         are randomised, cumulatively, and how (``explain.metrics.sanity.randomized_copies``).
     Costs S · N explained copies per stage and for the trained model, ``batch_size`` per call.
@@ -300,7 +307,7 @@ def smooth_mprt(
                            channels=model_input_channels(model)).batch
     reference = explained_reference(explainer, batch, target, None, options, "sMPRT")  # and the classes explained
     flat = batch.reshape(batch.shape[0], -1)
-    spread = (flat.amax(dim=1) - flat.amin(dim=1)).view(-1, 1, 1, 1) * noise_level
+    spread = (flat.amax(dim=1) - flat.amin(dim=1)) * noise_level
     if count > 1 and noise is not None:
         given, _ = check_noise(noise, count - 1, batch)
     elif noise is not None:
@@ -312,8 +319,8 @@ def smooth_mprt(
 
     def smoothed(current: Explainer) -> Tensor:
         generator.set_state(start_state)  # the same draws for every stage
-        source = NoiseSamples(given, lambda generator: torch.randn(
-            batch.shape, generator=generator, dtype=torch.float64) * spread.cpu().double(), generator)
+        source = NoiseSamples(given, lambda generator: torch.randn(batch.shape[1:], generator=generator,
+                                                                   dtype=torch.float64), generator, spread.double())
 
         def perturb(sample_rows: Tensor, image_rows: Tensor) -> Tensor:
             noisy = sample_rows < count - 1

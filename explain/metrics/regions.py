@@ -59,8 +59,8 @@ def _region_ranks(relevance: Tensor, order: Order, generator: Optional[torch.Gen
         ranks = ranking((relevance if order == "morf" else -relevance)[:, None])
         return ranks.view(count, regions)
     if isinstance(order, str) and order == "random":
-        keys = torch.rand(count, regions, generator=_generator(generator))
-        return keys.argsort(dim=1).argsort(dim=1).to(relevance.device)
+        keys = torch.rand(1, regions, generator=_generator(generator))  # one order for every image of the batch,
+        return keys.argsort(dim=1).argsort(dim=1).expand(count, -1).to(relevance.device)  # so none depends on its place
     if not isinstance(order, Tensor):
         raise ValueError(f"order must be 'morf', 'lerf', 'random' or a (N, P) tensor of patch indices; got "
                          f"{short_repr(order)}.")
@@ -134,7 +134,8 @@ def region_perturbation(
 ) -> RegionPerturbation:
     """Region perturbation (Samek et al. 2015): the first ``regions`` patches of ``patch_size`` × ``patch_size``
     pixels (``patch_grid``) replaced one after another by the substrate, in ``order`` of the map's sum over
-    each patch ("random": drawn from ``generator``; or a (N, P) tensor of patch indices). Samek et al.
+    each patch ("random": one order drawn from ``generator``, the same for every image, so that an image's curve does
+    not depend on its batch; or a (N, P) tensor of patch indices). Samek et al.
     replaced 9 × 9 regions with uniform noise (substrate="noise"). Costs N · min(regions, P) forward passes.
     """
     check_substrate(substrate)

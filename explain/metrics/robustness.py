@@ -15,8 +15,11 @@ per image, (N,) float on the model's device.
 | consistency | [0, 1] (NaN where no other image has the same explanation) | higher |
 
 Noise is drawn from ``generator`` (a CPU ``torch.Generator``; default one seeded with 0, so the same
-draws each call), one sample of all N images at a time, or given as ``noise``: the (S, N, C, H, W)
-offsets added to the model batch (in model-input space), S samples of each image. With
+draws each call), one (C, H, W) draw per sample, shared by every image of the batch (as the tie order of
+``explain.metrics._common.ranking`` and ROAD's noise are), so that an image scores the same alone as at any
+place in any batch, from a generator in the same state (the draws are those a batch of one image gets); or
+given as ``noise``: the (S, N, C, H, W) offsets added to the model batch (in model-input space), S samples
+of each image. With
 ``keep_prediction``, copies whose top class differs from the image's (``decisions``: for a one-column output,
 whose logit changes sign) are left out; an image with no copy left scores NaN. Refused with an error that says
 what was wrong: callable or several targets, an explanation of other images, noise of another shape or with NaN,
@@ -177,11 +180,13 @@ def forward_outputs(model: nn.Module, inputs: Tensor, output: OutputSelector,
 
 class NoiseSamples:
     """Additive noise for S samples of N images: the given (S, N, C, H, W) ``noise``, or ``draw(generator)``
-    called once per sample in order (its (N, C, H, W) draw), so the draws do not depend on the chunking."""
+    called once per sample in order (its (C, H, W) draw, shared by every image, times the image's ``scale``
+    where given), so the draws depend neither on the chunking nor on an image's place in the batch or the
+    other images. scale: (N,) each image's factor on the drawn noise (not on given noise)."""
 
     def __init__(self, noise: Optional[Tensor], draw: Callable[[torch.Generator], Tensor],
-                 generator: torch.Generator) -> None:
-        self.noise, self.draw, self.generator = noise, draw, generator
+                 generator: torch.Generator, scale: Optional[Tensor] = None) -> None:
+        self.noise, self.draw, self.generator, self.scale = noise, draw, generator, scale
         self.drawn: dict[int, Tensor] = {}
 
     def rows(self, samples: Tensor, images: Tensor) -> Tensor:
@@ -193,7 +198,10 @@ class NoiseSamples:
             del self.drawn[sample]
         for sample in range(max(self.drawn, default=first - 1) + 1, last + 1):
             self.drawn[sample] = self.draw(self.generator)
-        return torch.stack([self.drawn[int(sample)][int(image)] for sample, image in zip(samples, images)])
+        drawn = torch.stack([self.drawn[int(sample)] for sample in samples])
+        if self.scale is None:
+            return drawn
+        return drawn * self.scale.to(drawn.device, drawn.dtype)[images.to(drawn.device)].view(-1, 1, 1, 1)
 
 
 def check_noise(noise: object, samples: Optional[int], batch: Tensor) -> tuple[Optional[Tensor], int]:
@@ -294,9 +302,9 @@ def _common_options(batch_size: object, keep_prediction: object, generator: obje
 def noisy_copies(reference: Reference, noise: object, samples: Optional[int], generator: Optional[torch.Generator],
                  draw: Callable[[torch.Generator, torch.Size], Tensor]) -> tuple[int, Perturb]:
     """(S, perturb) for ``over_copies``: each copy is its image plus its noise row (given, or drawn by
-    ``draw(generator, (N, C, H, W))`` one sample at a time)."""
+    ``draw(generator, (C, H, W))`` one sample at a time, shared by the images: ``NoiseSamples``)."""
     given, count = check_noise(noise, samples, reference.batch)
-    source = NoiseSamples(given, lambda generator: draw(generator, reference.batch.shape),
+    source = NoiseSamples(given, lambda generator: draw(generator, reference.batch.shape[1:]),
                           generator if generator is not None else torch.Generator().manual_seed(0))
 
     def perturb(sample_rows: Tensor, image_rows: Tensor) -> Tensor:

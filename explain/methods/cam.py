@@ -904,14 +904,14 @@ class ClassActivationMapping(CAM):
             return  # no input recorded, or one of another width (``weights_for`` says why)
         tolerance = max(POOLED_TOLERANCE, 16 * working_unit_roundoff([activation, classifier_input]))
         read = classifier_input.detach().float().reshape(feature_maps.shape[:2])
-        errors = [pooled_error(pooled, read) for pooled in (feature_maps, torch.relu(feature_maps))]
-        if min(errors) <= tolerance:
+        error = pooled_error(feature_maps, read)
+        if error <= tolerance or pooled_error(torch.relu(feature_maps), read) <= tolerance:
             return
         classifier = self._output_classifier[0] if self._output_classifier is not None else module_name(
             self.model, self.classifier) if isinstance(self.classifier, nn.Module) else "the classifier"
         raise ValueError(
             f"the classifier {classifier!r} does not read layer {layer_name!r} averaged over positions (its input "
-            f"differs from that average by {errors[0]:.2g} of its largest value): CAM weights the layer's maps by the "
+            f"differs from that average by {error:.2g} of its largest value): CAM weights the layer's maps by the "
             "classifier's rows, which is the class score only for a model that average-pools that layer into one "
             "linear classifier. A ViT's classifier reads its class token, ConvNeXt normalises the pooled features, "
             "and a transformer block's norm is not what is pooled. Give the layer whose output is pooled (layer=; "

@@ -223,6 +223,7 @@ def parse_target(text: Optional[str], class_names: Optional[Sequence[str]]) -> O
     """--target: a class index or a class name."""
     if text is None:
         return None
+    text = text.strip()  # " 1" from a quoted shell argument, "cat\r" from a CRLF script
     if text.lstrip("-").isdigit():
         return int(text)
     if class_names is None:
@@ -364,8 +365,9 @@ def output_file_name(arguments: argparse.Namespace, stem: str) -> str:
         parts.append(_slug(Path(weights).stem if Path(weights).expanduser().is_file() else weights))
     if arguments.layer is not None:
         parts.append(_slug(arguments.layer))
-    if arguments.target is not None:
-        parts.append("t" + _slug(arguments.target))
+    if arguments.target is not None:  # a name in other letters (正方形) as a digest: t alone would be shared
+        target = _slug(arguments.target)
+        parts.append("t" + (target if target else hashlib.sha1(arguments.target.encode()).hexdigest()[:6]))
     if arguments.topk is not None:
         parts.append(f"top{arguments.topk}")
     if arguments.instances is not None:
@@ -429,8 +431,22 @@ def _describe(explanation: Explanation, image_index: int, target_index: int) -> 
     return text
 
 
-def run_images(arguments: argparse.Namespace) -> int:
+def check_image_arguments(arguments: argparse.Namespace) -> None:
+    """The settings of the image command that hold for every image, checked before the model is loaded: an error
+    once, not one per image."""
+    if not 0.0 <= arguments.alpha <= 1.0:  # NaN fails too
+        raise ValueError(f"--alpha is the heatmap's opacity, in [0, 1]; got {arguments.alpha}.")
+    if arguments.target is not None and arguments.topk is not None:
+        raise ValueError(f"--target {arguments.target} and --topk {arguments.topk}: give one of them (--target "
+                         "explains one class, --topk the k top classes of each image).")
+    if arguments.layer is not None and not arguments.layer.strip():
+        raise ValueError("--layer is empty: give a layer's name (`explain layers MODEL` lists them), or leave it out "
+                         "for the model's default layer.")
     check_colormap(arguments.cmap)
+
+
+def run_images(arguments: argparse.Namespace) -> int:
+    check_image_arguments(arguments)
     device = parse_device(arguments.device)
     out = check_output_folder(arguments.out)
     loaded = load_from_arguments(arguments)
@@ -440,27 +456,49 @@ def run_images(arguments: argparse.Namespace) -> int:
     instances = parse_instances(arguments.instances, loaded)
     mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    failures: list[tuple[str, str]] = []  # (image, reason)
+    pending = True  # no image written yet: the reasons wait, as one reason shared by every image is said once
     for path, stem in zip(arguments.images, output_names(arguments.images)):
         try:  # an image that cannot be read or explained is reported, and the others are explained
             explanation = explainer.explain(path, target=target, topk=arguments.topk, instances=instances)
             destination, note = write_overlays(explanation, out / output_file_name(arguments, stem),
                                                run_settings(arguments, path), arguments.alpha, arguments.cmap)
         except (ValueError, TypeError, LayerNotRunError, ModelInputError, OSError) as error:
-            failed += 1
-            text = _os_error_text(error) if isinstance(error, OSError) else str(error)
-            print(f"explain: error: {'' if path in text else f'{path}: '}{text}", file=sys.stderr, flush=True)
+            reason = _os_error_text(error) if isinstance(error, OSError) else str(error)
+            if isinstance(error, ModelInputError):  # its advice is Python's: say the flag
+                reason += " On the command line, --size S or --size H W sets the input size."
+            failures.append((path, reason))
+            if not pending:
+                _print_image_error(*failures[-1])
             continue
+        if pending:
+            pending = False
+            for failure in failures:
+                _print_image_error(*failure)
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
         layer = f" [{explanation.description()}]" if explanation.layer is not None else ""
         print(f"{path}: {described}{mark}{layer} -> {destination}{note}", flush=True)
-    if failed:
-        written = len(arguments.images) - failed
-        print(f"explain: error: {failed} of {len(arguments.images)} image(s) could not be explained (the reasons "
-              f"above){f'; the other {written} were written to {out}' if written else ''}.", file=sys.stderr)
+    if not failures:
+        return 0
+    reasons = {reason for _, reason in failures}
+    if pending and len(reasons) == 1:  # every image failed for the same reason: the settings', said once
+        count = len(failures)
+        print(f"explain: error: {reasons.pop()}{f' (each of the {count} images)' if count > 1 else ''}",
+              file=sys.stderr)
         return 2
-    return 0
+    if pending:
+        for failure in failures:
+            _print_image_error(*failure)
+    written = len(arguments.images) - len(failures)
+    print(f"explain: error: {len(failures)} of {len(arguments.images)} image(s) could not be explained (the reasons "
+          f"above){f'; the other {written} were written to {out}' if written else ''}.", file=sys.stderr)
+    return 2
+
+
+def _print_image_error(path: str, reason: str) -> None:
+    """One image's failure as an ``explain: error:`` line that names the image."""
+    print(f"explain: error: {'' if path in reason else f'{path}: '}{reason}", file=sys.stderr, flush=True)
 
 
 DEMO_METHODS = {"demo": ("gradcam", "layer4", "Grad-CAM at layer4 of the demo CNN"),

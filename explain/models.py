@@ -34,7 +34,11 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
+import numbers
+import os
 import pickle
+import re
 import zipfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -121,16 +125,16 @@ class WeightsUnavailableError(RuntimeError):
 
 
 def load_model(
-    source: str,
-    weights: Optional[str] = None,
+    source: Union[str, "os.PathLike[str]"],
+    weights: Union[str, "os.PathLike[str]", None] = None,
     *,
     num_classes: Optional[int] = None,
     output: OutputSelector = None,
     allow_pickle: bool = False,
     class_names: Union[str, Path, Sequence[str], None] = None,
-    size: Optional[Sequence[int]] = None,
-    mean: Optional[Sequence[float]] = None,
-    std: Optional[Sequence[float]] = None,
+    size: Union[int, Sequence[int], None] = None,
+    mean: Union[float, Sequence[float], None] = None,
+    std: Union[float, Sequence[float], None] = None,
 ) -> LoadedModel:
     """Load a model from any source (see the module's docstring), in eval mode.
 
@@ -141,10 +145,14 @@ def load_model(
     allow_pickle: load a whole pickled model from a file, or an hf: directory's pickled weights
         (pytorch_model.bin) (unpickling can run code from the file: trusted files only).
     class_names: a list of names, or a text file (one name per line, or a JSON list).
-    size: (S,) resize the shorter side to S and centre-crop S × S, or (H, W) resize to exactly
-        H × W; mean, std: per-channel normalisation. Each replaces the model's own.
+    size: S or (S,) resize the shorter side to S and centre-crop S × S, or (H, W) resize to exactly
+        H × W (a torchvision ViT without pretrained weights is built for S × S); mean, std: per-channel
+        normalisation in [0, 1] units (one value for all channels, or three). Each replaces the model's own.
     Raises WeightsUnavailableError when weights cannot be downloaded or read, with the fix.
     """
+    source = os.fspath(source)
+    weights = None if weights is None else os.fspath(weights)
+    size, mean, std = _checked_preprocessing(size, mean, std)
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes must be at least 1; got {num_classes}.")
     if weights == RANDOM_WEIGHTS and source.startswith("hf:"):
@@ -163,7 +171,7 @@ def load_model(
     elif source.startswith("hf:"):
         loaded = _load_huggingface(source.removeprefix("hf:"), weights, output, allow_pickle)
     elif source.startswith("torchvision:") or source in torchvision.models.list_models():
-        loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes, allow_pickle)
+        loaded = _load_torchvision(source.removeprefix("torchvision:"), weights, num_classes, allow_pickle, size)
     elif Path(source).expanduser().is_file():
         if weights is not None:
             raise ValueError(f"{source!r} is a whole model, with its own weights: leave out weights (--weights), or "
@@ -183,6 +191,46 @@ def load_model(
             loaded.input_size = (3, *_size_pair(size))
     loaded.model.eval()
     return loaded
+
+
+Statistics = Optional[tuple[float, ...]]
+
+
+def _checked_preprocessing(size: Union[int, Sequence[int], None], mean: Union[float, Sequence[float], None],
+                           std: Union[float, Sequence[float], None]
+                           ) -> tuple[Optional[tuple[int, ...]], Statistics, Statistics]:
+    """size, mean and std as tuples (a single number as one value), checked: sizes whole numbers ≥ 1, mean in
+    [0, 1] and std in (0, 1] (the units of an image in [0, 1]: 0–255 statistics would give a meaningless map)."""
+    def values(name: str, given: Any) -> Optional[tuple[Any, ...]]:
+        if given is None:
+            return None
+        if isinstance(given, numbers.Real):
+            return (given,)
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            raise TypeError(f"{name} takes a number or a sequence of numbers; got {given!r}.")
+        return tuple(given)
+
+    sizes, means, stds = values("size", size), values("mean", mean), values("std", std)
+    if sizes is not None and (len(sizes) not in (1, 2) or any(
+            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1 for value in sizes)):
+        raise ValueError(f"--size takes S (shorter side, centre crop S × S) or H W, whole numbers of at least 1; got "
+                         f"{list(sizes)} (size=).")
+    for name, statistics in (("mean", means), ("std", stds)):
+        if statistics is None:
+            continue
+        if len(statistics) not in (1, 3):
+            raise ValueError(f"--{name} takes 1 or 3 values (one per RGB channel); got {len(statistics)} ({name}=).")
+        if any(isinstance(value, bool) or not isinstance(value, numbers.Real) for value in statistics):
+            raise TypeError(f"--{name} takes numbers; got {list(statistics)} ({name}=).")
+        lowest = 0.0 if name == "mean" else math.nextafter(0.0, 1.0)  # a mean may be 0, a std may not
+        if not all(math.isfinite(value) and lowest <= value <= 1.0 for value in statistics):
+            scaled = (" Statistics in 0–255 units, such as ImageNet's 123.7 116.3 103.5, are given divided by 255 "
+                      "(0.485 0.456 0.406)." if any(math.isfinite(value) and value > 1 for value in statistics) else "")
+            raise ValueError(f"--{name} values lie in {'[0, 1]' if name == 'mean' else '(0, 1]'}, in the units of an "
+                             f"image in [0, 1]; got {list(statistics)} ({name}=).{scaled}")
+    return (None if sizes is None else tuple(int(value) for value in sizes),
+            None if means is None else tuple(float(value) for value in means),
+            None if stds is None else tuple(float(value) for value in stds))
 
 
 def names_an_architecture(source: str) -> bool:
@@ -230,6 +278,9 @@ def _load_demo(name: str, weights: Optional[str], num_classes: Optional[int] = N
         model = load_trained()
     elif weights == RANDOM_WEIGHTS:
         model = architecture(**head)
+    elif weights in PRETRAINED_NAMES and not Path(weights).expanduser().is_file():
+        raise ValueError(f"{name!r} is a shipped model and comes with its trained weights: leave out --weights "
+                         f"(weights=), or give {RANDOM_WEIGHTS!r} or a state-dict file of a copy you trained.")
     else:
         model = architecture(**head)
         load_state_dict(model, read_state_dict(Path(weights).expanduser(), allow_pickle), weights, name)
@@ -274,8 +325,22 @@ def _torchvision_weights(model_name: str, weights: str) -> Any:
         ) from None
 
 
+def _vision_transformer_size(name: str, size: Optional[Sequence[int]]) -> dict[str, Any]:
+    """The ``image_size`` that builds a torchvision ViT (whose position embeddings fix its input size) for --size S,
+    or {} for another model or no size; an error for a size the ViT cannot take (not square, not whole patches)."""
+    if size is None or not name.startswith("vit_"):
+        return {}
+    height, width = _size_pair(size)
+    match = re.search(r"_(\d+)$", name)  # vit_b_16: patches of 16 px
+    patch = int(match.group(1)) if match else 1
+    if height != width or height % patch:
+        raise ValueError(f"{name} takes square inputs of whole {patch}-pixel patches: give --size S (size=) with S a "
+                         f"multiple of {patch}, e.g. {max(patch, round(height / patch) * patch)}; got {list(size)}.")
+    return {"image_size": height}
+
+
 def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[int],
-                      allow_pickle: bool = False) -> LoadedModel:
+                      allow_pickle: bool = False, size: Optional[Sequence[int]] = None) -> LoadedModel:
     if name not in torchvision.models.list_models():
         raise ValueError(_unknown_source_message(name))
     enum = _weights_enum(name)
@@ -283,6 +348,7 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
     head: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
     weights = None if weights == RANDOM_WEIGHTS else weights
     if weights is None or _is_weights_file(weights):
+        head.update(_vision_transformer_size(name, size))
         # segmentation and detection builders download their backbone's ImageNet weights by default
         parameters = inspect.signature(torchvision.models.get_model_builder(name)).parameters
         if "weights_backbone" in parameters:
@@ -632,6 +698,11 @@ def read_state_dict(path: Path, allow_pickle: bool = False) -> dict[str, torch.T
         if inner is None:
             break
         state = inner
+    if isinstance(state, nn.Module):
+        raise WeightsUnavailableError(
+            f"{str(path)!r} holds a whole model ({type(state).__name__}), not a state dict: give it as the model, "
+            f"--model {str(path)} --allow-pickle, without --weights; or save its weights, "
+            "torch.save(model.state_dict(), path).")
     if not isinstance(state, dict) or not any(isinstance(value, torch.Tensor) for value in state.values()):
         raise WeightsUnavailableError(f"{str(path)!r} does not hold a state dict (got {type(state).__name__}).")
     tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
@@ -722,11 +793,22 @@ def count_segmentation_classes(model: nn.Module) -> Optional[int]:
 def read_class_names(names: Union[str, Path, Sequence[str]]) -> list[str]:
     """Class names from a list, or from a file: a JSON list, or one name per line."""
     if not isinstance(names, (str, Path)):
-        return [str(name) for name in names]
+        listed = [str(name) for name in names]
+        if not listed:
+            raise ValueError("class_names is empty: give one name per class, in the order of the model's outputs "
+                             "(or None for the model's own names).")
+        return listed
     path = Path(names).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"the class-names file {str(path)!r} is a folder: give a text file with one name per "
+                                "line, or a JSON list.")
     if not path.is_file():
         raise FileNotFoundError(f"no class-names file at {str(path)!r}.")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of a name
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the class-names file {str(path)!r} is not UTF-8 text ({error.reason} at byte "
+                         f"{error.start}): save it as UTF-8, one name per line.") from None
     if text.lstrip().startswith("["):
         try:
             loaded = json.loads(text)
@@ -734,13 +816,18 @@ def read_class_names(names: Union[str, Path, Sequence[str]]) -> list[str]:
             raise ValueError(f"{str(path)!r} looks like JSON but is not: {error}") from None
         if not isinstance(loaded, list):
             raise ValueError(f"{str(path)!r} must hold a JSON list of names, or one name per line.")
-        return [str(name) for name in loaded]
-    return [line.strip() for line in text.splitlines() if line.strip()]
+        found = [str(name) for name in loaded]
+    else:
+        found = [line.strip() for line in text.splitlines() if line.strip()]
+    if not found:
+        raise ValueError(f"the class-names file {str(path)!r} holds no names: write one name per line (or a JSON "
+                         "list), in the order of the model's outputs.")
+    return found
 
 
 def check_class_count(names: Sequence[str], model: nn.Module) -> None:
     outputs = count_outputs(model)
-    if outputs is not None and len(names) != outputs and len(names) > 0:
+    if outputs is not None and len(names) != outputs:
         raise ValueError(f"{len(names)} class names for a model whose last layer has {outputs} outputs; give one "
                          "name per class, in the order of the outputs.")
 

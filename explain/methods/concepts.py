@@ -147,9 +147,16 @@ def _layer_output(model: nn.Module, layer: nn.Module, name: str, batch: Tensor) 
     if len(store) != 1:
         raise ValueError(f"layer {name} runs {len(store)} times in one forward pass: give a layer that runs once.")
     if not isinstance(store[0], Tensor):
-        raise ValueError(f"layer {name} returns {type(store[0]).__name__}, not a tensor of features: give the module "
-                         "whose output holds the concepts (`explain layers`).")
+        raise ValueError(_not_features(name, store[0], model))
     return store[0]
+
+
+def _not_features(name: str, output: Any, model: nn.Module) -> str:
+    """Why layer ``name``'s ``output`` (not a tensor) holds no concepts, naming the modules inside it to give."""
+    inside = [child for child, _ in model.named_modules() if child.startswith(name + ".")] if name else []
+    hint = (f" (inside it: {', '.join(inside[:6])}{' …' if len(inside) > 6 else ''})" if inside else "")
+    return (f"layer {name} returns {type(output).__name__}, not a tensor of features: give the module whose output "
+            f"holds the concepts{hint}, or the block around it (`explain layers`).")
 
 
 BYPASS_IN_MAPS = ("Each conditional map includes that relevance, so the concepts' maps do not add up to the "
@@ -212,10 +219,12 @@ class ConceptRelevance:
         owner = threading.get_ident()  # another thread's forward passes on the model run it unchanged
         self._this_thread.layer_ran = False  # read by layer_relevance: did the layer run at all?
 
+        refused: list[ValueError] = []  # raised inside the model's forward, which would wrap it as the input's fault
+
         def on_output(module: nn.Module, args: Any, output: Any) -> None:
             if not isinstance(output, Tensor):
-                raise ValueError(f"layer {self.layer_name} returns {type(output).__name__}, not a tensor of "
-                                 "features: give the module whose output holds the concepts (`explain layers`).")
+                refused.append(ValueError(_not_features(self.layer_name, output, self.model)))
+                raise refused[-1]
             if not output.requires_grad:
                 return
             dim = self._channel_dim(output)
@@ -267,6 +276,10 @@ class ConceptRelevance:
         handle = self.layer.register_forward_pre_hook(before_layer)
         try:
             yield
+        except Exception:
+            if refused:
+                raise refused[0] from None
+            raise
         finally:
             handle.remove()
             while pending:
@@ -733,6 +746,19 @@ class ReferencePatches(Protocol):
     def of(self, concept: int) -> list[np.ndarray]: ...
 
 
+def _check_references_layer(references: Optional[ReferencePatches], layer: Any) -> None:
+    """Refuse reference patches of another layer than the explanation's (``ConceptReferences.layer``, an atlas's
+    entries["layer"]): its channel c is another feature, and its patches would be drawn as this concept's."""
+    theirs = getattr(references, "layer", None)
+    if theirs is None:
+        entries = getattr(references, "entries", None)
+        theirs = entries.get("layer") if isinstance(entries, dict) else None
+    if isinstance(theirs, str) and isinstance(layer, str) and theirs != layer:
+        raise ValueError(f"the references are of layer {theirs} but the explanation's concepts are of layer {layer}: "
+                         "channel c of one layer is another feature than channel c of the other. Give references "
+                         "of the explanation's layer (concept_references with the same ConceptRelevance).")
+
+
 def glocal_figure(explanation: Explanation, references: Optional[ReferencePatches] = None, image: int = 0,
                   patches: int = 4) -> Any:
     """The "glocal" figure of CRP: image ``image`` and, for each of its concepts in ``explanation``
@@ -753,6 +779,7 @@ def glocal_figure(explanation: Explanation, references: Optional[ReferencePatche
     if not is_whole_number(patches) or int(patches) < 0:
         raise ValueError(f"patches must be a whole number ≥ 0 (reference patches per row); got {patches!r}.")
     image, patches = int(image), int(patches)
+    _check_references_layer(references, explanation.layer)
     concepts = explanation.class_indices[image].tolist()
     columns = 2 + (patches if references is not None else 0)
     figure, axes = plt.subplots(len(concepts), columns, figsize=(1.8 * columns, 1.8 * len(concepts)), squeeze=False)
@@ -772,6 +799,9 @@ def glocal_figure(explanation: Explanation, references: Optional[ReferencePatche
             for column in range(patches):
                 if column < len(crops):
                     axes[row, 2 + column].imshow(crops[column])
+            if patches and not crops:  # said, not a blank row that reads as patches not drawn yet
+                axes[row, 2].text(0.5, 0.5, "no references", ha="center", va="center", fontsize=7,
+                                  transform=axes[row, 2].transAxes)
         for axis in axes[row]:
             axis.axis("off")
     figure.suptitle(f"{explanation.description()}, class {int(explanation.diagnostics['explained_class'][image])}",

@@ -98,6 +98,13 @@ def is_activation_module(module: nn.Module) -> bool:
 # ------------------------------------------------------------------ the modified gradients
 
 
+def ratio_of(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """numerator / denominator (in place in ``numerator``), 0 where the denominator is 0: an input of exactly 0 whose
+    ε (1e-10) is below float16's smallest number, so x + ε is 0 too; its relevance, x times a factor, is 0 as in
+    float32 (where the rules give 0 / ε = 0), not 0 / 0."""
+    return numerator.div_(denominator).masked_fill_(denominator == 0, 0)
+
+
 class IdentityRule(torch.autograd.Function):
     """Forward: the elementwise function, exactly; backward: ∂ → ∂ · (y − y(0)) / (x + ε) (AttnLRP's identity rule,
     of y − y(0) where y(0) ≠ 0), with y recomputed from the saved input (as the plain backward of GELU keeps its
@@ -116,7 +123,7 @@ class IdentityRule(torch.autograd.Function):
             values = ctx.function(inputs)
             if ctx.at_zero:
                 values = values.sub_(ctx.at_zero)
-            ratio = values.div_(inputs + IDENTITY_EPSILON)
+            ratio = ratio_of(values, inputs + IDENTITY_EPSILON)
         return None, ratio.mul_(gradient), None
 
 
@@ -126,7 +133,7 @@ class IdentityOfValues(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, inputs: Tensor, output: Tensor, at_zero: float = 0.0) -> Tensor:
-        ctx.save_for_backward((output - at_zero if at_zero else output) / (inputs + IDENTITY_EPSILON))
+        ctx.save_for_backward(ratio_of(output - at_zero if at_zero else output.clone(), inputs + IDENTITY_EPSILON))
         return output.view_as(output)
 
     @staticmethod
@@ -229,7 +236,7 @@ class GammaGradient(torch.autograd.Function):
         inputs, weight, bias, output = ctx.saved_tensors
         relevance = ctx.rule.relevance(ctx.layer, inputs.detach(), weight.detach(),
                                        None if bias is None else bias.detach(), gradient * output)
-        return None, None, relevance / stabilize(inputs.detach(), IDENTITY_EPSILON), None, None
+        return None, None, ratio_of(relevance, stabilize(inputs.detach(), IDENTITY_EPSILON)), None, None
 
 
 def _norm_surrogate(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -105,7 +105,8 @@ class LRP(GradientExplainer):
     "layers" the calls with a redistributing rule in forward order, with "layer_output_relevance" and
     "layer_input_relevance" (N, K, L), the relevance each received and passed on (float64); "unruled" the calls on
     the input's path that have no LRP rule (a warning names them). A warning says when the relevance vanished on the
-    way, and when a score within 1e3 × max(epsilon, stabilizer) lost more than a tenth of it (ε's share).
+    way, and when a score within 1e3 × max(epsilon, stabilizer) lost more than a tenth of it (ε's share; not where
+    calls without a rule changed the sum: their warning says so).
 
     One difference from zennit: its folded BatchNorm still computes x / √(1 + eps), not x, so zennit explains a
     slightly rescaled model (~1e-4 apart after resnet18's 20 BatchNorms); here the model is computed as it is.
@@ -210,7 +211,7 @@ class LRP(GradientExplainer):
                 pairs = ", ".join(f"({n}, {k})" for n, k in nonzero.nonzero().tolist()[:8])
                 warn_at_callers_line(f"{self.method_name}: the maps of (image, target) {pairs} hold almost no "
                                      f"relevance: {reason}.", RuntimeWarning)
-        if not masked_pass:
+        if not masked_pass and not trace.unruled:  # with calls without a rule, their warning says why it changed
             self._warn_if_epsilon_absorbed(kept, output_relevance, scored & ~vanished)
         return attribution
 

@@ -423,6 +423,7 @@ class Explainer(ABC):
             check_detector(self.model)  # before the scope changes anything (the YOLO wrapper's train() trains)
         scope = CallScope(self.model)
         with scope, deferred_checks() as checks:  # the checks of values: one host sync, at the end of the call
+            scope.add_undo(self._per_thread_state_restorer())  # added first: undone last, after every other undo
             if torch.is_inference_mode_enabled():  # the caller's inference_mode(): no graph could be built
                 scope.enter(torch.inference_mode(False))
             device = model_device(self.model)
@@ -501,6 +502,41 @@ class Explainer(ABC):
                 class_names=self.class_names,
                 boxes=boxes,
             )
+
+    def _per_thread_state_restorer(self) -> Callable[[], None]:
+        """What puts this thread's per-call state (``PerThread`` attributes, flags) of this explainer and of the
+        explainers it wraps back as it is now: called when the call ends, also when it raises midway (a bad target, a
+        model's error, Ctrl-C), so that no layouts, flags or tensors of the call stay on the explainer after it."""
+        saved = [(state, dict(state.__dict__)) for state in self._thread_states()]
+
+        def restore() -> None:
+            for state, before in saved:
+                state.__dict__.clear()
+                state.__dict__.update(before)
+
+        return restore
+
+    def _thread_states(self) -> list[threading.local]:
+        """The ``_thread_state`` of this explainer and of every explainer it wraps (attributes, lists or dicts of
+        them), each once."""
+        states: list[threading.local] = []
+        seen: set[int] = set()
+        pending: list[Any] = [self]
+        while pending:
+            value = pending.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, Explainer):
+                state = value.__dict__.get("_thread_state")
+                if state is not None:
+                    states.append(state)
+                pending.extend(value.__dict__.values())
+            elif isinstance(value, (list, tuple)):
+                pending.extend(value)
+            elif isinstance(value, dict):
+                pending.extend(value.values())
+        return states
 
     @staticmethod
     def _without_padding(empty_maps: Tensor, attribution: Attribution, target: InstanceTarget) -> Optional[Tensor]:

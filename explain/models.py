@@ -39,10 +39,13 @@ import numbers
 import os
 import pickle
 import re
+import socket
+import urllib.request
 import zipfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from urllib.parse import urlsplit
 
 import torch
 import torchvision
@@ -79,7 +82,7 @@ YOLO_INPUT_SIZE = 640
 
 HUB_PROBE_SECONDS = 3.0
 """How long ``hub_offline_when_unreachable`` waits for the HuggingFace hub to answer before loading from the cache
-alone."""
+alone, and a torchvision weights download for its server to accept a connection (``url_reachable``)."""
 
 
 def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
@@ -93,6 +96,23 @@ def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
     try:
         get_session().head(constants.ENDPOINT, timeout=timeout, follow_redirects=False)
     except Exception:  # any failure to get an answer (connection, DNS, timeout, TLS) means no hub
+        return False
+    return True
+
+
+def url_reachable(url: str, timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether the server of ``url`` accepts a connection within ``timeout`` seconds (torch's download, which
+    torchvision's weights use, has no timeout: on a network that drops connections it would wait forever)."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return False
+    proxy = urllib.request.getproxies().get(parts.scheme)  # a proxy the download would go through: probe it instead
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError:  # no network, no name resolution, a firewall, no answer in time
         return False
     return True
 
@@ -361,14 +381,20 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
             raise ValueError(f"--num-classes {num_classes} goes with a fine-tuned state-dict file, not with the "
                              f"pretrained weights {weights!r} (their head has its own classes).")
         chosen = _torchvision_weights(name, weights)
+        filename = chosen.url.rsplit("/", 1)[-1]
+        advice = (f"This machine may have no network. Download {chosen.url} on a machine that has, copy it here and "
+                  f"pass its path: --weights /path/to/{filename}")
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
+        if not cached.is_file() and not url_reachable(chosen.url):
+            raise WeightsUnavailableError(f"could not download the {chosen} weights for {name}: "
+                                          f"{urlsplit(chosen.url).hostname} could not be reached (no answer within "
+                                          f"{HUB_PROBE_SECONDS:g} s). "
+                                          f"{advice}")
         try:
             model = torchvision.models.get_model(name, weights=chosen)
         except Exception as error:  # URLError, OSError, SSL errors: no network
-            filename = chosen.url.rsplit("/", 1)[-1]
             raise WeightsUnavailableError(
-                f"could not download the {chosen} weights for {name} ({type(error).__name__}: {error}). "
-                f"This machine may have no network. Download {chosen.url} on a machine that has, copy it "
-                f"here and pass its path: --weights /path/to/{filename}"
+                f"could not download the {chosen} weights for {name} ({type(error).__name__}: {error}). {advice}"
             ) from error
     task = ("segmentation" if name in torchvision.models.list_models(module=torchvision.models.segmentation)
             else "detection" if name in torchvision.models.list_models(module=torchvision.models.detection)

@@ -457,7 +457,7 @@ def run_images(arguments: argparse.Namespace) -> int:
     mark = warn_if_random(loaded)
     out.mkdir(parents=True, exist_ok=True)
     failures: list[tuple[str, str]] = []  # (image, reason)
-    pending = True  # no image written yet: the reasons wait, as one reason shared by every image is said once
+    none_written = True  # no image written yet: the reasons wait, as one reason shared by every image is said once
     for path, stem in zip(arguments.images, output_names(arguments.images)):
         try:  # an image that cannot be read or explained is reported, and the others are explained
             explanation = explainer.explain(path, target=target, topk=arguments.topk, instances=instances)
@@ -468,11 +468,11 @@ def run_images(arguments: argparse.Namespace) -> int:
             if isinstance(error, ModelInputError):  # its advice is Python's: say the flag
                 reason += " On the command line, --size S or --size H W sets the input size."
             failures.append((path, reason))
-            if not pending:
+            if not none_written:
                 _print_image_error(*failures[-1])
             continue
-        if pending:
-            pending = False
+        if none_written:
+            none_written = False
             for failure in failures:
                 _print_image_error(*failure)
         targets = explanation.map_grid.shape[1]
@@ -482,12 +482,12 @@ def run_images(arguments: argparse.Namespace) -> int:
     if not failures:
         return 0
     reasons = {reason for _, reason in failures}
-    if pending and len(reasons) == 1:  # every image failed for the same reason: the settings', said once
+    if none_written and len(reasons) == 1:  # every image failed for the same reason: the settings', said once
         count = len(failures)
         print(f"explain: error: {reasons.pop()}{f' (each of the {count} images)' if count > 1 else ''}",
               file=sys.stderr)
         return 2
-    if pending:
+    if none_written:
         for failure in failures:
             _print_image_error(*failure)
     written = len(arguments.images) - len(failures)

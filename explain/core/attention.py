@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import TypeIs
 
-from .capture import LayerSpec, eager_model, find_layers
+from .caller import warn_at_callers_line
+from .capture import LayerSpec, eager_model, find_layers, no_gradient_reason
 from .rules import CallRules, Rule
 from .scope import CallScope
 
@@ -306,6 +307,8 @@ class AttentionRecord:
     probabilities: Tensor
     source: str
     grad: Optional[Tensor] = None
+    _no_grad_reason: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    """Why no gradient can reach ``probabilities`` (they require none), when ``grads=True`` asked for one."""
 
 
 Positions = Union[int, slice, Sequence[int]]
@@ -488,7 +491,18 @@ class CapturedAttention:
 
     @property
     def grads(self) -> list[Optional[Tensor]]:
-        return [record.grad for record in self.records]
+        """∂loss/∂probabilities of each record after a backward pass inside the block (``grads=True``); a
+        warning says why for records that can have none (the forward ran under ``torch.no_grad()``)."""
+        records = self.records
+        reasons = [record._no_grad_reason for record in records if record.grad is None and record._no_grad_reason]
+        if reasons:
+            warn_at_callers_line(
+                f"{len(reasons)} of the {len(records)} attention records have no gradient (None): {reasons[0]}, so "
+                "no backward pass can reach the probabilities. Run the model with gradients on inside the "
+                "capture_attention block (not under torch.no_grad() or torch.inference_mode()); for a frozen "
+                "model, call x.requires_grad_() on the input."
+            )
+        return [record.grad for record in records]
 
     @property
     def modules(self) -> list[str]:
@@ -532,6 +546,8 @@ class AttentionBlock(CallScope[CapturedAttention]):
                 record.grad = gradient.detach() if self.detach else gradient
 
             self.add_undo(in_graph.register_hook(store).remove)
+        elif self.grads:
+            record._no_grad_reason = no_gradient_reason()
 
     def setup(self) -> CapturedAttention:
         self.enter(CallRules([self.recorder]))
@@ -553,7 +569,8 @@ def capture_attention(
         as ``"blocks.*"``, a module, a module type, or a list of these; their submodules count).
         Attention outside the selected modules keeps its fused kernel.
     grads: also record ∂loss/∂probabilities when a backward pass runs inside the block (the
-        last backward's, for several).
+        last backward's, for several); reading ``grads`` warns when the forward ran without
+        gradients (``torch.no_grad()``), so that none can come.
     detach: True stores detached tensors; False keeps them in the autograd graph, so that
         ``torch.autograd.grad(score, captured.probabilities)`` works.
     softmax: also record eager attention: a softmax over the last dimension of (N, heads, T_q,

@@ -10,6 +10,7 @@ model carries no hook of ours between calls, also when a call raises.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 import sys
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import TypeVar
 
+from .caller import warn_at_callers_line
 from .scope import CallScope, errors_handled_outside
 
 LayerSpec = Union[str, nn.Module, type]
@@ -539,15 +541,35 @@ def _run_once_advice(name: str) -> str:
 
 def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
     """Apply ``function`` to every tensor in a nested tuple / list / dict structure."""
-    if isinstance(value, Tensor):
+    return _map_leaves(value, Tensor, function)
+
+
+def _map_leaves(value: Any, leaf: type, function: Callable[[Any], Any]) -> Any:
+    """Apply ``function`` to every instance of ``leaf`` in a nested tuple / list / dict structure, which keeps its
+    types (a namedtuple, a HuggingFace ModelOutput, a defaultdict with its default factory)."""
+    if isinstance(value, leaf):
         return function(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(map_tensors(item, function) for item in value))
+        return type(value)(*(_map_leaves(item, leaf, function) for item in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(item, function) for item in value)
+        return type(value)(_map_leaves(item, leaf, function) for item in value)
     if isinstance(value, dict):
-        return type(value)((key, map_tensors(item, function)) for key, item in value.items())
+        items = [(key, _map_leaves(item, leaf, function)) for key, item in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # a constructor that takes other arguments first (defaultdict's default factory)
+            mapped = copy.copy(value)
+            for key, item in items:
+                mapped[key] = item
+            return mapped
     return value
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where the tensor at ``index`` (in ``map_tensors`` order) stood in a structure of tensors."""
+
+    index: int
 
 
 RecordedArgs = tuple[object, ...]
@@ -577,6 +599,8 @@ class Call:
     kwargs: Optional[RecordedKwargs] = None
     output: object = None
     grad: object = None
+    _no_grad_reason: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    """Why no gradient can reach ``output`` (it requires none), when ``grads=True`` asked for one."""
 
 
 @dataclass
@@ -591,11 +615,16 @@ class LayerRecord(Generic[Args, Kwargs]):
     calls: list[Call] = field(default_factory=list)
 
     def _single(self, attribute: str) -> object:
-        if len(self.calls) != 1:
-            ran = "did not run" if not self.calls else f"ran {len(self.calls)} times"
+        if not self.calls:
             raise LayerNotRunError(
-                f"layer {self.name!r} {ran} in the captured forward pass(es); "
-                f"read .calls[i].{attribute} (or .{attribute}s) for each call."
+                f"layer {self.name!r} did not run in the captured forward pass(es), so it has no {attribute}: "
+                "run the model inside the capture block, and choose a layer that its forward uses "
+                "(`explain layers MODEL` lists them with their output shapes)."
+            )
+        if len(self.calls) != 1:
+            raise LayerNotRunError(
+                f"layer {self.name!r} ran {len(self.calls)} times in the captured forward pass(es); "
+                f"read .calls[i].{attribute} (or .{attribute}s) for each call, in call order."
             )
         return getattr(self.calls[0], attribute)
 
@@ -606,8 +635,11 @@ class LayerRecord(Generic[Args, Kwargs]):
 
     @property
     def grad(self) -> object:
-        """The output gradient of the layer's only call (after a backward pass)."""
-        return self._single("grad")
+        """The output gradient of the layer's only call (after a backward pass; a warning says why when
+        none can come: the forward ran under ``torch.no_grad()``, for instance)."""
+        gradient = self._single("grad")
+        self._warn_without_grad(self.calls)
+        return gradient
 
     @property
     def args(self) -> Args:
@@ -627,8 +659,22 @@ class LayerRecord(Generic[Args, Kwargs]):
 
     @property
     def grads(self) -> list[object]:
-        """Output gradients of every call, in call order."""
+        """Output gradients of every call, in call order (a warning says why for calls that can have none)."""
+        self._warn_without_grad(self.calls)
         return [call.grad for call in self.calls]
+
+    def _warn_without_grad(self, calls: list[Call]) -> None:
+        """Warn, at the user's line, about the calls whose output no gradient can reach (``grads=True`` but
+        the forward ran without gradients), which would otherwise read as a silent None."""
+        reasons = [call._no_grad_reason for call in calls if call.grad is None and call._no_grad_reason]
+        if reasons:
+            which = "its call" if len(calls) == 1 else f"{len(reasons)} of its {len(calls)} calls"
+            warn_at_callers_line(
+                f"layer {self.name!r} has no gradient for {which} (None): {reasons[0]}, so no backward pass can "
+                "reach its output. Run the model with gradients on inside the capture block (not under "
+                "torch.no_grad() or torch.inference_mode()); for a frozen model, call x.requires_grad_() on "
+                "the input."
+            )
 
 
 class Captured(dict[str, LayerRecord[Args, Kwargs]], Generic[Args, Kwargs]):
@@ -682,22 +728,38 @@ class CaptureBlock(CallScope[Captured[Args, Kwargs]]):
         return self.captured
 
     def _record_output_grads(self, call: Call, output: object) -> None:
-        """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output)."""
+        """Tensor hooks that store ∂loss/∂output into ``call.grad`` (same structure as the output).
+
+        The hooks hold the output's structure, not its tensors: a tensor whose hook held the tensor itself would
+        keep itself, and the graph of its forward pass, alive until the block ends (a loop over a data set inside
+        one block would hold every batch's graph)."""
         leaves: list[Tensor] = []
         map_tensors(output, leaves.append)
+        positions = iter(range(len(leaves)))
+        structure = map_tensors(output, lambda _: _Slot(next(positions)))
         gradients: list[Optional[Tensor]] = [None] * len(leaves)
 
         def store(index: int) -> Callable[[Tensor], None]:
             def tensor_hook(gradient: Tensor) -> None:
                 gradients[index] = self.keep(gradient)
-                iterator = iter(gradients)
-                call.grad = map_tensors(output, lambda _: next(iterator))
+                call.grad = _map_leaves(structure, _Slot, lambda slot: gradients[slot.index])
 
             return tensor_hook
 
         for index, tensor in enumerate(leaves):
             if tensor.requires_grad:
                 self.add_undo(tensor.register_hook(store(index)).remove)
+        if leaves and not any(tensor.requires_grad for tensor in leaves):
+            call._no_grad_reason = no_gradient_reason()
+
+
+def no_gradient_reason() -> str:
+    """Why a layer's output, seen by a hook of this forward pass, requires no gradient."""
+    if torch.is_inference_mode_enabled():
+        return "the forward ran under torch.inference_mode()"
+    if not torch.is_grad_enabled():
+        return "the forward ran under torch.no_grad()"
+    return "its output depends on nothing that requires grad (no parameter before it does, nor the input)"
 
 
 @overload
@@ -741,7 +803,9 @@ def capture(
     layers: names, modules, globs (``"layer*"``, ``"encoder.layers.*.dropout2"``) or
         a module type (``nn.Conv2d``); see ``find_layers``.
     inputs / outputs / grads: what to record. Gradients are recorded when a
-        backward pass runs inside the block.
+        backward pass runs inside the block (the last backward's, for several);
+        reading ``.grad`` warns when the forward ran without gradients
+        (``torch.no_grad()``), so that none can come.
     detach: True (default) stores detached copies, safe from later in-place
         operations; False keeps the outputs in the autograd graph, so a loss on
         them back-propagates into the model (feature distillation).

@@ -113,11 +113,12 @@ def compare(
 
 
 def _naming_the_method(error: Exception, method: str) -> Exception:
-    """``error`` with its message prefixed by the method compared that raised it, of the same type (so that an
-    ``except LayerNotFoundError`` still catches it); ``error`` itself where its type cannot be rebuilt from a
-    message."""
+    """``error`` with its message prefixed by the method compared that raised it, of the same type and with the
+    same attributes (so that an ``except LayerNotFoundError`` still catches it, and a ModelInputError keeps its
+    ``model_error``); ``error`` itself where its type cannot be rebuilt from a message."""
     try:
         named = type(error)(f"compare: method {method!r} failed on this model: {error}")
+        named.__dict__.update(error.__dict__)
     except Exception:
         return error
     return named if str(named).startswith("compare: ") else error

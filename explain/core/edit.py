@@ -83,6 +83,10 @@ def edit(
             model(x).sum().backward()
 
     The layer may be a name, glob, module or type; a glob or type edits every match.
+
+    Blocks on one layer act in the order they were entered: nested edits apply the outer
+    one first, and ``explain.capture`` records the output as it stood when the capture
+    began; capture inside the edit block to record the edited output.
     """
     if where not in ("output", "input"):
         raise ValueError(f"where must be 'output' or 'input'; got {where!r}.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
@@ -65,11 +66,12 @@ def select_output(output: Any, selector: OutputSelector = None) -> Any:
     if isinstance(selector, str):
         if isinstance(output, Mapping) and selector in output:
             return output[selector]
-        if hasattr(output, selector):
+        if hasattr(output, selector) and not callable(getattr(output, selector)):  # a dict's .values is no output
             return getattr(output, selector)
-        raise ValueError(f"the model's output has no key or attribute {selector!r}.")
+        keys = f" (its keys: {', '.join(map(repr, output))})" if isinstance(output, Mapping) else ""
+        raise ValueError(f"the model's output has no key or attribute {selector!r}{keys}.")
     if isinstance(selector, int):
-        return output[selector]
+        return _indexed(output, selector)
     if isinstance(output, Tensor):
         return output
     if is_detector_output(output):
@@ -96,6 +98,26 @@ def select_output(output: Any, selector: OutputSelector = None) -> Any:
         f"cannot find the scores in a model output of type {type(output).__name__}; pass output= "
         "(a key, an index or a callable)."
     )
+
+
+def _indexed(output: Any, index: int) -> Any:
+    """``output[index]`` for output=INDEX: a clear error where the output has no such item, and for a tensor (whose
+    index would pick one image of the batch, not a part of the output)."""
+    if isinstance(output, Tensor):
+        raise ValueError(f"output={index} selects an item of a tuple or list, but the model returns a tensor "
+                         f"{tuple(output.shape)} (indexing it would pick image {index} of the batch): leave output= "
+                         "out, or pass a callable.")
+    if isinstance(output, Mapping):
+        if index in output:
+            return output[index]
+        raise ValueError(f"the model returns a dict without key {index} (its keys: {', '.join(map(repr, output))}): "
+                         "pass output=KEY.")
+    if isinstance(output, (tuple, list)):
+        if -len(output) <= index < len(output):
+            return output[index]
+        raise ValueError(f"output={index} is out of range: the model returns a {type(output).__name__} of "
+                         f"{len(output)} items.")
+    return output[index]
 
 
 def _warn_if_another_could_be_the_scores(output: Sequence[Any]) -> None:
@@ -175,36 +197,78 @@ class RegionTarget(Protocol):
 class SegmentationTarget:
     """Semantic segmentation: the sum of class ``class_index``'s logits over a pixel mask.
 
-    mask: (H, W) or (N, H, W) bool/0-1 at the output's resolution; None: the pixels where
-    ``class_index`` is the predicted class. Use a single (H, W) mask with Score-CAM and
-    Ablation-CAM, which score batches of perturbed copies row by row.
-    Called on (N, classes, H, W) segmentation logits, returns (N,) scores. An image where the
-    mask selects no pixel (no pixel predicted as the class) scores 0: a zero map and a warning
-    that says so (``RegionTarget``).
+    mask: (H, W) for every image or (N, H, W) one per image, at the logits' resolution (SegFormer's are at 1/4
+    of the input's): bool, 0/1 integers, or floats in [0, 1] (each pixel's weight in the sum). None: the pixels
+    where ``class_index`` is the predicted class on the explained images; methods that score copies of the
+    images (Integrated Gradients, SmoothGrad, Score-CAM...) keep those pixels for every copy
+    (``scores_for_rows``), as they keep a given mask, so the score is one function of the output along the path.
+    Called on (N, classes, H, W) segmentation logits, returns (N,) scores, summed in float32 at least (no float16
+    overflow). An image where the mask selects no pixel (no pixel predicted as the class) scores 0: a zero map
+    and a warning that says so (``RegionTarget``).
     """
 
     def __init__(self, class_index: int, mask: Optional[Tensor] = None):
+        if isinstance(class_index, Tensor) and class_index.numel() == 1 and not class_index.is_floating_point() \
+                and class_index.dtype != torch.bool:
+            class_index = int(class_index.item())
+        if not _is_integer(class_index):
+            raise TypeError(f"SegmentationTarget's class must be an int (a class index); got {class_index!r}. For a "
+                            "class name, look its index up in the model's labels (a HuggingFace config.label2id).")
         self.class_index = int(class_index)
-        self.mask = None if mask is None else torch.as_tensor(mask)
+        self.mask = None if mask is None else _checked_mask(mask)
+        self._predicted: dict[int, Tensor] = {}
+        """mask None: per thread, the pixels predicted as the class on the images of the last call (``__call__``)."""
 
-    def region(self, output: Tensor) -> Tensor:
-        """(N, H, W) or (H, W): the weight of each pixel's logit in the sum (the mask, or the predicted pixels)."""
+    def region(self, output: Tensor, image_index: Optional[Tensor] = None) -> Tensor:
+        """(N, H, W) or (H, W): the weight of each pixel's logit in the sum (the mask, or the predicted pixels).
+        image_index: for rows that are copies of the images, the image of each row (its mask is the row's)."""
         if not isinstance(output, Tensor) or output.dim() != 4:
-            raise ValueError("SegmentationTarget needs (N, classes, H, W) logits; pass output= to select them.")
+            found = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+            raise ValueError(f"SegmentationTarget needs (N, classes, H, W) logits; the selected output is {found}. "
+                             "Pass output= (a key, an index or a callable) to the explainer to select them.")
         if not 0 <= self.class_index < output.shape[1]:
             raise ValueError(f"SegmentationTarget's class {self.class_index} is out of range: the output has "
                              f"{output.shape[1]} classes (0 to {output.shape[1] - 1}).")
         if self.mask is None:
             return output.detach().argmax(dim=1) == self.class_index
-        mask = self.mask.to(output.device)
+        mask = self.mask
         if mask.shape[-2:] != output.shape[-2:]:
-            raise ValueError(f"the mask is {tuple(mask.shape[-2:])} but the logits are {tuple(output.shape[-2:])}.")
+            height, width = output.shape[-2:]
+            raise ValueError(
+                f"SegmentationTarget's mask is {tuple(mask.shape[-2:])} but the logits are ({height}, {width}) (the "
+                "model's output, not its input, which some models' logits are smaller than: SegFormer's are at 1/4). "
+                "Give the mask at the logits' size, e.g. torch.nn.functional.interpolate(mask[None, None].float(), "
+                f"size=({height}, {width}), mode='area')[0, 0] (each logit's share of the mask).")
+        images = output.shape[0] if image_index is None else int(image_index.max()) + 1 if len(image_index) else 0
+        if mask.dim() == 3 and mask.shape[0] != 1 and (mask.shape[0] != images if image_index is None
+                                                       else mask.shape[0] < images):
+            raise ValueError(f"SegmentationTarget's mask holds {mask.shape[0]} masks, for a batch of {images} "
+                             "images: give one (H, W) mask for all, or one per image (N, H, W).")
+        mask = mask.to(output.device)
+        if mask.dim() == 3 and mask.shape[0] != 1 and image_index is not None:
+            return mask[image_index.to(output.device)]
         return mask
 
     def __call__(self, output: Tensor) -> Tensor:
-        mask = self.region(output)
+        region = self.region(output)
+        if self.mask is None:  # the explained images: their predicted pixels are kept for copies of them
+            self._predicted[threading.get_ident()] = region
+        return self._summed(output, region)
+
+    def scores_for_rows(self, output: Tensor, image_index: Tensor) -> Tensor:
+        """(R, 1) the scores of R rows, row r a copy of image ``image_index[r]``, over that image's mask or its
+        predicted pixels (those of the last call on the images, where known), not the copy's own."""
+        region = self.region(output, image_index)
+        predicted = self._predicted.get(threading.get_ident()) if self.mask is None else None
+        if predicted is not None and predicted.shape[-2:] == output.shape[-2:] and len(image_index) \
+                and int(image_index.max()) < predicted.shape[0]:
+            region = predicted.to(output.device)[image_index.to(output.device)]
+        return self._summed(output, region)[:, None]
+
+    def _summed(self, output: Tensor, region: Tensor) -> Tensor:
         logits = output[:, self.class_index]
-        return (logits * mask.to(logits.dtype)).sum(dim=(1, 2))
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # 64 × 64 float16 logits of 20 overflow
+        return (logits.to(dtype) * region.to(dtype)).sum(dim=(1, 2))
 
     def empty_regions(self, output: Tensor) -> Tensor:
         selected = self.region(output).flatten(-2).ne(0).any(dim=-1)  # (N,), or () for one (H, W) mask
@@ -220,7 +284,42 @@ class SegmentationTarget:
                "that covers the region to explain"
 
     def __repr__(self) -> str:
-        return f"SegmentationTarget(class_index={self.class_index})"
+        mask = "" if self.mask is None else f", mask of shape {tuple(self.mask.shape)}"
+        return f"SegmentationTarget(class_index={self.class_index}{mask})"
+
+
+def _checked_mask(mask: Any) -> Tensor:
+    """A SegmentationTarget's mask as a bool or float32 tensor of weights, outside the graph and any inference
+    mode; a clear error for a mask that is not (H, W) or (N, H, W) of 0/1 (or [0, 1]) values."""
+    try:
+        tensor = torch.as_tensor(mask).detach()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"SegmentationTarget's mask must be a tensor or an array; got {type(mask).__name__}."
+                        ) from error
+    if tensor.dim() not in (2, 3):
+        hint = " (for (N, 1, H, W), give mask[:, 0])" if tensor.dim() == 4 and tensor.shape[1] == 1 else ""
+        raise ValueError(f"SegmentationTarget's mask must be (H, W) or (N, H, W); got {tuple(tensor.shape)}{hint}.")
+    with torch.inference_mode(False):
+        if tensor.dtype == torch.bool:
+            return tensor.clone()
+        if tensor.is_complex() or not (tensor.is_floating_point() or tensor.dtype in INTEGER_DTYPES):
+            raise TypeError(f"SegmentationTarget's mask must be bool, integer 0/1 or float in [0, 1]; got "
+                            f"{str(tensor.dtype)[len('torch.'):]}.")
+        weights = tensor.to(torch.float32, copy=True)  # a copy: not the caller's tensor, nor an inference tensor
+        if not bool(weights.isfinite().all()):
+            raise ValueError("SegmentationTarget's mask holds NaN or inf values: give bool, 0/1 or weights in [0, 1].")
+        low, high = float(weights.min()), float(weights.max())
+        if tensor.is_floating_point() and 0 <= low and high <= 1:
+            return weights
+        if not tensor.is_floating_point() and 0 <= low and high <= 1:
+            return tensor.bool()
+    raise ValueError(
+        f"SegmentationTarget's mask holds values from {low:g} to {high:g}: it must be bool, 0/1, or weights in "
+        "[0, 1] (each pixel's weight in the sum of the class's logits). For an image mask saved as 0/255 give "
+        "mask > 0; for a label map give labels == CLASS.")
+
+
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class EmbeddingSimilarity:

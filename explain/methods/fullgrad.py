@@ -2,7 +2,8 @@
 
 For a network with ReLUs, pooling and biases, the output decomposes exactly (the paper's
 "completeness") as y = ∇ₓy · x + Σ_layers Σ b · ∂y/∂z, z the output of a layer with bias b
-(a BatchNorm in eval mode is an affine map with bias β − γμ/√(σ² + ε)). The saliency map is
+(a BatchNorm in eval mode is an affine map with bias β − γμ/√(σ² + ε); in timm's BatchNormAct2d, z is
+the BatchNorm's output before the activation). The saliency map is
 
     S(x) = ψ(|∇ₓy ⊙ x|) + Σ_{conv, BatchNorm} Σ_c ψ(|b_c ∂y/∂z_c|),
 
@@ -33,28 +34,59 @@ from .maps import Attribution
 from .registry import register
 from .signatures import ExplainerOptions
 
+TIMM_NORM_ACT_BATCH_NORMS = ("BatchNormAct2d", "FrozenBatchNormAct2d")
+"""timm's BatchNorms with an activation fused in: BatchNorm, then ``drop``, then ``act`` (EfficientNet, MobileNetV3,
+RegNet and others in timm use them for every BatchNorm)."""
+
+
+def is_timm_norm_act(module: nn.Module) -> bool:
+    """Whether the module is one of timm's own ``TIMM_NORM_ACT_BATCH_NORMS`` (not a subclass that changes it)."""
+    cls = type(module)
+    return cls.__module__.startswith("timm.") and cls.__name__ in TIMM_NORM_ACT_BATCH_NORMS
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm that is an affine map per channel in eval mode: BatchNorm2d with running statistics and
+    torch's forward, FrozenBatchNorm2d, or timm's BatchNormAct2d / FrozenBatchNormAct2d with running statistics
+    (the part before their activation)."""
+    if isinstance(module, FrozenBatchNorm2d):
+        return True
+    if is_timm_norm_act(module):
+        return getattr(module, "running_mean", None) is not None
+    return (isinstance(module, nn.BatchNorm2d) and type(module).forward is nn.BatchNorm2d.forward
+            and module.running_mean is not None)
+
 
 def effective_bias(module: nn.Module) -> Optional[Tensor]:
     """The bias that a layer adds to its output, (C,); None for a layer without one.
 
-    Conv2d: its bias. BatchNorm2d (eval, running statistics) and FrozenBatchNorm2d: β − γ μ / √(σ² + ε)
+    Conv2d: its bias. BatchNorm2d (eval, running statistics), FrozenBatchNorm2d and timm's
+    BatchNormAct2d / FrozenBatchNormAct2d (before their activation): β − γ μ / √(σ² + ε)
     (γ = 1, β = 0 without affine parameters). Linear: its bias (for completeness only: not spatial).
-    BatchNorm subclasses that do more in forward (an activation fused in) are left out.
+    Other BatchNorm subclasses that do more in forward are left out.
     """
     if isinstance(module, (nn.Conv2d, nn.Linear)):
         return None if module.bias is None else module.bias.detach()
-    if isinstance(module, FrozenBatchNorm2d) or (
-        isinstance(module, nn.BatchNorm2d) and type(module).forward is nn.BatchNorm2d.forward
-        and module.running_mean is not None
-    ):
-        mean, variance = module.running_mean, module.running_var
-        assert mean is not None and variance is not None, "a BatchNorm that tracks running statistics (checked above)"
-        scale = torch.rsqrt(variance + module.eps)
-        if module.weight is not None:
-            scale = scale * module.weight
+    if is_batch_norm(module):
+        names = ("running_mean", "running_var", "weight", "bias", "eps")
+        mean, variance, weight, bias, eps = (getattr(module, name) for name in names)
+        assert isinstance(mean, Tensor) and isinstance(variance, Tensor), "a BatchNorm with running statistics"
+        scale = torch.rsqrt(variance + eps)
+        if isinstance(weight, Tensor):
+            scale = scale * weight
         shift = -mean * scale
-        return (shift if module.bias is None else shift + module.bias).detach()
+        return (shift + bias if isinstance(bias, Tensor) else shift).detach()
     return None
+
+
+def biased_output_module(module: nn.Module) -> Optional[nn.Module]:
+    """The module whose output is the layer's output z, to which its bias was added: the layer itself, or for
+    timm's norm-act BatchNorms their ``drop`` (Identity or Dropout: the identity in eval mode), which receives
+    the BatchNorm's output before the activation; None where that output is not a module's."""
+    if not is_timm_norm_act(module):
+        return module
+    drop = getattr(module, "drop", None)
+    return drop if isinstance(drop, (nn.Identity, nn.Dropout)) else None
 
 
 def rescaled(values: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -71,10 +103,11 @@ class FullGrad(Explainer):
     per image and channel for the bias terms, as in the paper's formula). Map (N, H, W) ≥ 0.
 
     No target layer: every Conv2d with a bias and every BatchNorm2d is used (BatchNorm's effective
-    bias in eval mode). ``Explanation.diagnostics["completeness_error"]`` (N, K) is
-    y − (Σ x ∂y/∂x + Σ b ∂y/∂z over conv, BatchNorm and linear layers): about 0 for networks of
-    ReLUs and pooling (ResNet, VGG, DenseNet); not 0 with other non-linearities (EfficientNet's
-    SiLU has implicit biases that FullGrad leaves out).
+    bias in eval mode; timm's BatchNormAct2d too, at its output before the activation).
+    ``Explanation.diagnostics["completeness_error"]`` (N, K) is y − (Σ x ∂y/∂x + Σ b ∂y/∂z over conv,
+    BatchNorm and linear layers): about 0 for networks of ReLUs and pooling (ResNet, VGG, DenseNet,
+    timm's RegNetX); not 0 with other non-linearities (EfficientNet's SiLU has implicit biases that
+    FullGrad leaves out).
 
     smooth: None or "augment" (the mean map over flipped and intensity-scaled copies, as for CAMs).
     pytorch-grad-cam rescales the input term per colour channel; the official code
@@ -93,20 +126,25 @@ class FullGrad(Explainer):
             raise ValueError(f"FullGrad's smooth must be None or 'augment'; got {smooth!r}.")
         self.smooth = smooth
 
-    def bias_layers(self) -> list[tuple[nn.Module, Tensor]]:
-        """(module, effective bias) of every layer that adds a bias to its output."""
-        layers = [(module, effective_bias(module)) for module in self.model.modules()]
-        return [(module, bias) for module, bias in layers if bias is not None]
+    def bias_layers(self) -> list[tuple[nn.Module, Tensor, bool]]:
+        """(module whose output z is recorded, effective bias, whether the bias is per channel of a (N, C, h, w)
+        map) of every layer that adds a bias to its output (``biased_output_module``)."""
+        layers = []
+        for module in self.model.modules():
+            bias, recorded = effective_bias(module), biased_output_module(module)
+            if bias is not None and recorded is not None:
+                layers.append((recorded, bias, not isinstance(module, nn.Linear)))
+        return layers
 
-    def recorded_outputs(self, layers: list[tuple[nn.Module, Tensor]], captured: Mapping[str, LayerRecord]
+    def recorded_outputs(self, layers: list[tuple[nn.Module, Tensor, bool]], captured: Mapping[str, LayerRecord]
                          ) -> list[tuple[Tensor, Tensor, bool]]:
         """(output z, bias b, whether b is per channel of a (N, C, h, w) map) for each call of each layer."""
         name_of = {id(module): name for name, module in self.model.named_modules()}
         recorded: list[tuple[Tensor, Tensor, bool]] = []
-        for module, bias in layers:
+        for module, bias, spatial in layers:
             for call in captured[name_of[id(module)]].calls:  # a module that runs twice contributes twice
                 if isinstance(call.output, Tensor) and call.output.requires_grad:
-                    recorded.append((call.output, bias, not isinstance(module, nn.Linear)))
+                    recorded.append((call.output, bias, spatial))
         return recorded
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
@@ -120,7 +158,7 @@ class FullGrad(Explainer):
     def _attribute_once(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         layers = self.bias_layers()
         recording: AbstractContextManager[Mapping[str, LayerRecord]] = (
-            capture(self.model, [module for module, _ in layers], detach=False) if layers else nullcontext({}))
+            capture(self.model, [module for module, _, _ in layers], detach=False) if layers else nullcontext({}))
         with torch.enable_grad(), recording as captured:
             inputs = batch.detach().requires_grad_(True)
             selected = select_targets(self.call_model(inputs), target, topk, batch_size=batch.shape[0])

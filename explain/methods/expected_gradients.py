@@ -32,7 +32,13 @@ def check_references(baselines: Optional[Tensor]) -> None:
     """Refuse reference inputs that are not a finite (B, C, H, W) tensor with B ≥ 1 (None: the zero input)."""
     if baselines is not None and (not isinstance(baselines, Tensor) or baselines.dim() != 4 or len(baselines) < 1):
         shape = tuple(baselines.shape) if isinstance(baselines, Tensor) else type(baselines).__name__
-        raise ValueError(f"baselines must be a (B, C, H, W) tensor of reference inputs, B ≥ 1, or None; got {shape}.")
+        hint = (" For one reference image give baselines[None] (a batch of one)."
+                if isinstance(baselines, Tensor) and baselines.dim() == 3 else "")
+        raise ValueError(f"baselines must be a (B, C, H, W) tensor of reference inputs, B ≥ 1, or None; got "
+                         f"{shape}.{hint}")
+    if baselines is not None and baselines.is_meta:
+        raise ValueError("the baselines are on the meta device (a shape without values): give reference inputs with "
+                         "values, e.g. a batch of (preprocessed) training images.")
     if baselines is not None:
         check_finite_reference(baselines, "baselines")
 
@@ -121,7 +127,8 @@ class GradientShap(GradientExplainer):
     samples: draws per image (Captum's n_samples); noise_std: the noise's standard deviation
         in model-input units (Captum's stdevs).
     seed: an int: same seed and device, same draws (default 0); None: fresh draws each call, seeded
-        from torch's global random state (``torch.manual_seed`` before the call repeats them).
+        from torch's global random state (``torch.manual_seed`` before the call repeats them). Every image
+        of a call gets the same draws: an image's map does not depend on the rest of the batch.
     multiply_by_inputs: False gives the mean gradient itself.
     batch_size: samples per forward/backward pass; None (default): 16 on the CPU, 256 on a GPU (halved
         where memory runs out; ``ROWS_PER_PASS``).
@@ -153,17 +160,18 @@ class GradientShap(GradientExplainer):
     def draw(self, batch: Tensor) -> PathSamples:
         """The call's random draws, from a generator seeded with ``seed`` on the batch's device (drawing a
         GPU batch's noise on the CPU would cost more than its gradients): same seed and device, same draws
-        (``random_generator``: a fresh seed for None)."""
-        rows = batch.shape[0] * self.samples
-        device = batch.device
+        (``random_generator``: a fresh seed for None). Every image of the batch gets the same ``samples`` draws,
+        so that an image's map does not depend on the other images of the batch, nor on its place among them."""
+        count, device = batch.shape[0], batch.device
         generator = random_generator(self.seed, device)
-        baseline_index = torch.randint(1 if self.baselines is None else len(self.baselines), (rows,),
+        baseline_index = torch.randint(1 if self.baselines is None else len(self.baselines), (self.samples,),
                                        generator=generator, device=device)
-        alphas = torch.rand(rows, generator=generator, dtype=torch.float64, device=device)
+        alphas = torch.rand(self.samples, generator=generator, dtype=torch.float64, device=device)
         if self.noise_std == 0:
-            return PathSamples(baseline_index, alphas, None)
-        noise = torch.randn((rows, *batch.shape[1:]), generator=generator, device=device) * self.noise_std
-        return PathSamples(baseline_index, alphas, noise.to(batch.dtype))
+            return PathSamples(baseline_index.repeat(count), alphas.repeat(count), None)
+        noise = torch.randn((self.samples, *batch.shape[1:]), generator=generator, device=device) * self.noise_std
+        return PathSamples(baseline_index.repeat(count), alphas.repeat(count),
+                           noise.to(batch.dtype).repeat(count, *(1,) * (batch.dim() - 1)))
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         return self.attribute_with(batch, (target, topk), self.draw(batch))

@@ -568,7 +568,7 @@ def run_concepts(argv: Sequence[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io.inputs import IMAGE_SUFFIXES
+    from .io.inputs import folder_images
     from .methods.concepts import ConceptRelevance, concept_references, glocal_figure
 
     parser = Parser(prog="explain concepts", description="Concept Relevance Propagation: for each image, the layer's "
@@ -620,10 +620,12 @@ def run_concepts(argv: Sequence[str]) -> int:
                              f"{arguments.layer}.")
     elif arguments.references is not None:  # the patches of every concept the figures show, found once
         folder = Path(arguments.references)
-        files = sorted(path for path in folder.iterdir() if path.suffix.lower() in IMAGE_SUFFIXES) \
-            if folder.is_dir() else []
-        if not files:
+        if not folder.is_dir():
             raise ValueError(f"--references {folder} is not a folder of image files.")
+        try:
+            files = folder_images(folder)
+        except ValueError as error:
+            raise ValueError(f"--references: {error}") from None
         shown = sorted({int(c) for explanation in explanations for c in concept_indices(explanation)})
         references = concept_references(crp, files, concepts=shown, top=arguments.top)
     out = Path(arguments.out or "concepts.png")

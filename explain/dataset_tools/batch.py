@@ -116,7 +116,7 @@ from ..core.capture import ModelInputError, model_device, model_dtype, model_inp
 from ..core.targets import Target, class_index, class_probabilities
 from ..io import render
 from ..io.explanation import Explanation
-from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
+from ..io.inputs import IMAGE_SUFFIXES, list_image_files, prepare_inputs
 from ..methods.base import Explainer, progress_shown_by_caller
 from ..methods.maps import NORMALIZATIONS
 from ..methods.signatures import setting_text
@@ -309,31 +309,12 @@ def image_files(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = 
 def image_files_and_broken_links(folder: Union[str, Path], exclude: Optional[Union[str, Path]] = None
                                  ) -> tuple[list[Path], list[Path]]:
     """``image_files``, and the symbolic links with an image file's name that lead to no file (their target
-    missing), which it leaves out, sorted."""
+    missing), which it leaves out, sorted (``explain.io.inputs.list_image_files``: the listing of TCAV's and CRAFT's
+    image sets too)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder at {display_name(folder)!r}.")
-    excluded = Path(exclude).resolve() if exclude is not None else None
-    files: list[Path] = []
-    broken: list[Path] = []
-    visited: set[Path] = set()
-    for root, folders, names in os.walk(folder, followlinks=True):
-        real = Path(root).resolve()
-        if real in visited or (excluded is not None and real.is_relative_to(excluded)):
-            folders.clear()
-            continue
-        visited.add(real)
-        folders[:] = [name for name in folders if not name.startswith(".")]
-        for name in names:
-            path = Path(root) / name
-            if name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            if path.is_file():
-                if excluded is None or not path.resolve().is_relative_to(excluded):
-                    files.append(path)
-            elif path.is_symlink() and not path.exists():  # its target missing, or a loop of links
-                broken.append(path)
-    return sorted(files), sorted(broken)
+    return list_image_files(folder, exclude)
 
 
 def _broken_link_reason(path: Path) -> str:

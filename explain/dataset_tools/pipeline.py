@@ -234,10 +234,16 @@ def named_positions(message: str) -> list[int]:
 class FileWarnings:
     """Warnings raised while a batch of files is explained, shown naming the files: a method numbers the images of
     the batch it is given ("image 2, target 0"), which tells a user who explains a folder nothing. Each warning
-    raised inside ``naming(names)`` is shown when the block ends, attributed to the line the method attributed it
-    to, with the files it concerns: those it names by position, else the batch's (the first ``NAMES_SHOWN``).
-    A warning that names no image is shown once a run (its first batch named), as one about the run (the model,
-    the method's settings) would repeat for every batch; one that names images once for each text and files named."""
+    raised inside ``naming(names)`` by the thread that entered it is shown when the block ends, attributed to the
+    line the method attributed it to, with the files it concerns: those it names by position, else the batch's (the
+    first ``NAMES_SHOWN``). A warning that names no image is shown once a run (its first batch named), as one about
+    the run (the model, the method's settings) would repeat for every batch; one that names images once for each text
+    and files named.
+
+    Until Python 3.14, ``warnings.catch_warnings`` holds back the warnings of every thread, also the background
+    writer's (drawing an overlay, the caller's ``on_batch``), which concern another batch than the one explained:
+    those are shown when the block ends naming no file (once a run for each text), also where the batch is dropped
+    (``keep_on_error=False``)."""
 
     def __init__(self) -> None:
         self.shown: set[tuple[type[Warning], str]] = set()
@@ -246,19 +252,42 @@ class FileWarnings:
     def naming(self, names: Sequence[str], *, keep_on_error: bool = True) -> Iterator[None]:
         """Hold back the warnings raised inside, then show them naming ``names`` (the batch's files, in its order);
         when the block raises, only with ``keep_on_error`` (False: the batch is explained again in parts, which
-        warn again)."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            failed = True
-            try:
-                yield
-                failed = False
-            finally:
-                held = list(caught)
-        if failed and not keep_on_error:
-            return
-        for warning in held:
+        warn again). The warnings of other threads meanwhile are shown naming no file."""
+        own: list[warnings.WarningMessage] = []
+        others: list[warnings.WarningMessage] = []  # of other threads: their files are not known here
+        this_thread = threading.get_ident()
+        holding = threading.Event()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                shown_before = warnings.showwarning
+
+                def hold(message: Union[Warning, str], category: type[Warning], filename: str, lineno: int,
+                         file: Any = None, line: Optional[str] = None) -> None:
+                    if not holding.is_set():  # put back after the block by another thread's catch_warnings
+                        shown_before(message, category, filename, lineno, file, line)
+                        return
+                    caught = warnings.WarningMessage(message, category, filename, lineno, file, line)
+                    (own if threading.get_ident() == this_thread else others).append(caught)
+
+                warnings.showwarning = hold  # not catch_warnings(record=True): its recorder tells no thread apart
+                holding.set()
+                try:
+                    yield
+                finally:
+                    holding.clear()
+        except BaseException:
+            self._show_all(own if keep_on_error else [], names, others)
+            raise
+        self._show_all(own, names, others)
+
+    def _show_all(self, own: Sequence[warnings.WarningMessage], names: Sequence[str],
+                  others: Sequence[warnings.WarningMessage]) -> None:
+        """Show the block's own warnings naming ``names``, then those of other threads naming no file."""
+        for warning in own:
             self._show(warning, names)
+        for warning in others:
+            self._show(warning, ())
 
     def _show(self, warning: warnings.WarningMessage, names: Sequence[str]) -> None:
         text = str(warning.message)

@@ -239,6 +239,61 @@ def resizing_preprocess(base: Preprocess, size: Optional[Sequence[int]], mean: O
     return TransformPreprocess(transforms.Compose(steps), mean, std)
 
 
+def list_image_files(folder: Union[str, "os.PathLike[str]"], exclude: Optional[Union[str, "os.PathLike[str]"]] = None
+                     ) -> tuple[list[Path], list[Path]]:
+    """The image files under ``folder``, and the symbolic links with an image file's name that lead to no file (their
+    target missing, or a loop of links), which are left out, each list sorted: the one listing of a folder's images
+    (``explain batch``, the concept atlas, TCAV's and CRAFT's image sets). An image file is a file whose name ends in
+    one of ``IMAGE_SUFFIXES`` (any case), or a link to one; sub-folders are listed too, recursively and into linked
+    folders (as torchvision's ``ImageFolder`` goes: a class folder may be a symbolic link; each folder once, so that
+    a link to a folder above cannot loop); hidden files and files in hidden folders (a name starting with ".":
+    ``.ipynb_checkpoints/``, ``.git/``, macOS' ``._photo.jpg``), and files under ``exclude`` (an output folder inside
+    the input folder), are left out. FileNotFoundError where ``folder`` is no folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no folder at {os.fsdecode(folder)!r}.")
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    files: list[Path] = []
+    broken: list[Path] = []
+    visited: set[Path] = set()
+    for root, folders, names in os.walk(folder, followlinks=True):
+        real = Path(root).resolve()
+        if real in visited or (excluded is not None and real.is_relative_to(excluded)):
+            folders.clear()
+            continue
+        visited.add(real)
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in names:
+            path = Path(root) / name
+            if name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            if path.is_file():
+                if excluded is None or not path.resolve().is_relative_to(excluded):
+                    files.append(path)
+            elif path.is_symlink() and not path.exists():  # its target missing, or a loop of links
+                broken.append(path)
+    return sorted(files), sorted(broken)
+
+
+def folder_images(folder: Union[str, "os.PathLike[str]"]) -> list[Path]:
+    """The image files of ``folder``, as ``explain batch`` lists a folder (``list_image_files``:
+    by suffix in any case, sub-folders included, hidden files and folders left out, sorted); its symbolic links with
+    an image's name that lead to no file are left out with a warning; refused where it holds no image file: the
+    listing of TCAV's, CRAFT's and concept references' image folders."""
+    files, broken = list_image_files(folder)
+    links = "; ".join(f"{os.fsdecode(path)!r} → {os.fsdecode(os.readlink(path))!r}" for path in broken[:3])
+    links += f"; and {len(broken) - 3} more" if len(broken) > 3 else ""
+    if not files:
+        raise ValueError(f"{os.fsdecode(folder)} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}, in it or "
+                         "its sub-folders; hidden ones, whose name starts with '.', are left out)"
+                         + (f"; {len(broken)} broken symbolic link(s) with such a name: {links}" if broken else "")
+                         + ".")
+    if broken:
+        warn_at_callers_line(f"{os.fsdecode(folder)}: {len(broken)} broken symbolic link(s) with an image's name lead "
+                             f"to no file and are left out of its images: {links}.")
+    return files
+
+
 def open_image(path: Union[str, "os.PathLike[str]"]) -> Image.Image:
     """``PIL.Image.open``, as Pillow defines it. Importing Ultralytics replaces ``PIL.Image.open`` in the whole
     process with a function that, on a file Pillow cannot identify, installs and imports the pi-heif package instead

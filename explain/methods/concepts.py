@@ -56,7 +56,7 @@ from ..core.capture import (
 from ..core.layouts import Layout, channel_evidence, infer_layout
 from ..core.targets import Target
 from ..io.explanation import Diagnostic, Explanation
-from ..io.inputs import IMAGE_SUFFIXES, Inputs, as_preprocess, prepare_inputs
+from ..io.inputs import Inputs, as_preprocess, folder_images, prepare_inputs
 from ..io.loaded_model import LoadedModel, loaded_model_parts
 from .attnlrp import AttnLRP
 from .base import Explainer
@@ -663,17 +663,13 @@ def concept_references(crp: ConceptRelevance, images: Sequence[Any], concepts: C
 
 
 def _reference_items(images: Any) -> list[Any]:
-    """The images of a reference set, one item each: a list as given; one path, or a folder's image files (sorted by
-    name); the images of an (N, C, H, W) tensor or an (N, H, W, 3) array (a string is not iterated character by
-    character)."""
+    """The images of a reference set, one item each: a list as given; one path, or a folder's image files
+    (``folder_images``: sorted, sub-folders included, hidden files left out); the images of an (N, C, H, W) tensor
+    or an (N, H, W, 3) array (a string is not iterated character by character)."""
     if isinstance(images, (str, os.PathLike)):
         path = Path(images)
         if path.is_dir():
-            files = sorted(file for file in path.iterdir() if file.suffix.lower() in IMAGE_SUFFIXES)
-            if not files:
-                suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
-                raise ValueError(f"the folder {str(path)!r} holds no image files ({suffixes}).")
-            return [str(file) for file in files]
+            return [str(file) for file in folder_images(path)]
         return [images]
     if isinstance(images, Tensor) and images.dim() == 4:
         return list(images.unbind(0))

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     ActivationCapture,
     LayerNotRunError,
@@ -49,23 +50,18 @@ from ..core.capture import (
 )
 from ..core.scope import CallScope
 from ..core.targets import OutputSelector, select_output
-from ..io.inputs import IMAGE_SUFFIXES, Inputs, PreprocessSpec, as_preprocess, prepare_inputs
+from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, folder_images, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
 
 CavMethod = Union[str, Callable[[Tensor, Tensor], Tensor]]
 DIFFERENTIATED = ("logit", "log_probability")
 """What ``TCAV(differentiate=...)`` takes the directional derivative of: the class's logit (the paper, Captum) or its
 log-probability, log softmax of the logits (tensorflow/tcav's code, through the class's cross-entropy loss)."""
+SPLIT_FROM = 5
+"""The fewest images of each set (concept, random) from which the CAV is trained on a held-out split as the TCAV
+reference code trains it (``training_split``); a set of fewer is warned about (``TCAV.test``)."""
 ImageSet = Union[str, Path, Inputs]
 """A set of images: a folder of image files, or anything ``explain()`` accepts (a list of paths, a tensor...)."""
-
-
-def folder_images(folder: Union[str, Path]) -> list[Path]:
-    """The image files of ``folder`` (by suffix), sorted; refused where it holds none."""
-    files = sorted(path for path in Path(folder).iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise ValueError(f"{folder} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-    return files
 
 
 def fastcav(concept: Tensor, random: Tensor) -> Tensor:
@@ -85,13 +81,14 @@ def fastcav(concept: Tensor, random: Tensor) -> Tensor:
 def training_split(concept: Tensor, random: Tensor, seed: int = 0) -> tuple[Any, Any]:
     """What the TCAV reference code trains its CAV on: the concept's (label 1) and the random set's (label 0)
     activations as float64 NumPy (features (M, D), labels (M,)), a stratified 67 % of them where each set has at
-    least 5, as tensorflow/tcav's ``cav.py`` (``test_size=0.33``) and Captum (``test_split_ratio=0.33``) split
-    them (the held-out 33 %, whose accuracy the reference reports, is not used here)."""
+    least ``SPLIT_FROM`` = 5 (every one of them below: too few to hold a third of each set out), as tensorflow/tcav's
+    ``cav.py`` (``test_size=0.33``) and Captum (``test_split_ratio=0.33``) split them (the held-out 33 %, whose
+    accuracy the reference reports, is not used here)."""
     from sklearn.model_selection import train_test_split
 
     features = torch.cat([concept, random]).double().cpu().numpy()
     labels = np.array([1] * concept.shape[0] + [0] * random.shape[0])
-    if min(concept.shape[0], random.shape[0]) >= 5:
+    if min(concept.shape[0], random.shape[0]) >= SPLIT_FROM:
         features, _, labels, _ = train_test_split(features, labels, test_size=0.33, stratify=labels, random_state=seed)
     return features, labels
 
@@ -376,19 +373,22 @@ class TCAV:
             raise ValueError(f"alpha must be a significance level in (0, 1), e.g. 0.05; got {alpha!r}.")
         sets = {"the class images": class_images, **{f"concept {name!r}": images for name, images in concepts.items()},
                 **{f"random set {index}": images for index, images in enumerate(randoms)}}
+        listed: dict[str, list[Any]] = {}  # each set's images, a folder's listed once
         for role, images in sets.items():
             try:
-                self._images(images)
+                listed[role] = self._images(images)
             except ValueError as error:
                 raise ValueError(f"{role}: {error}") from None
-        gradients = _naming_the_set("the class images", lambda: self.gradients(class_images, target))
-        random_activations = [_naming_the_set(f"random set {index}", lambda images=images: self.activations(images))
-                              for index, images in enumerate(randoms)]
+        _warn_of_small_sets({role: len(items) for role, items in listed.items() if role != "the class images"})
+        gradients = _naming_the_set("the class images", lambda: self.gradients(listed["the class images"], target))
+        random_activations = [
+            _naming_the_set(f"random set {index}", lambda role=f"random set {index}": self.activations(listed[role]))
+            for index in range(len(randoms))]
         tests: list[ConceptTest] = []
         bonferroni = alpha / len(concepts)
         concept_activations = {
-            name: _naming_the_set(f"concept {name!r}", lambda images=images: self.activations(images))
-            for name, images in concepts.items()}
+            name: _naming_the_set(f"concept {name!r}", lambda role=f"concept {name!r}": self.activations(listed[role]))
+            for name in concepts}
         recorded = {**{f"concept {name!r}": values for name, values in concept_activations.items()},
                     **{f"random set {index}": values for index, values in enumerate(random_activations)}}
         _check_sets(gradients, recorded)
@@ -410,6 +410,20 @@ class TCAV:
 class ImageSetError(ValueError):
     """A set's images could not be made into a batch (a file that is no image, RGBA or 16-bit pixels, images of
     several sizes)."""
+
+
+def _warn_of_small_sets(sizes: Mapping[str, int]) -> None:
+    """Warn of the concept and random sets (role → number of images) with fewer than ``SPLIT_FROM`` images: their
+    CAVs are trained on every image, none held out as the reference code holds out a third, and a direction fitted to
+    so few activations mostly tells those images apart, so the scores and the test say little about the concept."""
+    small = [f"{role} has {size} image{'s' if size != 1 else ''}" for role, size in sizes.items() if size < SPLIT_FROM]
+    if small:
+        warn_at_callers_line(
+            f"{', '.join(small)}: fewer than {SPLIT_FROM} images. A CAV is trained on a stratified 67 % of each set's "
+            f"images (the TCAV reference code's split) only from {SPLIT_FROM} images on; these sets' CAVs are fitted "
+            "to every image, none held out, and a direction fitted to so few activations tells those images apart "
+            "more than it finds the concept: the scores and their significance say little. Give each concept and "
+            "random set more images (tens; the more, the steadier the CAVs).")
 
 
 def _naming_the_set(role: str, read: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:

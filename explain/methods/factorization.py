@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import (
     LayerOutputError,
     LayerSpec,
@@ -41,6 +42,7 @@ from ..core.scope import CallScope
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.render import image_as_float, label_text
 from .maps import upsample_maps
+from .options import int_option, number_option
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -178,8 +180,11 @@ class DeepFeatureFactorization:
     layer: the layer whose output is factorised; it must be non-negative (after a ReLU).
     concepts: k, the number of concepts.
     classifier: the module (or callable (k, C) → (k, classes)) that turns a concept's channel
-        profile into class scores; "auto" (default): the model's last ``nn.Linear`` taking C
-        features (a ResNet's ``fc``), if any; None: no class scores.
+        profile into class scores; "auto" (default): the ``nn.Linear`` taking C features whose
+        output is the model's output (a ResNet's ``fc``; not a hidden layer of an MLP head nor a
+        projection), found in the forward pass; a warning when there is none (no class scores) or
+        when its input is not the layer's average or maximum over positions (the scores then skip
+        the modules in between); None: no class scores.
     iterations, tolerance, seed: of the factorisation (see ``nmf``).
     preprocess, reshape, class_names: as for the explainers.
     """
@@ -205,19 +210,67 @@ class DeepFeatureFactorization:
         found = find_layers(model, layer)
         if len(found) != 1:
             raise ValueError(f"deep feature factorisation needs one layer; {layer!r} selects {len(found)}.")
-        if concepts < 1:
-            raise ValueError(f"concepts must be at least 1; got {concepts}.")
+        concepts, iterations = int_option("concepts", concepts, 1), int_option("iterations", iterations, 1)
+        tolerance, seed = number_option("tolerance", tolerance), int_option("seed", seed, 0)
+        if not (classifier is None or (isinstance(classifier, str) and classifier == "auto") or callable(classifier)):
+            raise TypeError(f"classifier must be 'auto', None or a module/callable (k, C) → (k, classes) such as "
+                            f"model.fc; got {classifier!r}.")
         self.model, (self.layer_name, self.module) = model, found[0]
         self.concepts, self.classifier, self.iterations = concepts, classifier, iterations
         self.tolerance, self.seed, self.reshape, self.class_names = tolerance, seed, reshape, class_names
         self.preprocess = as_preprocess(preprocess)
 
-    def _classifier_for(self, channels: int) -> Optional[Callable[[Tensor], Tensor]]:
-        if self.classifier == "auto":
-            heads = [module for module in self.model.modules()
-                     if isinstance(module, nn.Linear) and module.in_features == channels]
-            return heads[-1] if heads else None
-        return self.classifier
+    def _run_recording_heads(self, batch: Tensor) -> tuple[object, list[tuple[str, nn.Linear, Tensor, Tensor]]]:
+        """Run the model; with classifier="auto", also record every ``nn.Linear`` call (name, module,
+        input, output), in call order, for ``_auto_classifier``."""
+        calls: list[tuple[str, nn.Linear, Tensor, Tensor]] = []
+        handles = []
+        if isinstance(self.classifier, str):
+            for name, module in self.model.named_modules():
+                if isinstance(module, nn.Linear):
+                    handles.append(module.register_forward_hook(
+                        lambda module, args, output, name=name: calls.append((name, module, args[0], output))
+                        if args and isinstance(args[0], Tensor) and isinstance(output, Tensor) else None))
+        try:
+            output = run_model(self.model, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return output, calls
+
+    def _auto_classifier(self, activations: Tensor, output: object,
+                         calls: list[tuple[str, nn.Linear, Tensor, Tensor]]) -> Optional[nn.Linear]:
+        """The last ``nn.Linear`` called that takes the layer's C channels and returns one of the model's
+        output tensors (its class scores); None, with a warning, when there is none. Warns when its
+        input is not the layer's activations averaged (or max-pooled) over positions."""
+        channels = activations.shape[1]
+        outputs = tensors_in(output)
+        heads = [(name, module, given) for name, module, given, result in calls
+                 if module.in_features == channels
+                 and any(result is tensor or (result.shape == tensor.shape and torch.equal(result, tensor))
+                         for tensor in outputs)]
+        if not heads:
+            taking = sorted({name for name, module, _, _ in calls if module.in_features == channels})
+            seen = (f" ({', '.join(taking)} take {channels} features but return no output of the model: hidden "
+                    "layers or projections, not the classifier)" if taking else "")
+            warn_at_callers_line(
+                f"DeepFeatureFactorization found no classifier for layer {self.layer_name!r}: no nn.Linear taking its "
+                f"{channels} channels returns the model's output{seen}, so concept_scores is None. Pass "
+                "classifier=MODULE (a callable (k, C) → (k, classes)), or classifier=None to silence this.")
+            return None
+        name, head, given = heads[-1]
+        pooled = [activations.mean(dim=(2, 3)), activations.amax(dim=(2, 3))]
+        precision = max(1e-3, 8 * torch.finfo(given.dtype).eps) if given.is_floating_point() else 1e-3  # autocast
+        given = given.detach().double()
+        if not any(given.shape == pool.shape and torch.allclose(given, pool, rtol=precision, atol=precision * float(
+                pool.abs().max().clamp_min(1e-12))) for pool in pooled):
+            warn_at_callers_line(
+                f"DeepFeatureFactorization scores the concepts of layer {self.layer_name!r} with {name!r} (the "
+                f"nn.Linear returning the model's output), but its input is not the layer's average or maximum over "
+                f"positions: the scores skip what the model does in between (more layers, a norm, a class token). "
+                f"Pass classifier=... (e.g. nn.Sequential(model.norm, model.head)) to score them through that, or "
+                f"classifier={name!r}'s module itself / None to silence this.")
+        return head
 
     def factorize(self, inputs: Inputs) -> Factorization:
         """Factorise the layer's activations over ``inputs`` (anything ``explain`` takes: paths, PIL
@@ -226,7 +279,7 @@ class DeepFeatureFactorization:
             prepared = prepare_inputs(inputs, self.preprocess, model_device(self.model), model_dtype(self.model),
                                       channels=model_input_channels(self.model))
             with capture(self.model, self.module) as captured:
-                run_model(self.model, prepared.batch)
+                model_output, linear_calls = self._run_recording_heads(prepared.batch)
             output = captured[self.layer_name].output
             if not isinstance(output, Tensor):
                 raise LayerOutputError(f"layer {self.layer_name!r} returned a {type(output).__name__}, not a tensor; "
@@ -234,22 +287,50 @@ class DeepFeatureFactorization:
             layout = infer_layout(output, prepared.batch.shape[-2:], self.reshape, self.layer_name, self.module,
                                   model=self.model)
             activations = layout.apply(output).double()  # (N, C, h, w)
+            if not bool(torch.isfinite(activations).all()):
+                raise ValueError(f"layer {self.layer_name!r} has NaN or inf activations on these inputs: the model "
+                                 "overflowed; check the input's range and the model's dtype.")
             if activations.min() < 0:
                 raise ValueError(
                     f"layer {self.layer_name!r} has negative activations (min {float(activations.min()):.3g}); "
-                    "non-negative matrix factorisation needs a non-negative layer, such as one after a ReLU."
+                    "non-negative matrix factorisation needs a non-negative layer, such as one after a ReLU (not "
+                    "the BatchNorm or convolution before it, nor a GELU, which dips below 0). `explain layers MODEL` "
+                    "lists the layers."
                 )
+            if not bool(activations.any()):
+                raise ValueError(f"layer {self.layer_name!r} is 0 everywhere on these inputs (dead ReLUs?): there is "
+                                 "nothing to factorise. Choose another layer or other images.")
             count, channels, height, width = activations.shape
+            if self.concepts > min(channels, count * height * width):
+                warn_at_callers_line(
+                    f"DeepFeatureFactorization into {self.concepts} concepts of layer {self.layer_name!r}, which has "
+                    f"{channels} channels at {count * height * width} positions: more concepts than that can "
+                    f"reconstruct the activations exactly while splitting them arbitrarily. Pass concepts ≤ "
+                    f"{min(channels, count * height * width)}.", RuntimeWarning)
             matrix = activations.transpose(0, 1).reshape(channels, -1)  # (C, N·h·w)
             profiles, presence, error = nmf(matrix, self.concepts, iterations=self.iterations,
                                             tolerance=self.tolerance, seed=self.seed)
-            peaks = presence.amax(dim=1).clamp_min(1e-12)  # scale each concept to peak at 1
+            peaks = presence.amax(dim=1)
+            if not bool((peaks > 0).all()):
+                empty = (peaks <= 0).sum()
+                warn_at_callers_line(
+                    f"DeepFeatureFactorization of layer {self.layer_name!r}: {int(empty)} of the {self.concepts} "
+                    "concepts are absent from every image (all-zero maps, and class scores that are only the "
+                    "classifier's bias). Pass fewer concepts.", RuntimeWarning)
+            peaks = peaks.clamp_min(1e-12)  # scale each concept to peak at 1
             profiles, presence = profiles * peaks, presence / peaks[:, None]
             order = presence.sum(dim=1).argsort(descending=True)
             profiles, presence = profiles[:, order], presence[order]
             low_res = presence.reshape(-1, count, height, width).transpose(0, 1).float()  # (N, k, h, w)
-            classifier = self._classifier_for(channels)
-            scores = None if classifier is None else classifier(profiles.T.to(model_dtype(self.model))).float()
+            classifier = (self._auto_classifier(activations, model_output, linear_calls)
+                          if isinstance(self.classifier, str) else self.classifier)
+            scores = None if classifier is None else classifier(profiles.T.to(model_dtype(self.model)))
+            if scores is not None and (not isinstance(scores, Tensor) or scores.dim() != 2
+                                       or scores.shape[0] != self.concepts):
+                given = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+                raise ValueError(f"the classifier must map the ({self.concepts}, {channels}) concept profiles to "
+                                 f"({self.concepts}, classes) scores; it returned {given}.")
+            scores = None if scores is None else scores.float()
         maps = upsample_maps(layout.to_input(low_res, prepared.batch.shape[-2:]), prepared.batch.shape[-2:]).clamp(0, 1)
         return Factorization(concepts=profiles.T.float(), low_res_maps=low_res, maps=maps, relative_error=error,
                              images=prepared.images, layer=self.layer_name, concept_scores=scores,
@@ -257,3 +338,14 @@ class DeepFeatureFactorization:
 
     def __repr__(self) -> str:
         return f"DeepFeatureFactorization(layer={self.layer_name!r}, concepts={self.concepts})"
+
+
+def tensors_in(output: object) -> list[Tensor]:
+    """The tensors of a model's output: itself, or those in a tuple, list or dict (a ModelOutput) of them."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [tensor for value in output.values() for tensor in tensors_in(value)]
+    if isinstance(output, (tuple, list)):
+        return [tensor for value in output for tensor in tensors_in(value)]
+    return []

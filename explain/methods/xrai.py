@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -62,8 +63,9 @@ class Felzenszwalb:
     ``size`` (bicubic; None: kept) so that the scales mean the same for every image size, each
     scale's segments resized back (nearest) and every segment dilated by a disk of
     ``dilation_radius`` pixels (at the image's own size).
-    Called with a (C, H, W) image, returns (M, H, W) bool masks on the image's device: the
-    segments of every scale, in order of scale then label; a constant image is one segment.
+    Called with a (C, H, W) image (or an (H, W) one: one channel), returns (M, H, W) bool masks on
+    the image's device: the segments of every scale, in order of scale then label; a constant
+    image is one segment.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Felzenszwalb:
         except ImportError as error:
             raise ImportError("XRAI's segmentation needs scikit-image: pip install scikit-image.") from error
 
+        image = checked_image(image)
         height, width = image.shape[-2:]
         pixels = image.detach().double().permute(1, 2, 0).cpu().numpy()
         low, high = pixels.min(), pixels.max()
@@ -112,8 +115,10 @@ class Felzenszwalb:
             pixels = pixels[..., 0]
         per_scale: list[Tensor] = []
         for scale in self.scales:
-            labels = felzenszwalb(pixels, scale=scale, sigma=self.sigma, min_size=self.min_size,
-                                  channel_axis=channel_axis)
+            with warnings.catch_warnings():  # more than 3 channels are meant: scikit-image warns that they may not be
+                warnings.filterwarnings("ignore", "Got image with third dimension", RuntimeWarning)
+                labels = felzenszwalb(pixels, scale=scale, sigma=self.sigma, min_size=self.min_size,
+                                      channel_axis=channel_axis)
             if self.size is not None:
                 labels = resize(labels, (height, width), order=0, preserve_range=True, mode="constant",
                                 anti_aliasing=False).astype(np.int64)
@@ -127,6 +132,24 @@ class Felzenszwalb:
     def __repr__(self) -> str:
         return (f"Felzenszwalb(scales={self.scales}, sigma={self.sigma}, min_size={self.min_size}, size={self.size}, "
                 f"dilation_radius={self.dilation_radius})")
+
+
+def checked_image(image: object) -> Tensor:
+    """A segmenter's image as (C, H, W): an (H, W) tensor is one channel; anything else, an image that looks
+    channels last ((H, W, C) with C ≤ 4 < H) or one holding NaN or inf is a ValueError saying what to pass."""
+    if not isinstance(image, Tensor):
+        raise TypeError(f"Felzenszwalb segments a (C, H, W) tensor; got {type(image).__name__}.")
+    if image.dim() == 2:
+        image = image[None]
+    if image.dim() != 3:
+        raise ValueError(f"Felzenszwalb segments one (C, H, W) image; got shape {tuple(image.shape)} (for a batch, "
+                         "call it on each image).")
+    if image.shape[-1] <= 4 < image.shape[0]:
+        raise ValueError(f"Felzenszwalb segments a channels-first (C, H, W) image; shape {tuple(image.shape)} looks "
+                         "channels last (H, W, C): pass image.permute(2, 0, 1).")
+    if image.is_floating_point() and not bool(torch.isfinite(image).all()):
+        raise ValueError("the image holds NaN or inf values, which Felzenszwalb cannot segment.")
+    return image
 
 
 def candidate_masks(segments: object, size: Sequence[int]) -> Tensor:

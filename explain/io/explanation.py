@@ -221,7 +221,15 @@ class Explanation:
         positions = self.diagnostics.get("target_positions")  # a token map's place in the answer (explain.vlm)
         if isinstance(positions, Tensor) and positions.shape == self.scores.shape and index is not None \
                 and self.class_names is not None and 0 <= index < len(self.class_names):
-            return f"{self.class_names[index]} (token {int(positions[image_index, target_index])}): {score:.3g}"
+            name = self.class_names[index]
+            if not name:  # a token with no text: its piece of the vocabulary ("<|im_end|>"), as explain.vlm names it
+                pieces = self.diagnostics.get("target_pieces")
+                piece = str(pieces[target_index]) if isinstance(pieces, list) and len(pieces) == targets else ""
+                ids = self.diagnostics.get("target_token_ids")
+                token_id = f" (id {int(ids[image_index, target_index])})" \
+                    if isinstance(ids, Tensor) and ids.shape == self.scores.shape else ""
+                name = (piece or "∅ no text") + token_id
+            return f"{name} (token {int(positions[image_index, target_index])}): {score:.3g}"
         return f"{prefix}{render.label_text(index, self.class_names)}: {score:.3g}"
 
     def description(self) -> str:

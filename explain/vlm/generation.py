@@ -46,6 +46,7 @@ from ..methods.maps import NORMALIZATIONS, check_finite_maps, normalize_maps
 from ..methods.passes import check_parameters_usable, reduced_precision
 from .families import layout_for
 from .layout import ImageLayout, paint
+from .view import visible_token
 
 METHODS = ("input_x_gradient", "attention", "attnlrp")
 DISPLAY_LONGEST_SIDE = 768
@@ -178,6 +179,49 @@ def precision_effect(method: str, precision: str) -> str:
                 "maximum: the gradient of a log-probability is a small difference of large terms, and the model's "
                 "own weights and embeddings are rounded; attention and AttnLRP maps by up to 5 %")
     return "on the tiny test models bfloat16 moved maps by up to 5 % of their maximum"
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level tokenizer's pieces."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[chr(byte)] = byte
+        else:
+            characters[chr(256 + extra)] = byte
+            extra += 1
+    return characters
+
+
+BYTE_LEVEL_BYTES = _bytes_to_unicode()
+"""A byte-level (GPT-2, Qwen) tokenizer's piece character → the byte it stands for ("Ġ" → 0x20, "ç" → 0xE7)."""
+
+
+def _byte_level_decoding(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` decodes its pieces as GPT-2's byte-level alphabet."""
+    if getattr(tokenizer, "byte_decoder", None):  # a slow GPT-2 style tokenizer
+        return True
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and type(decoder).__name__ == "ByteLevel"
+
+
+def bytes_text(data: bytes) -> str:
+    """``data`` as UTF-8 text, each byte that is no part of a whole character written "<0xE7>"."""
+    parts, start = [], 0
+    while start < len(data):
+        for length in (1, 2, 3, 4):
+            try:
+                parts.append(data[start:start + length].decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+            start += length
+            break
+        else:
+            parts.append(f"<0x{data[start]:02X}>")
+            start += 1
+    return "".join(parts)
 
 
 class GenerationExplainer:
@@ -341,14 +385,40 @@ class GenerationExplainer:
     def token_texts(self, ids: Tensor, *, skip_special_tokens: bool = False) -> list[str]:
         """Each token's own piece of the decoded text (a SentencePiece space stays with its token); with
         ``skip_special_tokens`` of the text decoded as the answer shows it, where hidden tokens (``hidden_tokens``)
-        have the empty text."""
+        have the empty text. A token that begins a character later tokens complete (the three byte tokens of "猫"
+        in a byte-level tokenizer) has the empty text, and the token that completes it the character: the texts
+        join to the decoded answer, with no "�" for a character cut between tokens."""
+        count = ids.numel()
+        decoded = [self.tokenizer.decode(ids[:end].tolist(), skip_special_tokens=skip_special_tokens)
+                   for end in range(count + 1)]
         texts, before = [], ""
-        for end in range(1, ids.numel() + 1):
-            decoded = self.tokenizer.decode(ids[:end].tolist(), skip_special_tokens=skip_special_tokens)
-            texts.append(decoded[len(before):] if decoded.startswith(before) else
+        for end in range(1, count + 1):
+            text = decoded[end]
+            # "�" at the end that one of the next (up to 3: a UTF-8 character has at most 4 bytes) tokens rewrites
+            if text.endswith("\ufffd") and any(not later.startswith(text) for later in decoded[end + 1:end + 4]):
+                texts.append("")
+                continue
+            texts.append(text[len(before):] if text.startswith(before) else
                          self.tokenizer.decode(ids[end - 1:end].tolist(), skip_special_tokens=skip_special_tokens))
-            before = decoded
+            before = text
         return texts
+
+    def token_pieces(self, ids: Tensor) -> list[str]:
+        """Each token's piece of the tokenizer's vocabulary (``convert_ids_to_tokens``: "<|im_end|>", "<0x0A>",
+        "▁the"), whitespace made visible (``visible_token``); a byte-level tokenizer's piece as the text of its
+        bytes, a byte that is no whole character written "<0xE7>" (its own piece, "ç", is no text of the answer);
+        "" for an id the tokenizer has no piece for (a random model's vocabulary ids beyond the tokenizer's)."""
+        pieces = self.tokenizer.convert_ids_to_tokens(ids.tolist())
+        byte_level = _byte_level_decoding(self.tokenizer)
+        shown = []
+        for piece in pieces:
+            if not isinstance(piece, str) or not piece:
+                shown.append("")
+            elif byte_level and all(character in BYTE_LEVEL_BYTES for character in piece):
+                shown.append(visible_token(bytes_text(bytes(BYTE_LEVEL_BYTES[character] for character in piece))))
+            else:
+                shown.append(visible_token(piece))
+        return shown
 
     def hidden_tokens(self, ids: Tensor) -> list[bool]:
         """Per token of ``ids``: whether the decoded answer (``decode(..., skip_special_tokens=True)``) hides it:
@@ -388,7 +458,9 @@ class GenerationExplainer:
         of a span; the logit for "attnlrp"), ``diagnostics``: "token_ids" (1, T) the answer (hidden tokens
         included, so map k is not token k where some are left out), "target_positions" (1, K) the answer position
         (index into "token_ids") of map k's token (a span's first token), "target_token_ids" (1, K) that token's
-        id, "target_tokens" (1, K, T) bool the answer tokens whose scores target k sums, "generated" whether it
+        id, "target_tokens" (1, K, T) bool the answer tokens whose scores target k sums, "target_pieces" (K
+        strings) those tokens' pieces of the vocabulary (``token_pieces``: "<|im_end|>", "<0xE7>"; "" for ids the
+        tokenizer has none for; what names a target with no text), "generated" whether it
         was generated, "prompt" / "answer" texts (the answer decoded as the targets see it: without the hidden
         tokens where they were left out), "unplaced_relevance" (1, K) relevance on image tokens with no place on
         the image, "image_relevance" (1, K) the relevance summed over all image tokens, "image_token_relevance"
@@ -421,6 +493,7 @@ class GenerationExplainer:
                                  "which the decoded answer hides): give an answer text, or raise max_new_tokens.")
             texts = self.token_texts(ids, skip_special_tokens=skip_hidden)
             targets = self._targets(explained, texts, spans)
+            pieces = self._target_pieces(ids, targets)
             layout = self.layout_function(self.model, self.processor, prepared.inputs,
                                           (prepared.image.height, prepared.image.width))
             relevance, scores, replayed = self._relevance(prepared, ids, targets)
@@ -441,7 +514,8 @@ class GenerationExplainer:
                               "tokens' gradients, and the maps made of them, carry that rounding "
                               f"({precision_effect(self.method, precision)}). For exact maps, run the model in "
                               "float32.", RuntimeWarning, stacklevel=2)
-        return self._explanation(prepared, layout, relevance, scores, ids, targets, generated, skip_hidden, prompt)
+        return self._explanation(prepared, layout, relevance, scores, ids, targets, pieces, generated, skip_hidden,
+                                 prompt)
 
     # ------------------------------------------------------------------ pieces of explain
 
@@ -477,7 +551,9 @@ class GenerationExplainer:
                 where = answer.find(span)
                 if not span or where < 0:
                     raise ValueError(f"the span {span!r} is not in the answer {answer!r}.")
-                positions = [k for k in explained if starts[k] < where + len(span) and starts[k + 1] > where]
+                # the tokens that overlap it, and those with no text within it (the first bytes of a character)
+                positions = [k for k in explained if starts[k] < where + len(span)
+                             and (starts[k + 1] > where or starts[k] == starts[k + 1] == where)]
                 name = span
             else:
                 start, end = (int(value) for value in span)
@@ -492,6 +568,31 @@ class GenerationExplainer:
                                  "skip_special_tokens=False to explain special tokens too.")
             targets.append((name, positions))
         return targets
+
+    def _target_pieces(self, ids: Tensor, targets: list[tuple[str, list[int]]]) -> list[str]:
+        """Each target's tokens' pieces (``token_pieces``), joined: what names a target with no text (a token that
+        decodes to nothing, a byte that only begins a character); a warning for targets with no text and no
+        piece either (ids the tokenizer does not have: a random model's, or a model whose vocabulary outgrew its
+        tokenizer's)."""
+        pieces = self.token_pieces(ids)
+        joined = ["".join(pieces[position] for position in positions) for _, positions in targets]
+        nameless = [k for k, (name, _) in enumerate(targets) if not name and not joined[k]]
+        if nameless:
+            unknown = sorted({int(ids[position]) for k in nameless for position in targets[k][1]})
+            listed = ", ".join(str(token) for token in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+            warn_at_callers_line(
+                f"{len(nameless)} of the {len(targets)} maps explain tokens that the tokenizer has no text for "
+                f"(id{'s' if len(unknown) > 1 else ''} {listed}; the tokenizer has {len(self.tokenizer)} tokens, "
+                f"the model's output {self._output_size()}): the model generated ids its tokenizer does not know "
+                "(random weights, or a processor that is not the model's own?). Their maps are labelled by id "
+                "alone.", UserWarning)
+        return joined
+
+    def _output_size(self) -> str:
+        """The number of scores the model's output head gives (its vocabulary), as text; "?" where unknown."""
+        model: Any = self.model  # a HuggingFace generation model
+        weight = getattr(model.get_output_embeddings(), "weight", None)
+        return str(weight.shape[0]) if isinstance(weight, Tensor) else "?"
 
     def _media_tokens(self) -> list[int]:
         """Ids that the model's forward takes as places of image or video features."""
@@ -608,8 +709,8 @@ class GenerationExplainer:
         return relevance.to(torch.promote_types(relevance.dtype, torch.float32)), torch.stack(scores), replayed
 
     def _explanation(self, prepared: PreparedPrompt, layout: ImageLayout, relevance: Tensor, scores: Tensor,
-                     ids: Tensor, targets: list[tuple[str, list[int]]], generated: bool, skip_hidden: bool,
-                     prompt: str) -> Explanation:
+                     ids: Tensor, targets: list[tuple[str, list[int]]], pieces: list[str], generated: bool,
+                     skip_hidden: bool, prompt: str) -> Explanation:
         height, width = prepared.image.height, prepared.image.width
         scale = min(1.0, DISPLAY_LONGEST_SIDE / max(height, width))
         size = (max(1, round(height * scale)), max(1, round(width * scale)))
@@ -646,6 +747,7 @@ class GenerationExplainer:
                 "target_positions": positions[None],
                 "target_token_ids": ids[positions][None].detach(),
                 "target_tokens": covered[None],
+                "target_pieces": pieces,
                 "generated": torch.tensor([generated]),
                 "prompt": [prompt],
                 "answer": [self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_hidden)],

@@ -17,6 +17,7 @@ import html
 import io
 import math
 import textwrap
+import unicodedata
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from ..core.caller import warn_at_callers_line
 from ..io import render
 from ..io.explanation import Explanation
 
@@ -37,7 +39,10 @@ VISIBLE_WHITESPACE = {"\n": "⏎", "\t": "⇥", "\r": "\\r"}
 VISIBLE_SPACE = "␣"
 """How ``visible_token`` writes a space that begins or ends a token."""
 EMPTY_TOKEN = "∅"
-"""How a token whose text is empty (a special token decoded to nothing) is shown."""
+"""How a token whose text is empty (a special token decoded to nothing) is shown by ``visible_token``; a map's label
+(``token_labels``) names such a token by its piece of the vocabulary and its id instead."""
+NO_TEXT = "∅ no text"
+"""How ``token_labels`` shows a token with no text and no piece of the vocabulary (an id the tokenizer lacks)."""
 
 
 # ---- What is shown ------------------------------------------------------------------------------
@@ -80,6 +85,57 @@ def token_texts(explanation: Explanation) -> list[str]:
     if explanation.class_names is None:
         return [f"token {k}" for k in range(count)]
     return [str(text) for text in explanation.class_names]
+
+
+def _target_ids(explanation: Explanation) -> list[list[int]]:
+    """Each map's token ids (a span's all): from ``diagnostics["target_tokens"]`` and ``["token_ids"]``, else
+    ``["target_token_ids"]``; [] per map where the explanation has neither."""
+    count = explanation.map_grid.shape[1]
+    covered, ids = explanation.diagnostics.get("target_tokens"), explanation.diagnostics.get("token_ids")
+    if isinstance(covered, Tensor) and isinstance(ids, Tensor) and covered.dim() == 3 and ids.dim() == 2 \
+            and tuple(covered.shape) == (1, count, ids.shape[1]):
+        return [[int(token) for token in ids[0][covered[0, k].to(ids.device)]] for k in range(count)]
+    first = explanation.diagnostics.get("target_token_ids")
+    if isinstance(first, Tensor) and tuple(first.shape) == (1, count):
+        return [[int(token)] for token in first[0]]
+    return [[] for _ in range(count)]
+
+
+def token_names(explanation: Explanation) -> list[tuple[str, str]]:
+    """Each map's token as (shown, note): a token with text, (its text with whitespace made visible, "");
+    a token with no text (a special token or a space the tokenizer decodes to nothing, a byte that only begins a
+    character), (its piece of the vocabulary, ``diagnostics["target_pieces"]``, e.g. "<|im_end|>" or "<0xE7>",
+    "id 151645"); one with no piece either (an id the tokenizer lacks), ("∅ no text", "id 151700"). A warning where
+    a map's token has no text and the explanation names no piece for it (GenerationExplainer.explain names the
+    pieces, and warns itself of ids its tokenizer lacks)."""
+    texts = token_texts(explanation)
+    pieces = explanation.diagnostics.get("target_pieces")
+    named = isinstance(pieces, list) and len(pieces) == len(texts)
+    ids = _target_ids(explanation)
+    names, unnamed = [], []
+    for k, text in enumerate(texts):
+        if text:
+            names.append((visible_token(text), ""))
+            continue
+        piece = str(pieces[k]) if named and pieces is not None else ""
+        note = f"id{'s' if len(ids[k]) > 1 else ''} {', '.join(str(token) for token in ids[k])}" if ids[k] else ""
+        names.append((piece or NO_TEXT, note))
+        if not named:
+            unnamed.append(k)
+    if unnamed:
+        which = ", ".join(f"{k} ({names[k][1] or 'id unknown'})" for k in unnamed[:8]) + \
+            (", ..." if len(unnamed) > 8 else "")
+        warn_at_callers_line(f"{len(unnamed)} map(s) explain a token with no text, and the explanation names no "
+                             f"piece of the vocabulary for them (diagnostics['target_pieces']): maps {which} are "
+                             f"labelled {NO_TEXT!r}. Explanations of GenerationExplainer.explain name them.",
+                             UserWarning)
+    return names
+
+
+def token_labels(explanation: Explanation) -> list[str]:
+    """Each map's token as one label (``token_names``): its text with whitespace made visible, or for a token with
+    no text its piece and id, "<|im_end|> (id 151645)"."""
+    return [f"{shown} ({note})" if note else shown for shown, note in token_names(explanation)]
 
 
 def token_positions(explanation: Explanation) -> list[int]:
@@ -130,8 +186,22 @@ def display_maps(explanation: Explanation, signed: Optional[bool] = None, cmap: 
 
 # ---- The figure ----------------------------------------------------------------------------------
 
+def _width(character: str) -> int:
+    """A character's width in the columns of a Latin letter: 2 for East Asian wide ones (CJK, most emoji)."""
+    return 2 if unicodedata.east_asian_width(character) in ("W", "F") else 1
+
+
 def _shortened(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """``text`` cut to ``limit`` columns (``_width``: a CJK character or emoji is two), "…" at the end where cut."""
+    if sum(_width(character) for character in text) <= limit:
+        return text
+    kept, used = [], 1  # the column of "…"
+    for character in text:
+        used += _width(character)
+        if used > limit:
+            break
+        kept.append(character)
+    return "".join(kept) + "…"
 
 
 def token_figure(
@@ -180,9 +250,11 @@ def token_figure(
     if show_image:
         panels.append(("image", (image.numpy() * 255).round().astype(np.uint8)))
     positions = token_positions(explanation)
-    for k, (text, picture) in enumerate(zip(texts, overlays)):
-        chance = f"\np = {probabilities[k]:.3f}" if probabilities is not None else ""
-        panels.append((f"{positions[k]}: {_shortened(visible_token(text), 16)}{chance}", picture))
+    for k, ((shown, note), picture) in enumerate(zip(token_names(explanation), overlays)):
+        second = [note] if note else []
+        second += [f"p = {probabilities[k]:.3f}"] if probabilities is not None else []
+        caption = f"{positions[k]}: {_shortened(shown, 16)}" + (f"\n{' · '.join(second)}" if second else "")
+        panels.append((caption, picture))
     columns = min(columns, len(panels))
     rows = math.ceil(len(panels) / columns)
     height, width = overlays.shape[1:3]
@@ -271,15 +343,15 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
-def _token_span(k: int, text: str, probability: Optional[float]) -> str:
+def _token_span(k: int, text: str, name: tuple[str, str], probability: Optional[float]) -> str:
     """One token of the answer as an inline element: its own text, escaped; a newline as "⏎" and a line break;
-    a token of whitespace only (or empty) in its visible form, marked."""
-    shown = visible_token(text)
+    a token of whitespace only in its visible form, marked; a token with no text by its piece of the vocabulary
+    (``name``, from ``token_names``), marked, its id in its label."""
     whitespace_only = not text.strip()
-    inline = shown if whitespace_only else text.replace("\n", "⏎")
+    inline = name[0] if whitespace_only else text.replace("\n", "⏎")
     chance = f", probability {probability:.3f}" if probability is not None else ""
-    label = f"token {k + 1}: {shown}{chance}"
-    marks = " ws" if whitespace_only else ""
+    label = f"token {k + 1}: {name[0]}{f' ({name[1]})' if name[1] else ''}{chance}"
+    marks = (" ws" if text else " ws notext") if whitespace_only else ""
     span = (f'<span class="token{marks}" role="button" tabindex="{0 if k == 0 else -1}" aria-pressed="false" '
             f'data-k="{k}" aria-label="{html.escape(label, quote=True)}">{html.escape(inline)}</span>')
     return span + ("<br>" * text.count("\n"))
@@ -308,7 +380,9 @@ def token_html(
     probabilities = token_probabilities(explanation)
     scores = [float(value) for value in explanation.scores[0].detach().float().cpu()]
     positions = token_positions(explanation)
-    tokens = [{"shown": visible_token(text), "position": positions[k],
+    names = token_names(explanation)
+    labels = [f"{shown} ({note})" if note else shown for shown, note in names]
+    tokens = [{"shown": labels[k], "position": positions[k],
                "p": None if probabilities is None else round(probabilities[k], 6),
                "score": round(scores[k], 6) if math.isfinite(scores[k]) else None}
               for k, text in enumerate(texts)]
@@ -318,7 +392,7 @@ def token_html(
             "lut": table, "signed": colour_map == render.DIVERGING_CMAP, "alpha": alpha,
             "scoreName": "log-probability" if probabilities is not None else "score"}
     prompt = _diagnostic_text(explanation, "prompt")
-    answer_spans = "".join(_token_span(k, text, None if probabilities is None else probabilities[k])
+    answer_spans = "".join(_token_span(k, text, names[k], None if probabilities is None else probabilities[k])
                            for k, text in enumerate(texts))
     low, high = ("−1", "+1") if data["signed"] else ("0", "1")
     heading = title or f"Explanation of an answer: {explanation.description()}"

@@ -168,7 +168,7 @@ def slow_ablation_tiny(model: ConvGapLinear, x: torch.Tensor, classes) -> list[n
             for k in range(a.shape[1]):
                 ablated = a[n].clone()
                 ablated[k] = 0
-                cam += (y - tail(ablated)) / y * a[n, k]
+                cam += (y - tail(ablated)) / abs(y) * a[n, k]  # |y|: see AblationCAM
             maps.append(cam.numpy())
     return maps
 
@@ -218,7 +218,7 @@ def test_ablationcam_falls_back_to_full_forwards_with_a_warning():
             for k in range(4):
                 ablated = a[n].clone()
                 ablated[k] = 0
-                cam += (y - model.fc((ablated + first[n]).mean(dim=(1, 2)))[c]) / y * a[n, k]
+                cam += (y - model.fc((ablated + first[n]).mean(dim=(1, 2)))[c]) / y.abs() * a[n, k]
             torch.testing.assert_close(result.raw_maps[n], cam, rtol=1e-4, atol=1e-6)
 
 
@@ -284,7 +284,7 @@ def test_ablationcam_on_resnet18_batch_of_three(resnet_case):
             y = tail(a[n : n + 1])[0, c]
             ablated = a[n].expand(a.shape[1], -1, -1, -1).clone()  # copy k has channel k zeroed
             ablated[torch.arange(a.shape[1]), torch.arange(a.shape[1])] = 0
-            weights = (y - tail(ablated)[:, c]) / y
+            weights = (y - tail(ablated)[:, c]) / y.abs()
             expected = upsampled(torch.relu(sum(weights[k] * a[n, k] for k in range(a.shape[1]))).numpy(), (64, 64))
             # y − y_k cancels in float32 (one channel of 512 moves the score little): compare at the map's scale
             torch.testing.assert_close(result.raw_maps[n], expected, rtol=0, atol=3e-3 * float(expected.abs().max()))

@@ -23,6 +23,13 @@ from .options import NoiseDraws, drawn_noise, int_option, noise_options, normal_
 from .registry import register
 
 
+def batch_statistics_layers(model: nn.Module) -> list[str]:
+    """The BatchNorm modules of ``model`` that normalise by the statistics of the batch even in eval mode
+    (``track_running_stats=False``): through them, the rows of a batch change each other's scores."""
+    return [name or type(model).__name__ for name, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None]
+
+
 class PerturbationOptions(CAMOptions, total=False):
     """The keyword options of the perturbation CAMs (see ``PerturbationCAM``)."""
 
@@ -32,7 +39,9 @@ class PerturbationOptions(CAMOptions, total=False):
 class PerturbationCAM(CAM):
     """Shared by Score-CAM and Ablation-CAM.
 
-    batch_size: perturbed copies of the input per forward pass (bounds memory).
+    batch_size: perturbed copies of the input per forward pass (bounds memory). A model with BatchNorm
+        modules that normalise by the batch's statistics (``track_running_stats=False``) would score each
+        copy with the statistics of the others in its pass: there every copy runs alone.
     """
 
     uses_gradients = False
@@ -51,13 +60,18 @@ class PerturbationCAM(CAM):
     def _chunks(self, total: int, description: str, per_pass: Optional[int] = None) -> Iterator[slice]:
         """Slices of ``per_pass`` (default ``batch_size``) over ``total`` items, one per forward
         pass, with a progress bar when asked or when the run is long."""
-        per_pass = per_pass or self.batch_size
+        per_pass = self.copies_per_pass(per_pass)
         passes = -(-total // per_pass)
         with self.progress_bar(passes, passes, "pass") as bar:
             bar.set_description(description)
             for start in range(0, total, per_pass):
                 yield slice(start, min(start + per_pass, total))
                 bar.update()
+
+    def copies_per_pass(self, wanted: Optional[int] = None) -> int:
+        """``wanted`` (default ``batch_size``) copies per forward pass, or 1 where the model's BatchNorm modules
+        normalise by the batch's statistics (``batch_statistics_layers``): the copies of one pass would mix."""
+        return 1 if batch_statistics_layers(self.model) else wanted or self.batch_size
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         maps = []
@@ -218,19 +232,26 @@ class SSCAM(ScoreCAM):
     def _sample_chunks(self, rows: int) -> Iterator[slice]:
         """Slices of ``rows``, ``batch_size`` rows a pass, from row 0 again for every sample, under one
         progress bar."""
-        passes = self.samples * -(-rows // self.batch_size)
+        per_pass = self.copies_per_pass()
+        passes = self.samples * -(-rows // per_pass)
         with self.progress_bar(passes, passes, "pass") as bar:
             bar.set_description("SS-CAM")
             for _ in range(self.samples):
-                for start in range(0, rows, self.batch_size):
-                    yield slice(start, min(start + self.batch_size, rows))
+                for start in range(0, rows, per_pass):
+                    yield slice(start, min(start + per_pass, rows))
                     bar.update()
 
 
 @register
 class AblationCAM(PerturbationCAM):
-    """Ablation-CAM (Desai & Ramaswamy 2020): w_k = (y − y_k) / y, y_k the score with channel k
+    """Ablation-CAM (Desai & Ramaswamy 2020): w_k = (y − y_k) / |y|, y_k the score with channel k
     of the layer's output set to zero.
+
+    The paper divides by y, a trained classifier's (positive) score of its predicted class. Where y is
+    negative (another class, an untrained model, a target function's score), dividing by y would give
+    the channels whose ablation lowers the score negative weights, and the map would show what speaks
+    against the target: |y| keeps the paper's weights where y > 0 and their sign everywhere
+    (pytorch-grad-cam 1.5 divides by y).
 
     Only the network after the target layer depends on the ablation: the layers before it
     run once per forward pass, and the layer's output is expanded, inside the pass, into a
@@ -251,14 +272,15 @@ class AblationCAM(PerturbationCAM):
         """replay_batch_size: ablated copies of the layer's output per forward pass; default: as
         many as fit in REPLAY_BUDGET elements. ``batch_size`` applies to the fallback's input copies."""
         super().__init__(model, layer, **options)
-        self.replay_batch_size = replay_batch_size
+        self.replay_batch_size = (None if replay_batch_size is None
+                                  else int_option("replay_batch_size", replay_batch_size, 1))
 
     def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
         layers, layouts = self.layers, self._layouts
         assert layers is not None and layouts is not None, "during a call, the layers and their layouts are known"
         module = layers[layer_index][1]
         count, channels = activation.shape[:2]
-        reference = selected.scores.detach().float()  # (N, K)
+        reference = self._reference_scores(batch, selected)  # (N, K)
         try:
             ablated = self._ablated_scores_replaying_tail(batch, module, activation, selected, reference,
                                                           layouts[layer_index].channel_dim)
@@ -270,14 +292,28 @@ class AblationCAM(PerturbationCAM):
             )
             ablated = self._ablated_scores_full_forwards(batch, module, count, channels, selected,
                                                          layouts[layer_index].channel_dim)
-        safe_reference = torch.where(reference.abs() > 1e-12, reference, torch.full_like(reference, 1e-12))
-        weights = (reference[:, :, None] - ablated) / safe_reference[:, :, None]  # (N, K, C)
+        scale = reference.abs().clamp_min(1e-12)  # |y|: see the class's docstring
+        weights = (reference[:, :, None] - ablated) / scale[:, :, None]  # (N, K, C)
         return weights.to(activation.dtype)
+
+    def _reference_scores(self, batch: Tensor, selected: SelectedTargets) -> Tensor:
+        """(N, K) y: the targets' scores on the images, each image run alone where the model's BatchNorm
+        modules normalise by the batch's statistics (as its ablated copies then run)."""
+        if batch.shape[0] == 1 or not batch_statistics_layers(self.model):
+            return selected.scores.detach().float()
+        alone = [torch.tensor([image], device=batch.device) for image in range(batch.shape[0])]
+        return torch.cat([selected.scores_for(self.call_model(batch[rows], rows=rows), rows).float()
+                          for rows in alone])
 
     def _ablated_scores_replaying_tail(self, batch: Tensor, module: nn.Module, activation: Tensor,
                                        selected: SelectedTargets, reference: Tensor, channel_dim: int) -> Tensor:
         """(N, K, C) ablated scores; each pass expands the layer's output into ablated copies."""
         count, channels = activation.shape[:2]
+        mixing = batch_statistics_layers(self.model)
+        if mixing:
+            raise _ReplayNotPossible(f"BatchNorm {', '.join(repr(name) for name in mixing[:3])} normalises by the "
+                                     "statistics of the batch, so ablated copies in one pass would change each "
+                                     "other's scores; each runs alone")
         # row r of a pass: image r // per_image, channel (start + r % per_image); channel -1: no ablation
         copies_per_pass = self.replay_batch_size or self.REPLAY_BUDGET // activation[0].numel()
         per_image = max(1, copies_per_pass // count)

@@ -14,6 +14,8 @@ works with any method.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Optional, Sequence, Union
 
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture import LayerNotRunError, LayerOutputError, LayerSpec, find_layers
+from .layouts import infer_layout
 from .scope import CallScope
 from .targets import Target
 
@@ -77,14 +80,17 @@ class UnitTarget(ABC):
         self.per_image = per_image
 
     @abstractmethod
-    def values(self, layer_output: Tensor) -> Tensor:
-        """The units' values, (R, K), from the layer's output (R rows)."""
+    def values(self, layer_output: Tensor, layer: Optional[nn.Module] = None,
+               input_size: Optional[Sequence[int]] = None) -> Tensor:
+        """The units' values, (R, K), from the layer's output (R rows); ``layer``, the module, and
+        ``input_size``, the (H, W) of the model's input, help tell which axis holds the channels."""
 
     def __call__(self, output: object) -> Tensor:
         raise TypeError(
-            f"{self!r} is read from a layer during the forward pass, and this method was called without "
-            "binding it to the model. Bind it for the call: `with unit.bind(model) as target: "
-            "Method(model).explain(x, target=target)` (CAM methods and FullGrad bind it themselves)."
+            f"{self!r} is read from a layer during the forward pass, and it was called on a model's output "
+            "alone. Explainers bind it themselves (`Method(model).explain(x, target=unit)`); elsewhere bind it for "
+            "the forward passes: `with unit.bind(model) as target: ...`. Metrics that score classes or their "
+            "probabilities (deletion, insertion, ...) cannot score a hidden unit."
         )
 
     def bind(self, model: nn.Module) -> "BoundUnits":
@@ -106,34 +112,89 @@ class Channel(UnitTarget):
 
     layer: the layer's name (or module). channel: an int (maps (N, H, W)); a list of K ints (K maps per
         image, the same channels for every image); or N lists of K ints (channels per image).
-    position: None (the spatial mean) or the index of one position, e.g. (i, j) for a (N, C, h, w)
-        output. dim: the dimension of the layer's output that holds the channels (1 for
-        convolutions; -1 for tokens (N, T, D) or channels-last outputs).
-    Value for image n: mean over positions of output[n, c] (or output[n, c, i, j]).
+    position: None (the mean over all positions) or the index of one position, e.g. (i, j) for a
+        (N, C, h, w) or (N, h, w, C) output, (t,) for tokens (N, T, D).
+    dim: the dimension of the layer's output that holds the channels; None (default) tells it from the
+        layer: 1 for (N, C) and convolutions' (N, C, h, w); -1 for tokens (N, T, D) and channels-last
+        (N, h, w, C) outputs (Swin, ConvNeXt's norm and MLP), read from the layer's last convolution, norm
+        or linear module or else from the shape, as CAMs read feature maps.
+    Value for image n: mean over positions of the channel c (or its value at ``position``). For tokens the
+    positions are all T tokens, the class (and other prefix) tokens included; position=(0,) is the class
+    token of a ViT. For (N, C) the channel's value itself.
     """
 
-    def __init__(self, layer: LayerSpec, channel: Units, position: Optional[Sequence[int]] = None, dim: int = 1):
+    def __init__(self, layer: LayerSpec, channel: Units, position: Optional[Sequence[int]] = None,
+                 dim: Optional[int] = None):
         indices, keep, per_image = _index_tensor(channel, 1)
         super().__init__(layer, indices, keep, per_image)
         self.position = None if position is None else tuple(int(p) for p in position)
-        self.dim = dim
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, Integral)):
+            raise TypeError(f"dim is an int (the channels' dimension) or None (told from the layer); got {dim!r}.")
+        self.dim = None if dim is None else int(dim)
 
-    def values(self, layer_output: Tensor) -> Tensor:
-        channels_second = layer_output.movedim(self.dim, 1)
+    def channel_dim(self, layer_output: Tensor, layer: Optional[nn.Module] = None,
+                    input_size: Optional[Sequence[int]] = None) -> int:
+        """The dimension of ``layer_output`` that holds the channels (``dim``, or told from the layer)."""
+        shape = tuple(layer_output.shape)
+        if layer_output.dim() < 2:
+            raise ValueError(f"a channel needs a layer output with a batch and a channel dimension; got {shape}.")
+        if self.dim is not None:
+            if not -layer_output.dim() < self.dim < 0 and not 0 < self.dim < layer_output.dim():
+                raise ValueError(f"dim={self.dim} is not a channel dimension of a layer output of shape {shape}: "
+                                 f"give one of 1..{layer_output.dim() - 1} (or -1 for the last), not the batch's.")
+            return self.dim
+        if layer_output.dim() == 3:
+            return 1 if _conv1d_channels(layer) == shape[1] else -1  # tokens (N, T, D), unless a 1-d convolution's
+        if layer_output.dim() == 4:
+            size = tuple(input_size) if input_size is not None else (max(shape[1:]) ** 2,) * 2
+            try:
+                kind = infer_layout(layer_output, size, None, str(self.layer), layer).kind
+            except ValueError:
+                raise ValueError(
+                    f"layer {self.layer!r} outputs {shape}, whose channels could be at dimension 1 or 3, and nothing "
+                    "in the layer tells which: pass dim=1 (channels first, CNNs) or dim=-1 (channels last, "
+                    "Swin-like blocks) to Channel.") from None
+            return -1 if kind == "channels_last" else 1
+        return 1
+
+    def values(self, layer_output: Tensor, layer: Optional[nn.Module] = None,
+               input_size: Optional[Sequence[int]] = None) -> Tensor:
+        channels_second = layer_output.movedim(self.channel_dim(layer_output, layer, input_size), 1)
+        positions = tuple(channels_second.shape[2:])
         if self.position is None:
-            per_channel = channels_second.flatten(2).mean(dim=2)  # (R, C)
+            per_channel = channels_second.flatten(2).mean(dim=2) if positions else channels_second  # (R, C)
         else:
+            if len(self.position) != len(positions):
+                raise ValueError(f"position={self.position} needs {len(positions)} index(es), one per position "
+                                 f"dimension of the layer's {tuple(layer_output.shape)} output besides the batch and "
+                                 f"the channels {positions}.")
+            _check_range(torch.tensor([self.position]), positions, "position")
             at_position: tuple[Union[slice, int], ...] = (slice(None), slice(None), *self.position)
             per_channel = channels_second[at_position]
         _check_range(self.indices, per_channel.shape[1:], "channel")
+        channels = self.indices[..., 0].remainder(per_channel.shape[1]).to(per_channel.device)  # -1: the last
         if self.per_image:
             self._check_rows(per_channel.shape[0])
-            return per_channel.gather(1, self.indices[..., 0].to(per_channel.device))
-        return per_channel[:, self.indices[:, 0].to(per_channel.device)]
+            return per_channel.gather(1, channels)
+        return per_channel[:, channels]
 
     def __repr__(self) -> str:
         where = "" if self.position is None else f", position={self.position}"
-        return f"Channel({self.layer!r}, {self.indices[..., 0].tolist()}{where})"
+        axis = "" if self.dim is None else f", dim={self.dim}"
+        return f"Channel({self.layer!r}, {self.indices[..., 0].tolist()}{where}{axis})"
+
+
+def _conv1d_channels(layer: Optional[nn.Module]) -> Optional[int]:
+    """The output channels of a layer whose last convolution, norm or linear module is a 1-d convolution
+    (or BatchNorm1d) with channels first; None otherwise."""
+    for leaf in reversed(list(layer.modules()) if layer is not None else []):
+        if isinstance(leaf, nn.Conv1d):
+            return leaf.out_channels
+        if isinstance(leaf, nn.BatchNorm1d):
+            return leaf.num_features
+        if isinstance(leaf, (nn.Conv2d, nn.Linear, nn.LayerNorm, nn.BatchNorm2d, nn.GroupNorm)):
+            return None
+    return None
 
 
 class Neuron(UnitTarget):
@@ -148,7 +209,8 @@ class Neuron(UnitTarget):
         indices, keep, per_image = _index_tensor(index, None)
         super().__init__(layer, indices, keep, per_image)
 
-    def values(self, layer_output: Tensor) -> Tensor:
+    def values(self, layer_output: Tensor, layer: Optional[nn.Module] = None,
+               input_size: Optional[Sequence[int]] = None) -> Tensor:
         if self.indices.shape[-1] != layer_output.dim() - 1:
             raise ValueError(f"a neuron of a layer whose output is {tuple(layer_output.shape)} needs "
                              f"{layer_output.dim() - 1} indices; got {self.indices.shape[-1]}.")
@@ -176,6 +238,20 @@ def _check_range(indices: Tensor, sizes: Sequence[int], what: str) -> None:
                              f"(N, {', '.join(str(s) for s in sizes)}).")
 
 
+_PASSES_KEPT = 2
+"""How many finished forward passes a bound unit keeps its layer's outputs of."""
+
+
+@dataclass
+class _Pass:
+    """One forward pass of the model: its output and the output's parts, the unit's layer's outputs in it, and the
+    (H, W) of its image input (None where it had none)."""
+
+    parts: list[object]
+    recorded: list[Tensor]
+    input_size: Optional[tuple[int, int]]
+
+
 class BoundUnits(CallScope["BoundUnits"]):
     """``with unit.bind(model) as target:`` — records the unit's layer output in this thread's forward
     passes of ``model``; ``target(output)`` returns the units' values (R,) or (R, K) of the forward
@@ -188,23 +264,21 @@ class BoundUnits(CallScope["BoundUnits"]):
             raise ValueError(f"a unit lies in one layer; {unit.layer!r} selects {len(found)} layers.")
         self.layer_name, self.module = found[0]
         self.unit = unit
-        self.recorded: list[Tensor] = []
+        self.recorded: list[Tensor] = []  # the unit's layer's outputs in the forward pass in progress
+        self.finished: list[_Pass] = []  # the last passes, so that a target finds its own pass's values
         self.open = False
 
     def setup(self) -> "BoundUnits":
         assert self.model is not None, "a unit is bound to a model"
-        self.forward_pre_hook(self.model, self._new_forward)
         self.forward_hook(self.module, self._record)
+        self.forward_hook(self.model, self._finish, with_kwargs=True)  # after _record where the layer is the model
         self.open = True
         self.add_undo(self._close)
         return self
 
     def _close(self) -> None:
         self.open = False
-        self.recorded = []
-
-    def _new_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        self.recorded = []
+        self.recorded, self.finished = [], []
 
     def _record(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if not isinstance(output, Tensor):
@@ -214,14 +288,38 @@ class BoundUnits(CallScope["BoundUnits"]):
         # the output itself goes on unchanged (a CAM's capture at the same layer sees the true output)
         self.recorded.append(output.clone())
 
+    def _finish(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object) -> None:
+        """The end of a forward pass of the model: its records are kept with its output, and the next pass starts."""
+        images = [value for value in (*args, *kwargs.values()) if isinstance(value, Tensor) and value.dim() == 4]
+        size = (int(images[0].shape[-2]), int(images[0].shape[-1])) if images else None
+        parts: list[object] = [output]
+        if isinstance(output, (tuple, list)):
+            parts += list(output)
+        elif isinstance(output, Mapping):
+            parts += list(output.values())
+        if isinstance(getattr(output, "logits", None), Tensor):
+            parts.append(output.logits)  # type: ignore[attr-defined]
+        # the pass before too: a method may run the images, then the baselines, and only then read the images' scores
+        self.finished = [*self.finished[-(_PASSES_KEPT - 1):], _Pass(parts, self.recorded, size)]
+        self.recorded = []
+
+    def _pass_of(self, output: object) -> "_Pass":
+        """The finished forward pass whose output (or a part of it: a tuple's item, a dict's value, ``.logits``) is
+        ``output``; else the last (an output selector may have made a new object)."""
+        for finished in reversed(self.finished):
+            if any(part is output for part in finished.parts):
+                return finished
+        return self.finished[-1] if self.finished else _Pass([], self.recorded, None)
+
     def __call__(self, output: object) -> Tensor:
         if not self.open:
             raise RuntimeError(f"{self.unit!r} was bound to a model for a call that has ended; bind it again.")
-        if len(self.recorded) != 1:
-            ran = "did not run" if not self.recorded else f"ran {len(self.recorded)} times"
+        forward = self._pass_of(output)
+        if len(forward.recorded) != 1:
+            ran = "did not run" if not forward.recorded else f"ran {len(forward.recorded)} times"
             raise LayerNotRunError(f"layer {self.layer_name!r} {ran} in the forward pass; a unit needs a layer "
                                    "that runs once (`explain layers MODEL` lists them).")
-        values = self.unit.values(self.recorded[0])
+        values = self.unit.values(forward.recorded[0], self.module, forward.input_size)
         return values if self.unit.keep_target_dim else values[:, 0]
 
     @property

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.scope import CallScope
 
 
@@ -80,3 +81,21 @@ def contiguous_batch_norm_gradients(scope: CallScope, modules: Iterable[nn.Modul
     for module in modules:
         if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
             scope.forward_hook(module, _contiguous_gradient_at_output)
+
+
+def _batch_statistics_rows(module: nn.Module, args: Any, output: Any) -> None:
+    if isinstance(output, Tensor) and output.dim() >= 2 and output.shape[0] > 1:
+        warn_at_callers_line(
+            f"the model's {type(module).__name__} keeps no running statistics (track_running_stats=False), so even "
+            "in eval mode it normalises with the statistics of the batch it is given: the images of one call, and "
+            "the copies of an image that a method runs together (Integrated Gradients' path, SmoothGrad's samples), "
+            "change each other's maps. Explain one image per call, with batch_size=1 where the method takes it, for "
+            "maps that depend on the image alone.", RuntimeWarning)
+
+
+def warn_of_batch_statistics(scope: CallScope, modules: Iterable[nn.Module]) -> None:
+    """For the scope, a warning where a BatchNorm without running statistics (which normalises with the batch's
+    own, also in eval mode) runs on more than one row: the rows of a pass then change each other's maps."""
+    for module in modules:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None:
+            scope.forward_hook(module, _batch_statistics_rows)

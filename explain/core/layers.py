@@ -212,14 +212,22 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     small to draw (h or w below 2: the last stage at a small input), no layer inside it is chosen unless the
     layer is on the block's only path: its branches or shortcut would bypass it (``_mark_bypassed``).
 
+    Dense prediction (the output explained is (N, K, h, w) maps, as a segmentation model's logits) by a model with
+    a ``backbone`` child (torchvision's FCN, DeepLabV3 and LRASPP): the last candidate
+    inside the backbone, its last stage (``backbone.layer4``, ``backbone.16``). What runs after it is the
+    segmentation head, whose last candidate computes the logits themselves (FCN's ``classifier``), not features.
+
     Raises ModelInputError when the model fails on the batch, ValueError when no layer qualifies.
     """
-    runs = _trace(model, batch, run)
+    runs, dense_output = _trace(model, batch, run)
     _mark_image_dependence(model, batch, run, runs)
     candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
         return norm
+    stage = _last_backbone_stage(model, candidates) if dense_output else None
+    if stage is not None:
+        return stage
     modules = dict(model.named_modules())
     unplaced = [module_run for module_run in runs.values()
                 if module_run.layout_error is not None and _block_of(module_run.name, modules) is not None]
@@ -243,8 +251,9 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     return candidates[-1].name
 
 
-def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _ModuleRun]:
-    """One run of the model on ``batch``: per module, in the order modules first finish, what it did."""
+def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> tuple[dict[str, _ModuleRun], bool]:
+    """One run of the model on ``batch``: per module, in the order modules first finish, what it did; and whether
+    the output explained is dense, (N, K, h, w) maps of the batch's N images with h, w ≥ 2 (segmentation logits)."""
     named = [(name, module) for name, module in model.named_modules() if name]
     modules = dict(named)
     runs: dict[str, _ModuleRun] = {}
@@ -284,7 +293,19 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> dict[str, _Mo
         for name, node in graph_nodes.items():  # a candidate (an auxiliary head whose output goes elsewhere)
             runs[name].reaches_output = id(node) in reached
     _mark_bypassed(runs, graph_nodes, small_nodes, inputs)
-    return runs
+    main = _main_tensor(output)
+    dense = main is not None and main.dim() == 4 and main.shape[0] == count and min(main.shape[-2:]) >= 2
+    return runs, dense
+
+
+def _last_backbone_stage(model: nn.Module, candidates: Sequence[_ModuleRun]) -> Optional[str]:
+    """The last candidate inside the model's ``backbone`` child, or None (no such child, or none of its layers can
+    be drawn on this input)."""
+    if not isinstance(dict(model.named_children()).get("backbone"), nn.Module):
+        return None
+    inside = [module_run.name for module_run in candidates
+              if module_run.name == "backbone" or module_run.name.startswith("backbone.")]
+    return inside[-1] if inside else None
 
 
 def _mark_bypassed(runs: dict[str, _ModuleRun], graph_nodes: dict[str, Any], small_nodes: dict[str, Any],

@@ -265,6 +265,15 @@ class SegmentationTarget:
             region = predicted.to(output.device)[image_index.to(output.device)]
         return self._summed(output, region)[:, None]
 
+    def for_copies(self, flip: bool) -> "SegmentationTarget":
+        """The target of copies of the images of this thread's last call (smooth="augment"): its region fixed as a
+        mask (the mask given, or the pixels predicted as the class on those images), mirrored left-right where
+        the copies are flipped horizontally, so that it covers the same part of the scene in each copy."""
+        region = self.mask if self.mask is not None else self._predicted.get(threading.get_ident())
+        if region is None:
+            return self
+        return SegmentationTarget(self.class_index, region.flip(-1) if flip else region)
+
     def _summed(self, output: Tensor, region: Tensor) -> Tensor:
         logits = output[:, self.class_index]
         dtype = torch.promote_types(logits.dtype, torch.float32)  # 64 × 64 float16 logits of 20 overflow

@@ -24,12 +24,13 @@ from ..core.layers import default_layer
 from ..core.layouts import Layout, Reshape, infer_layout, model_tokens
 from ..core.rules import call_rules
 from ..core.scope import CallScope
-from ..core.targets import SelectedTargets, Target, select_targets
+from ..core.targets import RegionTarget, SegmentationTarget, SelectedTargets, Target, select_targets
 from ..core.units import BoundUnits, UnitTarget
 from ..io.loaded_model import LoadedModel, ModelSource
 from ._eval_batch_norm import contiguous_batch_norm_gradients
 from .base import Explainer, PerThread
 from .maps import Attribution, Flags, flags_of, normalize_maps, upsample_maps
+from .options import SEED_RANGE, is_whole_number, number_option
 from .passes import autocast_dtype
 from .registry import register
 from .signatures import ExplainerOptions
@@ -130,19 +131,30 @@ def augmented_attribution(attribute: Callable[[Tensor, Target, Optional[int]], A
     """smooth="augment": the mean of the maps of flipped and intensity-scaled copies of the batch.
 
     Each copy's maps (normalised as the explainer normalises, then flipped back to the original
-    frame) are averaged; the targets are chosen on the unchanged images and kept for every copy.
+    frame) are averaged; the targets are chosen on the unchanged images and kept for every copy: a
+    ``SegmentationTarget``'s region (its mask, or the pixels predicted on the unchanged images) is mirrored
+    with the flipped copies. A target of boxes (a ``DetectionTarget``, detected instances) is refused: its boxes
+    are in the unchanged images' pixels. Another callable target scores each copy's output as it is.
     The per-layer ``low_res_maps`` are the mean of the copies' raw low-resolution maps.
     """
+    if isinstance(target, RegionTarget) and not isinstance(target, SegmentationTarget):
+        raise ValueError(
+            f"smooth='augment' explains horizontally flipped copies of the images too, but the target "
+            f"{type(target).__name__} reads a region (a box) in the unchanged images' pixels, which would "
+            "select another region of a flipped copy. Use smooth=None (or 'eigen' for a CAM) to explain boxes "
+            "or detected instances.")
     total: Optional[Tensor] = None
     first: Optional[Attribution] = None
     low_res: Optional[list[Tensor]] = None
     flags: dict[str, Tensor] = {}
+    kept: Target = target
     for flip, factor in AUGMENTATIONS:
         copy = batch * factor
-        attribution = attribute(copy.flip(-1) if flip else copy, target, topk)
+        copy_target = kept.for_copies(flip) if first is not None and isinstance(kept, SegmentationTarget) else kept
+        attribution = attribute(copy.flip(-1) if flip else copy, copy_target, topk)
         if first is None:  # the unchanged images come first: their targets are kept for every copy
             first = attribution
-            target, topk = attribution.selected.target_function or attribution.selected.class_indices, None
+            kept, topk = attribution.selected.target_function or attribution.selected.class_indices, None
 
         def back(maps: Tensor, flip: bool = flip) -> Tensor:
             return maps.flip(-1) if flip else maps
@@ -180,7 +192,8 @@ class CAM(Explainer):
         (default), so that no layer dominates by its scale (on resnet18, layer4's raw maps are
         several times layer3's); False combines the raw maps.
     smooth: None; "augment" (the mean map over flipped and intensity-scaled copies of the
-        input, each mapped back: pytorch-grad-cam's aug_smooth; 6 passes); "eigen" (the first
+        input, each mapped back: pytorch-grad-cam's aug_smooth; 6 passes; a ``SegmentationTarget``'s region
+        is mirrored with the flipped copies, box targets are refused; see ``augmented_attribution``); "eigen" (the first
         principal component of the per-channel terms instead of their sum: eigen_smooth).
     reshape: how the layer's output becomes (N, C, h, w) maps; None guesses channels-first,
         channels-last or tokens on a patch grid (see ``explain.core.layouts``).
@@ -650,7 +663,8 @@ class ShapleyCAM(GradCAM):
 class RandomCAM(CAM):
     """Random-CAM, a sanity baseline: ReLU(Σ_k w_k A_k) with channel weights w_k drawn uniformly
     from [-1, 1] (a generator seeded with ``seed``: the same weights for every image, target and
-    call). Any real method should beat it; it needs no gradient."""
+    call). Any real method should beat it; it needs no gradient. pytorch-grad-cam 1.5.7 draws new weights
+    for every image and call (numpy's global generator); given the same weights its map is this one."""
 
     name = "randomcam"
     summary = "Random-CAM: feature maps weighted by random numbers, a baseline every method should beat"
@@ -658,7 +672,10 @@ class RandomCAM(CAM):
 
     def __init__(self, model: ModelSource, layer: TargetLayers = None, *, seed: int = 0, **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
-        self.seed = seed
+        if not is_whole_number(seed) or not SEED_RANGE[0] <= int(seed) < SEED_RANGE[1]:
+            raise ValueError(f"RandomCAM's seed must be an int: its weights are drawn from it, so that every image, "
+                             f"target and call gets the same ones (a baseline that can be reproduced); got {seed!r}.")
+        self.seed = int(seed)
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         generator = torch.Generator().manual_seed(self.seed)
@@ -684,7 +701,7 @@ class FEM(CAM):
     def __init__(self, model: ModelSource, layer: TargetLayers = None, *, k: float = 2.0,
                  **options: Unpack[CAMOptions]):
         super().__init__(model, layer, **options)
-        self.k = k
+        self.k = number_option("k", k)
 
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         means = activations.mean(dim=(2, 3), keepdim=True)

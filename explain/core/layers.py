@@ -178,7 +178,7 @@ class _ModuleRun:
                 and not isinstance(self.module, POOLING))
 
 
-def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) -> str:
+def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None, *, whole_score: bool = False) -> str:
     """The layer a CAM explains when none is given: the one a practitioner would pick, found from
     what runs when the model is run on ``batch`` (N, C, H, W) the way the explainer runs it
     (``run(batch)``, with the model's other inputs; ``model(batch)`` without ``run``).
@@ -217,6 +217,10 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     inside the backbone, its last stage (``backbone.layer4``, ``backbone.16``). What runs after it is the
     segmentation head, whose last candidate computes the logits themselves (FCN's ``classifier``), not features.
 
+    whole_score: for methods whose attributions sum to the score's change only where the whole score flows through
+    the layer (Layer Integrated Gradients, Layer Conductance): in a transformer, the output of the block before the
+    last (the last block's input) instead of the last block's first norm, which its residual connection bypasses.
+
     Raises ModelInputError when the model fails on the batch, ValueError when no layer qualifies.
     """
     runs, dense_output = _trace(model, batch, run)
@@ -224,7 +228,8 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None) ->
     candidates = [module_run for module_run in runs.values() if module_run.is_candidate]
     norm = _last_block_first_norm(model, runs, candidates)
     if norm is not None:
-        return norm
+        before = _block_before_the_norms(model, norm, runs) if whole_score else None
+        return before if before is not None else norm
     stage = _last_backbone_stage(model, candidates) if dense_output else None
     if stage is not None:
         return stage
@@ -422,6 +427,23 @@ def _last_block_first_norm(
     order = {name: index for index, name in enumerate(runs)}
     last = max(blocks, key=lambda block: order[block])
     return first_norms[last]
+
+
+def _block_before_the_norms(model: nn.Module, norm: str, runs: dict[str, _ModuleRun]) -> Optional[str]:
+    """The block before the one holding ``norm`` in their container (its input, where each block feeds the next),
+    if it ran once and is a candidate; None otherwise (the first block, blocks that are not a chain)."""
+    modules = dict(model.named_modules())
+    block = _block_of(norm, modules)
+    if block is None:
+        return None
+    parent, _, own = block.rpartition(".")
+    siblings = [name for name, _ in modules[parent].named_children()]
+    index = siblings.index(own)
+    if index == 0:
+        return None
+    before = f"{parent}.{siblings[index - 1]}" if parent else siblings[index - 1]
+    found = runs.get(before)
+    return before if found is not None and found.is_candidate and found.calls == 1 else None
 
 
 def _block_of(name: str, modules: dict[str, nn.Module]) -> Optional[str]:

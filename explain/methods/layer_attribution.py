@@ -142,7 +142,9 @@ class LayerPathExplainer(Explainer):
 
     layer: the layer whose output is attributed to: a ``named_modules()`` name, a module, or a
         glob / type matching one layer; None picks one on the first call, as the CAMs do
-        (``explain.core.layers.default_layer``).
+        (``explain.core.layers.default_layer``), except in a transformer: the output of the block before the
+        last, through which the whole score flows (the CAMs' first norm of the last block is bypassed by the
+        block's residual connection, so that the attributions there cannot sum to the score's change).
     baseline: x': "zeros" (default, zero model input), "blur" (the input blurred by a wide
         Gaussian) or a tensor broadcastable to the batch, in the model's input space. The layer's
         baseline is its output for x'.
@@ -251,7 +253,7 @@ class LayerPathExplainer(Explainer):
         if not batch.is_floating_point():
             raise TypeError(f"a path from a baseline needs a floating-point input; got {batch.dtype}.")
         if self.target_layer is None:
-            self.target_layer = self._one_layer(default_layer(self.model, batch, run=self.call_model))
+            self.target_layer = self._one_layer(default_layer(self.model, batch, run=self.call_model, whole_score=True))
         name, module = self.target_layer
         count = batch.shape[0]
         baseline = baseline_like(self.baseline, batch)

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -310,6 +310,13 @@ class BoundUnits(CallScope["BoundUnits"]):
             if any(part is output for part in finished.parts):
                 return finished
         return self.finished[-1] if self.finished else _Pass([], self.recorded, None)
+
+    def read_through(self, output: object, start: Callable[[Tensor], Tensor]) -> None:
+        """Read the units' values of the forward pass that produced ``output`` from ``start(layer output)``
+        instead of the recorded layer output: ``start`` is the identity in the forward pass whose backward turns
+        ∂score/∂z into what the method propagates (LRP's relevance starts there: z ⊙ ∂score/∂z)."""
+        forward = self._pass_of(output)
+        forward.recorded[:] = [start(tensor) for tensor in forward.recorded]
 
     def __call__(self, output: object) -> Tensor:
         if not self.open:

@@ -17,7 +17,9 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..core.caller import warn_at_callers_line
+from ..core.scope import CallScope
 from ..core.targets import Target, select_targets
+from ..core.units import BoundUnits
 from ..io.loaded_model import ModelSource
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from .gradients import GradientExplainer, all_zero
@@ -29,6 +31,18 @@ from .signatures import ExplainerOptions
 
 def _gamma_option(value: Any, label: str) -> Optional[float]:
     return None if value is None else number_option(label, value)
+
+
+def _unruled_below(scope: CallScope, target: Target, rules: AttnLrpRules) -> Optional[dict[str, None]]:
+    """For a hidden unit, the calls without a rule that had run when its layer's output was made, filled in during
+    the forward pass: the calls after it are above the unit. None for other targets. (The relevance needs nothing
+    else for a unit: the modified gradient at its layer's output z is ∂score/∂z, so the relevance there is
+    z ⊙ ∂score/∂z, and only the rules of the layers below apply.)"""
+    if not isinstance(target, BoundUnits):
+        return None
+    below: dict[str, None] = {}
+    scope.forward_hook(target.module, lambda module, args, output: below.update(rules.unruled))
+    return below
 
 
 @register
@@ -44,14 +58,16 @@ class AttnLRP(GradientExplainer):
         both shipped transformers it localises far better than the signed sum, see benchmarks/RESULTS.md, "AttnLRP
         settings"), "sum" (the signed relevance of each pixel, maps in [−1, 1]) or "maxabs".
 
-    The relevance starts at the score (for a class, its logit). ``Explanation.attributions`` (N, K, C, H, W) is the
-    relevance at the input. ``Explanation.diagnostics``: "relevance_sum" (N, K) Σ input relevance; "output_relevance"
-    (N, K) the score; "conservation_error" (N, K) their difference (what the biases took: LRP-0 gives each bias its
-    share; and the constant y(0) of an activation with y(0) ≠ 0 used otherwise than as a gate), all three float64
-    whatever the model's precision; "rules" how many calls each rule was applied to, as "name: count" ("uniform",
-    "gate" (a product whose sigmoid-like gate was held constant), "softmax", "attention", "norm", "identity",
-    "shifted identity" (the identity rule of y − y(0), for sigmoid, hard sigmoid, softplus, exp), "linear",
-    "convolution", "gamma"); "unruled" the calls on the input's path without a rule (a warning names them).
+    The relevance starts at the score (for a class, its logit); for a hidden unit (``explain.Neuron``,
+    ``explain.Channel``) at its layer's output z as z ⊙ ∂score/∂z, which sums to the unit's value.
+    ``Explanation.attributions`` (N, K, C, H, W) is the relevance at the input. ``Explanation.diagnostics``:
+    "relevance_sum" (N, K) Σ input relevance; "output_relevance" (N, K) the score; "conservation_error" (N, K) their
+    difference (what the biases took: LRP-0 gives each bias its share; and the constant y(0) of an activation with
+    y(0) ≠ 0 used otherwise than as a gate), all three float64 whatever the model's precision; "rules" how many
+    calls each rule was applied to, as "name: count" ("uniform", "gate" (a product whose sigmoid-like gate was held
+    constant), "softmax", "attention", "norm", "identity", "shifted identity" (the identity rule of y − y(0), for
+    sigmoid, hard sigmoid, softplus, exp), "linear", "convolution", "gamma"); "unruled" the calls on the input's
+    path without a rule (a warning names them).
 
     CNNs with squeeze-and-excitation gates (EfficientNet, MobileNetV3, RegNetY; x · σ(W s)): the gate is held
     constant, so the gated features keep all the relevance and none flows through the gate's branch (see
@@ -78,11 +94,15 @@ class AttnLRP(GradientExplainer):
         rules = self.rules()
         with torch.enable_grad():
             inputs = batch.detach().requires_grad_(True)
-            with AttnLrpScope(self.model, rules):  # the rules act on the forward only; autograd keeps them
+            # the rules act on the forward only; autograd keeps them
+            with AttnLrpScope(self.model, rules), CallScope(self.model) as scope:
+                below = _unruled_below(scope, target, rules)
                 rules.follow(inputs)
                 output = self.call_model(inputs)
                 # the score too: a cosine similarity to a reference holds the embedding's norm constant
                 selected = select_targets(output, target, topk, batch_size=count)
+            if below is not None:  # a hidden unit: the calls above its layer take no part in its relevance
+                rules.unruled = {name: None for name in rules.unruled if name in below}
             self._warn_about_gaps(rules)
             targets = selected.scores.shape[1]
             relevances, disconnected = [], []

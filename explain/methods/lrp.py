@@ -44,10 +44,12 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.caller import warn_at_callers_line
+from ..core.scope import CallScope
 from ..core.targets import Target, select_targets
+from ..core.units import BoundUnits
 from ..io.loaded_model import ModelSource
 from ._lrp_rules import COMPOSITES, Composite, make_composite
 from ._lrp_trace import _RelevanceRules, _Trace
@@ -68,6 +70,21 @@ ABSORBED = 0.1
 """The share of a score near epsilon whose loss is said: less is within what the rules' biases take anyway (random
 weights: torchvision's resnet18 ~2 %, timm's resnet10t ~30 %, whatever epsilon is; their scores, far above epsilon,
 get no warning), more (timm's efficientnet_b0 with random weights: ~25 %, all of it ε's) changes the map visibly."""
+
+
+def _unruled_below(scope: CallScope, target: Target, trace: _Trace) -> Optional[dict[str, None]]:
+    """For a hidden unit, the calls without a rule (and gate products) that had run when its layer's output was made,
+    filled in during the forward pass: the calls after it are above the unit. None for other targets."""
+    if not isinstance(target, BoundUnits):
+        return None
+    below: dict[str, None] = {}
+
+    def at_the_unit(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        below.update(trace.unruled)
+        below.update(trace.gate_products)
+
+    scope.forward_hook(target.module, at_the_unit)
+    return below
 
 
 @register
@@ -98,7 +115,10 @@ class LRP(GradientExplainer):
         ``explain.methods.lrp``); False: such a product has no rule, and a warning names it.
 
     The relevance starts at the model's output as output ⊙ ∂score/∂output: for a class target, the logit of that
-    class (zennit's attributor given one-hot × output). ``Explanation.attributions`` (N, K, C, H, W) is the relevance
+    class (zennit's attributor given one-hot × output). For a hidden unit (``explain.Neuron``, ``explain.Channel``)
+    it starts at its layer's output z as z ⊙ ∂score/∂z (a neuron: its value there, 0 elsewhere; a channel's mean:
+    z_c,p / positions), which sums to the unit's value, and only the rules of the layers below it apply (as CRP and
+    zennit start at an intermediate layer). ``Explanation.attributions`` (N, K, C, H, W) is the relevance
     at the input. ``Explanation.diagnostics``: "relevance_sum" (N, K) Σ input relevance; "output_relevance" (N, K)
     the relevance the propagation started from (the score, for class targets); "conservation_error" (N, K) their
     difference: what the biases, ε and the stabilisers absorbed (these three float64 whatever the model's precision);
@@ -166,11 +186,19 @@ class LRP(GradientExplainer):
         trace = _Trace(self.composite, self.stabilizer, self.low, self.high, self.hold_gates)
         with torch.enable_grad():
             inputs = batch.detach().requires_grad_(True)
-            with _RelevanceRules(self.model, trace):  # the rules act on the forward only; autograd keeps them
+            # the rules act on the forward only; autograd keeps them
+            with _RelevanceRules(self.model, trace), CallScope(self.model) as scope:
+                below = _unruled_below(scope, target, trace)
                 trace.follow(inputs)
                 output = self.call_model(inputs)
+            if below is not None:  # a hidden unit: the calls above its layer take no part in its relevance
+                trace.unruled = {name: None for name in trace.unruled if name in below}
+                trace.gate_products = {name: None for name in trace.gate_products if name in below}
             problems = trace.gaps(output)
-            output = trace.start(output)
+            if isinstance(target, BoundUnits):  # a hidden unit: the relevance starts at its layer's output
+                target.read_through(output, lambda z: trace.start(z) if z.is_floating_point() else z)
+            else:
+                output = trace.start(output)
             selected = select_targets(output, target, topk, batch_size=count)
             targets = selected.scores.shape[1]
             relevances, disconnected = [], []

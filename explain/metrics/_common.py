@@ -207,8 +207,15 @@ def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -
 def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Target, output: OutputSelector = None
                   ) -> Tensor:
     """(N,) classes to score: the explanation's, else ``target``, else each image's top class; ``output``
-    picks the scores in the model's output (``model_scores``)."""
-    if isinstance(maps, Explanation) and target is None and maps.class_indices is not None:
+    picks the scores in the model's output (``model_scores``). An Explanation without class indices (of a hidden
+    unit, or a callable score) needs ``target``."""
+    if isinstance(maps, Explanation) and target is None:
+        if maps.class_indices is None:  # the top class would be another score than the one explained
+            raise ValueError(
+                f"the {maps.method} explanation has no class indices: it explains a hidden unit (explain.Neuron, "
+                "explain.Channel) or a score given as a callable, which these metrics do not score (they read "
+                "classes from the model's output), and scoring each image's top class instead would measure "
+                "another score than the one explained. Give target= (the class to score), or explain a class.")
         return maps.class_indices[:, 0].to(batch.device)
     with torch.no_grad(), preserved_model_state(model):
         selected = select_targets(model_scores(model(batch), output, batch.shape[0]), target, None,

@@ -338,7 +338,8 @@ def test_smoothgrad_of_a_cam_is_the_mean_over_seeded_noisy_copies():
     generator = torch.Generator().manual_seed(seed)
     spread = (x.amax(dim=(1, 2, 3)) - x.amin(dim=(1, 2, 3))).view(-1, 1, 1, 1) * noise
     maps = [explain.GradCAM(model, "features.6", normalize=None).explain(
-        x + torch.randn(x.shape, generator=generator) * spread, target=[1, 2]).raw_maps for _ in range(samples)]
+        x + torch.randn((1, *x.shape[1:]), generator=generator) * spread, target=[1, 2]).raw_maps
+        for _ in range(samples)]
     torch.testing.assert_close(result.raw_maps, torch.stack(maps).mean(0), rtol=1e-4, atol=1e-6)
     variance = explain.VarGrad(explain.GradCAM(model, "features.6", normalize=None), samples=samples, noise=noise,
                                seed=seed).explain(x, target=[1, 2])
@@ -356,10 +357,11 @@ def test_smoothgrad_keeps_the_clean_targets_and_without_noise_equals_the_method(
 
 
 def noisy_copies_by_hand(x: torch.Tensor, samples: int, noise_std: float, seed: int) -> list[torch.Tensor]:
-    """The noisy copies SmoothGrad draws: per sample, a standard normal of the batch's shape from a
-    generator seeded with ``seed``, scaled by the noise's standard deviation."""
+    """The noisy copies SmoothGrad draws: per sample, a standard normal of one image's shape from a
+    generator seeded with ``seed`` (the same draw for every image of the batch), scaled by the noise's
+    standard deviation."""
     generator = torch.Generator().manual_seed(seed)
-    return [x + torch.randn(x.shape, generator=generator) * noise_std for _ in range(samples)]
+    return [x + torch.randn((1, *x.shape[1:]), generator=generator) * noise_std for _ in range(samples)]
 
 
 def test_smoothgrad_averages_the_gradients_then_reduces_the_channels_as_the_papers_do():

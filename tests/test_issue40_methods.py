@@ -81,10 +81,12 @@ def test_smoothgrad_with_a_seed_is_the_mean_gradient_over_noise_drawn_sample_by_
     samples, noise_std = 5, 0.3
     result = explain.SmoothGrad(model, samples=samples, noise_std=noise_std, seed=11, normalize=None,
                                 batch_size=2).explain(images, target=targets)
-    noise = one_at_a_time(11, shape, samples).double()  # the generator draws float32 noise, cast to the batch
+    # one draw of one image's shape per sample, shared by the batch's images (an image's map does not depend on
+    # the rest of its batch); the generator draws float32 noise, cast to the batch
+    noise = one_at_a_time(11, (1, *shape[1:]), samples).double()
     expected = torch.zeros_like(images)
     for sample in range(samples):
-        noisy = (images + noise[sample * shape[0]: (sample + 1) * shape[0]] * noise_std).requires_grad_(True)
+        noisy = (images + noise[sample: sample + 1] * noise_std).requires_grad_(True)
         (gradient,) = torch.autograd.grad(model(noisy)[:, 1].sum(), noisy)
         expected += gradient
     expected /= samples
@@ -168,10 +170,10 @@ def test_smoothgrad_of_a_hidden_unit_reads_the_unit_on_the_noisy_copies_alone(bu
     images = torch.randn(2, 3, 6, 6, dtype=dtype)
     result = explain.SmoothGrad(model, samples=3, noise_std=0.2, seed=5, normalize=None).explain(
         images, target=explain.Channel("0", 2))
-    noise = one_at_a_time(5, tuple(images.shape), 3).to(dtype)
+    noise = one_at_a_time(5, (1, *images.shape[1:]), 3).to(dtype)  # one draw per sample, shared by the images
     expected = torch.zeros_like(images)
     for sample in range(3):
-        noisy = (images + noise[sample * 2: (sample + 1) * 2] * 0.2).requires_grad_(True)
+        noisy = (images + noise[sample: sample + 1] * 0.2).requires_grad_(True)
         (gradient,) = torch.autograd.grad(model[0](noisy)[:, 2].mean(dim=(1, 2)).sum(), noisy)
         expected += gradient / 3
     torch.testing.assert_close(result.attributions[:, 0], expected, rtol=1e-5, atol=1e-6)  # in the model's dtype

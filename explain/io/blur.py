@@ -39,30 +39,90 @@ def reflected_index(index: Tensor, size: int) -> Tensor:
 TAPS_PER_CHUNK = 1 << 16
 """Kernel taps computed at a time: a σ far beyond the image's size costs time, not memory."""
 
+DIRECT_TAPS = 1 << 16
+"""A kernel reaching further than this many taps (and, "reflect", than ``DIRECT_PERIODS`` reflection periods) has
+its sums in closed form (``progression_sums``): the cost of a blur does not grow with σ."""
+
+DIRECT_PERIODS = 160
+"""Beyond this many periods a kernel's σ is over 4 periods (its reach being at most ``VANISHING_SIGMAS`` σ): wide
+enough for ``progression_sums`` to be exact to float64 rounding."""
+
+VANISHING_SIGMAS = 40
+"""Taps beyond 40 σ are exactly 0 in float32 and float64 (exp(−800) underflows): a radius is cut there."""
+
+EULER_MACLAURIN = ((1 / 12, 1), (-1 / 720, 3), (1 / 30240, 5))
+"""(B₂ₖ / (2k)!, 2k − 1) of the Euler–Maclaurin corrections kept by ``progression_sums``."""
+
+
+def progression_sums(first: Tensor, last: Tensor, step: int, sigmas: Tensor) -> Tensor:
+    """Σ exp(−x² / 2σ²) over x = first, first + step, …, last (float64, elementwise; last − first a multiple of
+    step), by the Euler–Maclaurin formula: the integral over [first, last] / step, the mean of the two end taps and
+    the corrections up to the fifth derivative at the ends. For σ ≥ 4 steps the error is below float64 rounding
+    (the next correction is ~10⁻¹²·e^(−(end/σ)²/2) of the sum, the aliasing term e^(−2π²σ²/step²) < 10⁻¹³⁰)."""
+    scale = sigmas * math.sqrt(2.0)
+    total = sigmas * math.sqrt(math.pi / 2) / step * (torch.erf(last / scale) - torch.erf(first / scale))
+
+    def derivative(x: Tensor, order: int) -> Tensor:  # d^order/dx^order exp(−x²/2σ²) = (−1/σ)^order He(x/σ) e^…
+        u = x / sigmas
+        hermite = {1: u, 3: u**3 - 3 * u, 5: u**5 - 10 * u**3 + 15 * u}[order]
+        return (-1.0 / sigmas) ** order * hermite * torch.exp(-0.5 * u**2)
+
+    total = total + 0.5 * (torch.exp(-0.5 * (first / sigmas) ** 2) + torch.exp(-0.5 * (last / sigmas) ** 2))
+    for coefficient, order in EULER_MACLAURIN:
+        total = total + coefficient * step**order * (derivative(last, order) - derivative(first, order))
+    return total
+
+
+def closed_form_taps(kept: Tensor, period: int, sigmas: Tensor, radii: Tensor, boundary: str
+                     ) -> tuple[Tensor, Tensor]:
+    """``kernel_taps``'s (weights (S, T), totals (S, 1)) before normalising, float64, for kernels of σ ≥ 4 periods
+    ("reflect") or σ ≥ 1000 ("zeros"): the taps that reach the signal and the sum of every tap in closed form."""
+    sigmas, radii, offsets = sigmas.double(), radii.double(), kept.double().view(1, -1)
+    if boundary == "zeros":
+        weights = torch.where(offsets.abs() <= radii, torch.exp(-0.5 * (offsets / sigmas) ** 2), 0.0)
+        return weights, progression_sums(-radii, radii, 1, sigmas)
+    # "reflect": the taps j + m·period, m whole, within ±radius, fold onto offset j
+    first = offsets + period * torch.ceil((-radii - offsets) / period)
+    last = offsets + period * torch.floor((radii - offsets) / period)
+    weights = progression_sums(first, last, period, sigmas)
+    return weights, weights.sum(dim=1, keepdim=True)
+
 
 def kernel_taps(size: int, sigmas: Tensor, radii: Tensor, boundary: str) -> tuple[Tensor, Tensor]:
     """The taps of S truncated, normalised Gaussians that reach a signal of length ``size``:
     (offsets (T,) long, weights (S, T)). "zeros": the offsets within ±(size − 1) (the others fall
     outside wherever they start); "reflect": every tap, folded onto the offsets 0 … 2(size − 1) − 1
-    (the reflection's period) that it lands on alike."""
-    widest = int(radii.max().item()) if sigmas.numel() else 0
+    (the reflection's period) that it lands on alike. The taps are summed one by one up to
+    ``DIRECT_TAPS`` (``DIRECT_PERIODS`` periods, "reflect"), in closed form beyond: the cost does not
+    grow with σ (σ = 10⁶ costs what σ = 10⁴ costs)."""
     period = max(2 * (size - 1), 1)
-    reach = min(widest, size - 1)
+    positive = sigmas > 0
+    safe = torch.where(positive, sigmas, 1.0)
+    # σ = 0 gives the identity (``blur_matrices``); taps beyond 40 σ are exactly 0
+    reaches = torch.where(positive, torch.minimum(radii, torch.ceil(VANISHING_SIGMAS * safe)), 0.0)
+    limit = max(DIRECT_TAPS, DIRECT_PERIODS * period) if boundary == "reflect" else DIRECT_TAPS
+    closed = reaches > limit  # (S, 1)
+    direct_reaches = torch.where(closed, 0.0, reaches)
+    widest = int(direct_reaches.max().item()) if sigmas.numel() else 0
+    reach = min(int(reaches.max().item()) if sigmas.numel() else 0, size - 1)
     kept = (torch.arange(period, device=sigmas.device) if boundary == "reflect"
             else torch.arange(-reach, reach + 1, device=sigmas.device))
     weights = torch.zeros(sigmas.shape[0], len(kept), dtype=sigmas.dtype, device=sigmas.device)
     total = torch.zeros(sigmas.shape[0], 1, dtype=sigmas.dtype, device=sigmas.device)
-    safe = torch.where(sigmas > 0, sigmas, 1.0)
     for start in range(-widest, widest + 1, TAPS_PER_CHUNK):
         offsets = torch.arange(start, min(start + TAPS_PER_CHUNK, widest + 1), device=sigmas.device)
         values = offsets.to(sigmas.dtype)
-        gauss = torch.where(values.abs() <= radii, torch.exp(-0.5 * values**2 / safe**2), 0.0)  # (S, chunk)
+        gauss = torch.where(values.abs() <= direct_reaches, torch.exp(-0.5 * values**2 / safe**2), 0.0)  # (S, chunk)
         total += gauss.sum(dim=1, keepdim=True)
         if boundary == "reflect":
             weights.index_add_(1, offsets.remainder(period), gauss)
         else:
             inside = offsets.abs() <= reach
             weights.index_add_(1, offsets[inside] + reach, gauss[:, inside])
+    if bool(closed.any()):
+        rows = closed[:, 0]
+        wide_weights, wide_total = closed_form_taps(kept, period, sigmas[rows], reaches[rows], boundary)
+        weights[rows], total[rows] = wide_weights.to(weights.dtype), wide_total.to(total.dtype)
     return kept, weights / total
 
 
@@ -104,6 +164,7 @@ def gaussian_blur(images: Tensor, sigmas: Union[Tensor, Sequence[float], float],
     sigma_values = _per_image(sigmas, images.shape[0], "sigmas")
     if not torch.isfinite(sigma_values).all() or bool((sigma_values < 0).any()):
         raise ValueError(f"a blur's σ must be finite and ≥ 0; got {sigma_values.unique().tolist()[:4]}.")
+    sigma_values = sigma_values.clamp(max=1e30)  # float32's range; beyond 10⁶ times the image a blur no longer changes
     if radii is None:
         radius_values = torch.floor(4.0 * sigma_values + 0.5)
     else:

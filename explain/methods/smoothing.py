@@ -35,7 +35,8 @@ AVERAGES = ("attributions", "maps")
 def noise_source(seed: Optional[int], batch: Tensor) -> Callable[[range], Tensor]:
     """The noise of a call's samples: ``noise_of(samples)`` is (len(samples) · N, C, H, W), sample s being the s-th
     standard normal (N, C, H, W) draw from a generator seeded with ``seed`` (``random_generator``) on the batch's
-    device. Samples drawn again (a pass run again after running out of memory) get the same values.
+    device. Samples drawn again (a pass run again after running out of memory) get the same values. SmoothGrad
+    gives it one image (``batch[:1]``), so that every image of a call gets the same draws.
 
     On the CPU, where the N·C·H·W values of a sample are a multiple of 16, the samples of a pass are drawn in one
     call: torch's CPU normal sampler turns uniform draws into normal ones 16 at a time, so one draw of S samples
@@ -113,7 +114,9 @@ class SmoothGrad(Explainer):
         map is computed first and the maps are averaged (the default for CAMs and layer methods).
     seed: the noise is drawn from a generator seeded with it, on the batch's device: same seed and
         device, same map. None: new noise on every call, its seed drawn from torch's global
-        generator (``torch.manual_seed`` makes a run repeatable).
+        generator (``torch.manual_seed`` makes a run repeatable). Every image of a call gets the
+        same ``samples`` standard normal draws (each scaled by its own image's noise level), so that
+        an image's map does not depend on the other images of the batch, nor on its place among them.
     batch_size: noisy copies (rows, one image's copy each) per pass of the wrapped method;
         None (default): 16 on the CPU, 256 on a GPU (halved where memory runs out;
         ``ROWS_PER_PASS``).
@@ -190,7 +193,7 @@ class SmoothGrad(Explainer):
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         count = batch.shape[0]
         spread = self.noise_scale(batch)
-        noise_of = noise_source(self.seed, batch)
+        noise_of = noise_source(self.seed, batch[:1])  # one draw per sample, the same for every image of the call
         by_gradients = takes_gradients_alone(self.explainer)
         chosen: dict[str, SelectedTargets] = {}  # "clean": the targets, chosen on the clean images
 
@@ -202,16 +205,15 @@ class SmoothGrad(Explainer):
             """(the image of each row, the wrapped method on noisy copies ``rows``): row r is sample r // N of image
             r % N."""
             first_sample, last_sample = rows.start // count, (rows.stop - 1) // count
-            noise = noise_of(range(first_sample, last_sample + 1))
-            offset = first_sample * count
-            if rows.start != offset or rows.stop != (last_sample + 1) * count:  # a pass that ends inside a sample
-                noise = noise[rows.start - offset : rows.stop - offset]
+            noise = noise_of(range(first_sample, last_sample + 1)).to(batch.dtype)  # (samples, C, H, W)
             if count == 1:  # every row is a copy of the one image: broadcast it
                 image_of_row = torch.zeros(rows.stop - rows.start, dtype=torch.long, device=batch.device)
-                noisy = batch + noise.to(batch.dtype) * spread
+                noisy = batch + noise * spread
             else:
-                image_of_row = torch.arange(rows.start, rows.stop, device=batch.device) % count
-                noisy = batch[image_of_row] + noise.to(batch.dtype) * spread[image_of_row]
+                row_numbers = torch.arange(rows.start, rows.stop, device=batch.device)
+                image_of_row = row_numbers % count
+                noise = noise[row_numbers // count - first_sample]  # each row its sample's draw
+                noisy = batch[image_of_row] + noise * spread[image_of_row]
             if by_gradients:
                 return image_of_row, self._attribution_of_gradients(batch, noisy, image_of_row, chosen, choose, target)
             if "clean" not in chosen:

@@ -11,6 +11,7 @@ that calls ``F.relu``.) ``clamp(min=0)`` and other non-ReLU spellings are not ca
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
@@ -20,7 +21,7 @@ from typing_extensions import Unpack
 
 from ..core.caller import warn_at_callers_line
 from ..core.capture import LayerSpec, find_layers
-from ..core.rules import CallRules, Rule
+from ..core.rules import CallRules, Rule, function_name, torch_functions
 from ..core.scope import CallScope
 from ..core.targets import Target
 from ..io.loaded_model import ModelSource
@@ -35,44 +36,71 @@ RULES = ("guided", "deconvnet")
 
 class RectifierWithRule(torch.autograd.Function):
     """ReLU forward; backward by a rule: "guided" passes grad⁺ where the input was positive,
-    "deconvnet" passes grad⁺ everywhere (the forward input's sign is ignored)."""
+    "deconvnet" passes grad⁺ everywhere (the forward input's sign is ignored).
+
+    It saves what torch's ReLU saves, its output (positive exactly where the input was), so that a
+    model that runs with torch's ReLU runs with this one, and ``torch.utils.checkpoint``, which
+    recomputes a block with the plain ReLU during the backward pass, hands back the same tensor."""
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, rule: str) -> Tensor:
+    def forward(ctx: Any, inputs: Tensor, rule: str, in_place: bool) -> Tensor:
         ctx.rule = rule
-        ctx.save_for_backward(inputs > 0)  # a private mask: later in-place ops cannot touch it
-        return inputs.clamp(min=0)
+        if in_place:
+            ctx.mark_dirty(inputs)
+            rectified = inputs.clamp_(min=0)
+        else:
+            rectified = inputs.clamp(min=0)
+        ctx.save_for_backward(rectified)
+        return rectified
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor, None, None]:
         (grad_output,) = grad_outputs  # one output, one gradient
-        (positive_input,) = ctx.saved_tensors
+        (rectified,) = ctx.saved_tensors
         positive_grad = grad_output.clamp(min=0)
         if ctx.rule == "guided":
-            positive_grad = positive_grad * positive_input
-        return positive_grad, None
+            positive_grad = positive_grad * (rectified > 0)
+        return positive_grad, None, None
+
+
+OTHER_ACTIVATIONS = torch_functions(
+    "gelu", "silu", "silu_", "mish", "hardswish", "hardswish_", "hardtanh", "hardtanh_", "relu6", "elu", "elu_",
+    "selu", "selu_", "celu", "celu_", "leaky_relu", "leaky_relu_", "prelu", "rrelu", "rrelu_", "softplus", "glu",
+    "threshold", "threshold_", "tanhshrink", "hardshrink", "softshrink")
+"""Activations that take a ReLU's place, whose backward pass the rules leave plain: counted, for the warning about a
+map guided only at the ReLUs (MobileNetV3's hardswish, EfficientNet's SiLU, a transformer's GELU). Squashing
+functions (sigmoid, tanh, hard-sigmoid) are not counted: a ReLU network uses them as gates (squeeze-and-excitation)
+or at its output, where the papers' rule, defined at ReLUs, leaves them plain too."""
 
 
 class RectifierRule(Rule):
     """Every ReLU (``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place forms, which
-    ``nn.ReLU`` modules call) back-propagates by ``rule``; ``calls`` counts the ReLUs rerouted."""
+    ``nn.ReLU`` modules call) back-propagates by ``rule``; ``calls`` counts the ReLUs rerouted,
+    ``others`` the calls of other activations (``OTHER_ACTIVATIONS``, by name) on tensors that
+    require grad, which are computed plainly."""
 
-    functions: ClassVar[frozenset[Callable[..., Any]]] = frozenset(
+    RECTIFIERS: ClassVar[frozenset[Callable[..., Any]]] = frozenset(
         {F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_})
     IN_PLACE: ClassVar[frozenset[Callable[..., Any]]] = frozenset({torch.relu_, Tensor.relu_})
+    functions: ClassVar[frozenset[Callable[..., Any]]] = RECTIFIERS | (OTHER_ACTIVATIONS - RECTIFIERS)
 
     def __init__(self, rule: str):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
         self.rule = rule
         self.calls = 0
+        self.others: Counter[str] = Counter()
 
     def compute(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         inputs = args[0]
+        if func not in self.RECTIFIERS:
+            if isinstance(inputs, Tensor) and inputs.requires_grad:
+                name = function_name(func)
+                self.others["hardtanh (ReLU6)" if name == "hardtanh" else name] += 1
+            return func(*args, **kwargs)
         in_place = func in self.IN_PLACE or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
         self.calls += 1
-        rectified = RectifierWithRule.apply(inputs, self.rule)
-        return inputs.copy_(rectified) if in_place else rectified
+        return RectifierWithRule.apply(inputs, self.rule, in_place)
 
 
 class relu_backward_rule(CallScope[RectifierRule]):  # noqa: N801 - used like a function, as torch.no_grad is
@@ -92,6 +120,9 @@ class relu_backward_rule(CallScope[RectifierRule]):  # noqa: N801 - used like a 
 class _RectifiedGradient(GradientExplainer):
     rule = "guided"
     _relu_calls: PerThread[int] = PerThread(0)
+    _other_activations: PerThread[Counter[str]] = PerThread()
+    reported_as: Optional[str] = None
+    """The method named in warnings (GuidedGradCAM for the guided backprop inside it); None: this class."""
 
     def forward(self, inputs: Tensor, rows: Optional[Tensor] = None) -> object:
         """The model's forward with every ReLU rerouted; the rule is active during the forward only
@@ -100,20 +131,39 @@ class _RectifiedGradient(GradientExplainer):
         with relu_backward_rule(self.rule) as rule:
             output = super().forward(inputs, rows)
         self._relu_calls = (self._relu_calls or 0) + rule.calls
+        self._other_activations = (self._other_activations or Counter()) + rule.others
         return output
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
-        self._relu_calls = 0
-        gradients, selected = self.gradients(batch, target, topk)
-        relu_calls, self._relu_calls = self._relu_calls, 0
-        if relu_calls == 0:
-            warn_at_callers_line(
-                f"{type(self).__name__} found no ReLU in the model's forward pass (GELU, SiLU and "
-                "clamp(min=0) are not ReLUs), so its map is the plain gradient (saliency).",
-                RuntimeWarning,
-            )
+        self._relu_calls, self._other_activations = 0, Counter()
+        try:
+            gradients, selected = self.gradients(batch, target, topk)
+        finally:
+            relu_calls, self._relu_calls = self._relu_calls or 0, 0
+            others, self._other_activations = self._other_activations or Counter(), None
+        self.warn_of_plain_activations(relu_calls, others)
         return self.attribution_from(gradients, selected, zero_gradient=all_zero(gradients),
                                      relu_calls=torch.tensor(relu_calls))
+
+    def warn_of_plain_activations(self, relu_calls: int, others: Counter[str]) -> None:
+        """Warn when the map is the plain gradient (no ReLU ran), or is guided at some activations
+        only (ReLUs next to hardswish, SiLU, GELU... whose backward stays plain)."""
+        method = self.reported_as or type(self).__name__
+        ran = ", ".join(f"{name} ×{count}" for name, count in sorted(others.items(), key=lambda item: -item[1]))
+        if relu_calls == 0:
+            found = f"; it ran {ran}" if others else ""
+            warn_at_callers_line(
+                f"{method} found no ReLU in the model's forward pass (GELU, SiLU and clamp(min=0) are not "
+                f"ReLUs{found}), so its map is the plain gradient (saliency).",
+                RuntimeWarning,
+            )
+        elif others:
+            warn_at_callers_line(
+                f"{method} rewrote the backward pass of {relu_calls} ReLU call(s) only: the model also ran "
+                f"{ran}, whose backward pass stays the plain gradient, so its map is {self.rule} at the ReLUs and "
+                "a plain gradient elsewhere (the methods are defined for ReLU networks).",
+                RuntimeWarning,
+            )
 
 
 @register
@@ -168,6 +218,7 @@ class GuidedGradCAM(GradientExplainer):
         else:
             raise TypeError(f"cam must be a CAM class or instance; got {cam!r}.")
         self.guided = GuidedBackprop(model, reduce=self.reduce, output=self.output)
+        self.guided.reported_as = type(self).__name__
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         self.cam._forward_call = self.guided._forward_call = self._forward_call

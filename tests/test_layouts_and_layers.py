@@ -97,7 +97,7 @@ def test_ablation_and_score_cam_on_tokens():
     weights = []
     for channel in range(16):
         with explain.edit(vit, layer, lambda t, c=channel: t.index_fill(2, torch.tensor([c]), 0.0)), torch.no_grad():
-            weights.append((y - vit(x[:1])[0, 0]) / y)
+            weights.append((y - vit(x[:1])[0, 0]) / y.abs())  # |y|: see AblationCAM
     grid = tokens[:, 1:].reshape(1, 4, 4, 16).permute(0, 3, 1, 2)
     expected = (torch.stack(weights).view(1, 16, 1, 1) * grid).sum(1)
     torch.testing.assert_close(ablation.low_res_maps[0][:, 0], expected, rtol=1e-4, atol=1e-5)

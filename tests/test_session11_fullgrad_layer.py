@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_state_equal, model_state
+from test_issue39_batchnorm import randomized_statistics
 from torch import nn
 
 import explain
@@ -22,18 +23,9 @@ from explain.methods.layer_attribution import LayerConductance, LayerIntegratedG
 timm_layers = pytest.importorskip("timm.layers")
 
 
-def randomised_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
+def randomised_batchnorm(model: nn.Module) -> nn.Module:
     """Random running statistics and affine parameters (the initial ones make every effective bias 0)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.BatchNorm2d):
-                size = module.num_features
-                module.running_mean.copy_(torch.randn(size, generator=generator) * 0.3)
-                module.running_var.copy_(torch.rand(size, generator=generator) + 0.5)
-                module.weight.copy_(torch.rand(size, generator=generator) + 0.5)
-                module.bias.copy_(torch.randn(size, generator=generator) * 0.3)
-    return model.eval()
+    return randomized_statistics(model)
 
 
 # ------------------------------------------------------------------ FullGrad written out by hand

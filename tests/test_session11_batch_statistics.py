@@ -32,3 +32,17 @@ def test_one_image_with_one_pass_and_running_statistics_do_not_warn() -> None:
         warnings.simplefilter("error")
         explain.Saliency(tiny(False)).explain(images[:1], target=0)
         explain.IntegratedGradients(tiny(True), steps=8).explain(images, target=0)
+
+
+def test_ss_cam_gives_an_image_the_same_map_alone_and_anywhere_in_its_batch() -> None:
+    """SS-CAM's seeded noise is one image's draw per sample, shared by the batch's images: an image's map does not
+    depend on the other images of its call (it drew noise of the batch's shape, so each image got other draws)."""
+    model = tiny(True)
+    images = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    explainer = explain.SSCAM(model, "0", samples=3, noise_std=0.5, normalize=None, progress=False)
+    together = explainer.explain(images, target=[0, 1, 2]).raw_maps
+    reordered = explainer.explain(images[[2, 0, 1]], target=[2, 0, 1]).raw_maps
+    for index in range(3):
+        alone = explainer.explain(images[index:index + 1], target=index).raw_maps
+        torch.testing.assert_close(together[index], alone[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(reordered, together[[2, 0, 1]], rtol=1e-5, atol=1e-7)

@@ -198,9 +198,10 @@ class SSCAM(ScoreCAM):
 
     samples: noisy copies of each mask (default 35, as torchcam and the paper); noise_std: the noise's
         standard deviation, in units of the [0, 1] mask (default 2.0, as torchcam); seed: the noise's
-        generator seed (None: fresh draws); noise_draws: a callable ``shape → N(0, 1) tensor`` called once
-        per sample with shape (N, C, H, W), one draw per image, channel and pixel, instead of the generator
-        (to replay another library's draws).
+        generator seed (None: fresh draws); every image of a call gets the same draws (1, C, H, W) per
+        sample, so that its map does not depend on the rest of its batch; noise_draws: a callable
+        ``shape → N(0, 1) tensor`` called once per sample with shape (N, C, H, W), one draw per image,
+        channel and pixel, instead of the generator (to replay another library's draws).
     """
 
     name = "sscam"
@@ -216,15 +217,19 @@ class SSCAM(ScoreCAM):
         count, channels = activation.shape[:2]
         size = tuple(batch.shape[-2:])
         draws = self.noise_draws or normal_draws(self.seed, batch.device)
+        # the generator's draws are one image's, shared by the batch's images (an image's map does not depend on the
+        # rest of its batch); draws given as noise_draws are the whole batch's, as torchcam draws them
+        drawn = count if self.noise_draws is not None else 1
         pairs = torch.cartesian_prod(torch.arange(count), torch.arange(channels)).to(batch.device)  # (N·C, 2)
         total = torch.zeros(len(pairs), selected.scores.shape[1], device=batch.device)
         noise = None
         for rows in self._sample_chunks(len(pairs)):
-            if rows.start == 0:  # one draw per sample, for every image, channel and pixel
-                noise = drawn_noise(draws, (count, channels, *size), batch.device, torch.float32)
+            if rows.start == 0:  # one draw per sample, for every image (or all of them), channel and pixel
+                noise = drawn_noise(draws, (drawn, channels, *size), batch.device, torch.float32)
             assert noise is not None, "each sample starts at row 0"
             images, masks = pairs[rows, 0], pairs[rows, 1]
-            noisy = input_masks(activation, images, masks, size) + self.noise_std * noise[images, masks][:, None]
+            noise_rows = images if drawn > 1 else torch.zeros_like(images)
+            noisy = input_masks(activation, images, masks, size) + self.noise_std * noise[noise_rows, masks][:, None]
             total[rows] += self.masked_scores(batch, images, noisy, selected)
         mean = (total / self.samples).reshape(count, channels, -1)  # (N, C, K)
         return mean.softmax(dim=1).transpose(1, 2).to(activation.dtype)

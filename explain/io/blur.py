@@ -103,8 +103,10 @@ def kernel_taps(size: int, sigmas: Tensor, radii: Tensor, boundary: str) -> tupl
     limit = max(DIRECT_TAPS, DIRECT_PERIODS * period) if boundary == "reflect" else DIRECT_TAPS
     closed = reaches > limit  # (S, 1)
     direct_reaches = torch.where(closed, 0.0, reaches)
-    widest = int(direct_reaches.max().item()) if sigmas.numel() else 0
-    reach = min(int(reaches.max().item()) if sigmas.numel() else 0, size - 1)
+    # one host synchronisation for the three bounds the loop needs
+    direct, farthest, any_closed = (torch.stack([direct_reaches.max(), reaches.max(), closed.any().to(reaches.dtype)])
+                                    .tolist() if sigmas.numel() else (0.0, 0.0, 0.0))
+    widest, reach = int(direct), min(int(farthest), size - 1)
     kept = (torch.arange(period, device=sigmas.device) if boundary == "reflect"
             else torch.arange(-reach, reach + 1, device=sigmas.device))
     weights = torch.zeros(sigmas.shape[0], len(kept), dtype=sigmas.dtype, device=sigmas.device)
@@ -119,7 +121,7 @@ def kernel_taps(size: int, sigmas: Tensor, radii: Tensor, boundary: str) -> tupl
         else:
             inside = offsets.abs() <= reach
             weights.index_add_(1, offsets[inside] + reach, gauss[:, inside])
-    if bool(closed.any()):
+    if any_closed:
         rows = closed[:, 0]
         wide_weights, wide_total = closed_form_taps(kept, period, sigmas[rows], reaches[rows], boundary)
         weights[rows], total[rows] = wide_weights.to(weights.dtype), wide_total.to(total.dtype)

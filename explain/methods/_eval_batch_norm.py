@@ -93,9 +93,15 @@ def _batch_statistics_rows(module: nn.Module, args: Any, output: Any) -> None:
             "maps that depend on the image alone.", RuntimeWarning)
 
 
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm without running statistics (``track_running_stats=False``), which normalises
+    with the statistics of the batch it is given also in eval mode: the rows of a batch change each other's output."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None
+
+
 def warn_of_batch_statistics(scope: CallScope, modules: Iterable[nn.Module]) -> None:
-    """For the scope, a warning where a BatchNorm without running statistics (which normalises with the batch's
-    own, also in eval mode) runs on more than one row: the rows of a pass then change each other's maps."""
+    """For the scope, a warning where a BatchNorm without running statistics (``uses_batch_statistics``) runs on
+    more than one row: the rows of a pass then change each other's maps."""
     for module in modules:
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None:
+        if uses_batch_statistics(module):
             scope.forward_hook(module, _batch_statistics_rows)

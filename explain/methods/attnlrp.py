@@ -17,12 +17,11 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..core.caller import warn_at_callers_line
-from ..core.scope import CallScope
 from ..core.targets import Target, select_targets
-from ..core.units import BoundUnits
 from ..io.loaded_model import ModelSource
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from .gradients import GradientExplainer, all_zero
+from .lrp import names_recorded_below
 from .maps import Attribution
 from .options import bool_option, number_option
 from .registry import register
@@ -31,18 +30,6 @@ from .signatures import ExplainerOptions
 
 def _gamma_option(value: Any, label: str) -> Optional[float]:
     return None if value is None else number_option(label, value)
-
-
-def _unruled_below(scope: CallScope, target: Target, rules: AttnLrpRules) -> Optional[dict[str, None]]:
-    """For a hidden unit, the calls without a rule that had run when its layer's output was made, filled in during
-    the forward pass: the calls after it are above the unit. None for other targets. (The relevance needs nothing
-    else for a unit: the modified gradient at its layer's output z is ∂score/∂z, so the relevance there is
-    z ⊙ ∂score/∂z, and only the rules of the layers below apply.)"""
-    if not isinstance(target, BoundUnits):
-        return None
-    below: dict[str, None] = {}
-    scope.forward_hook(target.module, lambda module, args, output: below.update(rules.unruled))
-    return below
 
 
 @register
@@ -95,8 +82,9 @@ class AttnLRP(GradientExplainer):
         with torch.enable_grad():
             inputs = batch.detach().requires_grad_(True)
             # the rules act on the forward only; autograd keeps them
-            with AttnLrpScope(self.model, rules), CallScope(self.model) as scope:
-                below = _unruled_below(scope, target, rules)
+            # a hidden unit: the modified gradient at its layer's output z is ∂score/∂z, so the relevance there is
+            # z ⊙ ∂score/∂z and only the rules below it apply; only the calls below it are warned of
+            with AttnLrpScope(self.model, rules), names_recorded_below(self.model, target, rules.unruled) as below:
                 rules.follow(inputs)
                 output = self.call_model(inputs)
                 # the score too: a cosine similarity to a reference holds the embedding's norm constant

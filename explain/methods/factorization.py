@@ -32,6 +32,7 @@ from ..core.capture import (
     check_hookable,
     eager_model,
     find_layers,
+    map_tensors,
     model_device,
     model_dtype,
     model_input_channels,
@@ -244,7 +245,8 @@ class DeepFeatureFactorization:
         output tensors (its class scores); None, with a warning, when there is none. Warns when its
         input is not the layer's activations averaged (or max-pooled) over positions."""
         channels = activations.shape[1]
-        outputs = tensors_in(output)
+        outputs: list[Tensor] = []
+        map_tensors(output, outputs.append)
         heads = [(name, module, given) for name, module, given, result in calls
                  if module.in_features == channels
                  and any(result is tensor or (result.shape == tensor.shape and torch.equal(result, tensor))
@@ -339,13 +341,3 @@ class DeepFeatureFactorization:
     def __repr__(self) -> str:
         return f"DeepFeatureFactorization(layer={self.layer_name!r}, concepts={self.concepts})"
 
-
-def tensors_in(output: object) -> list[Tensor]:
-    """The tensors of a model's output: itself, or those in a tuple, list or dict (a ModelOutput) of them."""
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, dict):
-        return [tensor for value in output.values() for tensor in tensors_in(value)]
-    if isinstance(output, (tuple, list)):
-        return [tensor for value in output for tensor in tensors_in(value)]
-    return []

@@ -41,7 +41,8 @@ the error names them. No module is replaced and nothing is written to the model.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -72,19 +73,24 @@ weights: torchvision's resnet18 ~2 %, timm's resnet10t ~30 %, whatever epsilon i
 get no warning), more (timm's efficientnet_b0 with random weights: ~25 %, all of it ε's) changes the map visibly."""
 
 
-def _unruled_below(scope: CallScope, target: Target, trace: _Trace) -> Optional[dict[str, None]]:
-    """For a hidden unit, the calls without a rule (and gate products) that had run when its layer's output was made,
-    filled in during the forward pass: the calls after it are above the unit. None for other targets."""
+@contextmanager
+def names_recorded_below(model: nn.Module, target: Target, *records: dict[str, None]
+                         ) -> Iterator[Optional[dict[str, None]]]:
+    """For a hidden unit, a dict filled during the forward pass with the names in ``records`` (the calls without a rule,
+    gate products) when the unit's layer made its output: the calls after it are above the unit and take no part in
+    its relevance. None for other targets, with no scope entered (the usual call stays as cheap as before)."""
     if not isinstance(target, BoundUnits):
-        return None
+        yield None
+        return
     below: dict[str, None] = {}
 
     def at_the_unit(module: nn.Module, args: tuple[object, ...], output: object) -> None:
-        below.update(trace.unruled)
-        below.update(trace.gate_products)
+        for record in records:
+            below.update(record)
 
-    scope.forward_hook(target.module, at_the_unit)
-    return below
+    with CallScope(model) as scope:
+        scope.forward_hook(target.module, at_the_unit)
+        yield below
 
 
 @register
@@ -187,8 +193,8 @@ class LRP(GradientExplainer):
         with torch.enable_grad():
             inputs = batch.detach().requires_grad_(True)
             # the rules act on the forward only; autograd keeps them
-            with _RelevanceRules(self.model, trace), CallScope(self.model) as scope:
-                below = _unruled_below(scope, target, trace)
+            with _RelevanceRules(self.model, trace), \
+                    names_recorded_below(self.model, target, trace.unruled, trace.gate_products) as below:
                 trace.follow(inputs)
                 output = self.call_model(inputs)
             if below is not None:  # a hidden unit: the calls above its layer take no part in its relevance

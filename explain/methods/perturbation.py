@@ -18,6 +18,7 @@ from ..core.capture import ModelInputError
 from ..core.edit import edit
 from ..core.targets import SelectedTargets
 from ..io.loaded_model import ModelSource
+from ._eval_batch_norm import uses_batch_statistics
 from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
 from .options import NoiseDraws, drawn_noise, int_option, noise_options, normal_draws
 from .registry import register
@@ -26,8 +27,7 @@ from .registry import register
 def batch_statistics_layers(model: nn.Module) -> list[str]:
     """The BatchNorm modules of ``model`` that normalise by the statistics of the batch even in eval mode
     (``track_running_stats=False``): through them, the rows of a batch change each other's scores."""
-    return [name or type(model).__name__ for name, module in model.named_modules()
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None]
+    return [name or type(model).__name__ for name, module in model.named_modules() if uses_batch_statistics(module)]
 
 
 class PerturbationOptions(CAMOptions, total=False):

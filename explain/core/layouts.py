@@ -49,7 +49,8 @@ class Layout:
     "tokens" or "callable"; for tokens: prefix, the tokens before the patches (class,
     distillation, register); grid, the patches' (h, w); class_token, whether token 0 is a class
     token; readout, what the model's head reads (one of ``READOUTS``): "class" (the class token), "mean" (the
-    average of the patch tokens), "class+distillation" (the mean of the class and distillation tokens' logits: DeiT
+    average of the patch tokens), "all" (the average of every token, class and register tokens included: timm's
+    ``pool_include_prefix=True``), "class+distillation" (the mean of the class and distillation tokens' logits: DeiT
     distilled) or "class+mean" (the class token and the patch tokens' average, concatenated: HF DINOv2); covered,
     the (rows, columns) of input pixels from the top-left that the patch grid spans where that is not the whole
     input (see ``to_input``), else None."""
@@ -110,12 +111,27 @@ DISTILLATION_TOKENS = ("dist_token", "distillation_token")
 REGISTER_TOKENS = ("reg_token", "register_tokens")
 MEAN_READOUTS = ("avg", "avgmax", "max", "map", "avg_all", "gap")
 """Pooling names (timm's ``global_pool``, open_clip's ``pool_type``) of a head that reads the patch tokens."""
-READOUTS = ("class", "mean", "class+distillation", "class+mean")
-"""What a head reads (``Layout.readout``): the class token; the patch tokens' average; the class and distillation
+READOUTS = ("class", "mean", "all", "class+distillation", "class+mean")
+"""What a head reads (``Layout.readout``): the class token; the patch tokens' average; every token's average (timm's
+``pool_include_prefix=True``: the class and register tokens pooled with the patches); the class and distillation
 tokens, each through its own linear head, the two logits averaged (timm's ``VisionTransformerDistilled`` in eval
 mode, HF ``DeiTForImageClassificationWithTeacher``); the class token concatenated with the patch tokens' average
 before one linear layer (HF ``Dinov2ForImageClassification``, with or without registers)."""
 CLASS_AND_MEAN_HEADS = ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification")
+ATTENTION_POOLS = ("AttentionPoolLatent", "SiglipMultiheadAttentionPoolingHead", "Siglip2MultiheadAttentionPoolingHead")
+"""Attention-pooling heads: a learned query attending to the last block's tokens (timm's ``global_pool='map'``, HF
+SigLIP's ``vision_model.head``)."""
+POOL_BYPASSING_MODELS = ("SiglipForImageClassification", "Siglip2ForImageClassification")
+"""Models that compute their tower's attention-pooling head but classify the mean of the tokens (HF SigLIP)."""
+
+
+def attention_pooling_head(model: Optional[nn.Module]) -> Optional[str]:
+    """The name of the attention-pooling head (``ATTENTION_POOLS``) whose output the model's head reads, else None:
+    its weights of the tokens are its own attention to a learned query, which no row of the blocks' relevance
+    holds."""
+    if model is None or type(model).__name__ in POOL_BYPASSING_MODELS:
+        return None
+    return next((name for name, module in model.named_modules() if type(module).__name__ in ATTENTION_POOLS), None)
 
 
 def _two_token_readout(model: nn.Module, module: nn.Module) -> Optional[str]:
@@ -265,7 +281,9 @@ def model_tokens(model: Optional[nn.Module]) -> Optional[ModelTokens]:
         pooling = getattr(module, "global_pool", getattr(module, "pool_type", None))
         mean_pooling = getattr(getattr(model, "config", None), "use_mean_pooling", False) is True  # HF BEiT
         reads_patches = not classes or mean_pooling or (isinstance(pooling, str) and pooling in MEAN_READOUTS)
-        readout = "mean" if reads_patches else _two_token_readout(model, module) or "class"
+        # timm's pool_include_prefix: the head pools the class and register tokens with the patches
+        pools_prefix = prefix > 0 and getattr(module, "pool_include_prefix", False) is True
+        readout = ("all" if pools_prefix else "mean") if reads_patches else _two_token_readout(model, module) or "class"
         return ModelTokens(prefix=prefix, class_token=classes > 0, readout=readout, source=name,
                            patch_embedding=_patch_embedding(module))
     return None

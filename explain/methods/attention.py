@@ -17,7 +17,12 @@ whose logits are the mean of two linear heads', one on each token (the one token
 chooses HF's ``"cls_logits"`` or ``"distillation_logits"``). HF ``Dinov2ForImageClassification``
 reads the class token and the patch tokens' mean concatenated, through one linear layer whose learned weights
 set their shares: no fixed row is what it reads, so "auto" reads the class row there and warns.
-``row="class"`` or ``"mean"`` chooses explicitly.
+A head that averages every token, class and register tokens included (timm ``pool_include_prefix=True``), is read
+as the mean of every token's row. An attention-pooling head (timm ``global_pool="map"``, HF SigLIP's), whose
+weights of the tokens are its own attention to a learned query, is not self-attention over the tokens and cannot be
+rolled out with the blocks (a ValueError names the ``blocks=`` that keeps the blocks); with the blocks chosen, "auto"
+reads the mean of the rows of the tokens it pools, every token weighed alike, and warns.
+``row="class"``, ``"mean"`` or ``"all"`` chooses explicitly.
 
 The map of a single patch (an input no larger than one patch) is constant, no explanation: a ValueError says so.
 
@@ -39,7 +44,7 @@ from typing_extensions import Unpack
 
 from ..core.attention import BlockSpec, CapturedAttention, capture_attention
 from ..core.caller import warn_at_callers_line
-from ..core.layouts import Layout, token_layout
+from ..core.layouts import Layout, attention_pooling_head, token_layout
 from ..core.scope import CallScope
 from ..core.targets import SelectedTargets, Target, select_targets
 from ..core.windows import WindowPartition, WindowWatch, watch_windows
@@ -72,7 +77,7 @@ class Recorded:
         return self.layout
 
 Relevance = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
-ROWS = ("auto", "class", "mean")
+ROWS = ("auto", "class", "mean", "all")
 SINGLE_HEADS = {"cls_logits": "class", "distillation_logits": "distillation"}
 """HF DeiT with teacher's outputs of one head each (``output=``), and the token that head reads."""
 
@@ -107,10 +112,12 @@ class AttentionMethod(Explainer):
         the end). row: "auto" (what the head reads: the class token's row; for a head that
         averages the patch tokens the mean of their rows; for a distilled DeiT the mean of the
         class and distillation tokens' rows; for HF DINOv2's head, which reads the class token and
-        the patch tokens' mean, the class row with a warning), "class" or "mean" (over the patch
-        tokens' rows). reshape: (h, w), the patch grid, when the guess is wrong (the last h·w
-        tokens are the patches; the tokens before them must be the model's class, distillation
-        and register tokens, else a ValueError lists the grids that fit).
+        the patch tokens' mean, the class row with a warning; for a head that pools every token, timm's
+        ``pool_include_prefix=True``, every token's row; for an attention-pooling head, the mean of the rows of
+        the tokens it pools, with a warning), "class", "mean" (over the patch tokens' rows) or "all" (over every
+        token's row, class and register tokens included). reshape: (h, w), the patch grid, when the
+        guess is wrong (the last h·w tokens are the patches; the tokens before them must be the
+        model's class, distillation and register tokens, else a ValueError lists the grids that fit).
     A ``torch.compile``'d model is run through the module it wraps (``model._orig_mod``), which
     becomes ``self.model``. Other keyword arguments: see ``Explainer``.
     """
@@ -259,6 +266,8 @@ class AttentionMethod(Explainer):
 
     row_hint: ClassVar[str] = "row='mean' (or 'auto')"
     """The rows to suggest where row='class' finds no class token."""
+    pool_hint: ClassVar[str] = "or use AttnLRP or LeGrad, which read the model through its head"
+    """What else to suggest where "auto" reads the tokens an attention-pooling head pools."""
 
     def _token_row(self, relevance: Tensor, layout: Layout) -> Tensor:
         """(..., T, T) → (..., T): the query row(s) ``row`` chooses (see ``AttentionMethod``)."""
@@ -266,7 +275,9 @@ class AttentionMethod(Explainer):
 
     def _head_row(self, layout: Layout) -> str:
         """The row read: ``row``, or for "auto" what the head reads (``layout.readout``); HF DINOv2's head, which
-        reads no one row, gets the class row and a warning. A ValueError for row='class' without a class token."""
+        reads no one row, gets the class row and a warning; an attention-pooling head (``attention_pooling_head``)
+        the mean of the rows of the tokens it pools, and a warning. A ValueError for row='class' without a class
+        token."""
         row = layout.readout if self.row == "auto" else self.row
         if row == "class+distillation" and self.row == "auto" and isinstance(self.output, str) \
                 and self.output in SINGLE_HEADS:
@@ -278,6 +289,15 @@ class AttentionMethod(Explainer):
                 "through one linear layer whose weights set their shares, so no one row is what it reads. Pass "
                 "row='class' or row='mean' to choose one part (and silence this warning).", UserWarning)
             row = "class"
+        pool = attention_pooling_head(self.model) if self.row == "auto" and row in ("mean", "all") else None
+        if pool is not None:
+            rows = "the patch tokens' rows" if row == "mean" and layout.prefix else "every token's row"
+            warn_at_callers_line(
+                f"{type(self).__name__}(row='auto') reads the mean of {rows}, every token weighed "
+                f"alike, but this model's head pools the tokens with attention ({pool!r}: a learned query, as timm's "
+                "global_pool='map' and SigLIP's head), whose weights of the tokens are its own attention, not a row "
+                f"of the blocks' attention, so no one row is what it reads. Pass row={row!r} to choose this reading "
+                f"(and silence this warning), {self.pool_hint}.", UserWarning)
         if row == "class" and not layout.class_token:
             raise ValueError(f"row='class' needs a class token; this model has none ({layout.prefix} token(s) "
                              f"before the patches, none a class token). Use {self.row_hint}.")
@@ -288,7 +308,9 @@ def token_rows(relevance: Tensor, layout: Layout, row: str) -> Tensor:
     """(..., T, T) → (..., T): for ``row`` "class" the class token's row, "mean" the mean of the patch tokens' rows,
     "class+distillation" the mean of the class and distillation tokens' rows (a distilled DeiT's logits are the mean
     of two linear heads', one on each token, so each token carries half of the score), "distillation" the
-    distillation token's row."""
+    distillation token's row, "all" the mean of every token's row (class and register tokens included)."""
+    if row == "all":
+        return relevance.mean(dim=-2)
     if row == "class+distillation":
         return relevance[..., :2, :].mean(dim=-2)
     if row == "distillation":

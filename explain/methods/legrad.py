@@ -419,6 +419,7 @@ class LeGrad(AttentionMethod):
     summary = "LeGrad (Bousselham et al. 2024): each layer's score's gradient w.r.t. its attention, summed over layers"
     uses_gradients = True
     row_hint = "row='all', 'mean' or 'auto'"
+    pool_hint = "or leave row='all' (every token's query row, as legrad-torch; each layer is scored through the head)"
     reads_windows = True  # Swin's window attention, laid out on its stage's grid (its own pass reads the partitions)
 
     def __init__(

@@ -37,6 +37,13 @@ ImageIndex = Union[int, slice, Sequence[int], Tensor, np.ndarray]
 """Which images ``e[index]`` keeps: an int, a slice, a sequence of ints, or a bool mask of length N."""
 
 
+NOTEBOOK_PANELS = 24
+"""At most this many panels (images and their overlays) in an explanation's notebook figure (``_repr_html_``)."""
+NOTEBOOK_TARGETS = 8
+"""At most this many targets per image in the notebook figure."""
+NOTEBOOK_ROWS = 100
+"""At most this many rows (image, target) in the notebook table."""
+
 LOSSY_FORMATS = ("JPEG", "MPO")
 """Raster formats known to be lossy, written without a check; every other format's file is read back and
 compared with the overlays (GIF keeps 256 colours, ICO shrinks to icon sizes: those warn)."""
@@ -186,23 +193,31 @@ class Explanation:
             raise TypeError("an Explanation is indexed by image only (e[i], e[i:j], e[[i, j]]); for target k of "
                             "each image use e.maps[:, k] or e.map_grid[:, k].")
         try:
-            selected = torch.as_tensor(index).reshape(-1)
-        except (TypeError, ValueError, RuntimeError):
+            given = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError) as error:
+            if "Overflow" in str(error):  # e[[2**70]]: an index no tensor holds
+                raise IndexError(f"an image index is out of range (beyond int64) for an explanation of {count} "
+                                 f"image{'s' if count != 1 else ''}.") from None
             raise TypeError(f"an Explanation is indexed by an int, a slice, a list of image indices or a bool mask "
                             f"of length {count}; got {type(index).__name__}.") from None
+        selected = given.reshape(-1)
         if selected.dtype == torch.bool:
-            if len(selected) != count:
-                raise IndexError(f"a bool mask selects from {count} images; it has {len(selected)} entries.")
+            if given.dim() == 0 or len(selected) != count:  # (N,) or (N, 1) as e.scores > s gives
+                per_target = " (one per image and target, e.g. e.scores > s with topk: e[mask.any(1)] keeps the " \
+                    "images with any)" if given.dim() == 2 and given.shape[0] == count else ""
+                raise IndexError(f"a bool mask selects from {count} images: give one of shape ({count},); it has "
+                                 f"shape {tuple(given.shape)}{per_target}.")
             return selected.nonzero()[:, 0].cpu()
         if selected.numel() == 0:  # e[[]]: no image (as a list gives a float tensor)
             return torch.zeros(0, dtype=torch.long)
         if selected.is_floating_point() or selected.is_complex():
             raise TypeError(f"image indices must be integers; got {selected.dtype}.")
+        selected = selected.long().cpu()  # compared as int64: -count in uint8 or int8 would wrap around
         out_of_range = (selected < -count) | (selected >= count)
         if out_of_range.any():
             raise IndexError(f"image index {int(selected[out_of_range][0])} is out of range for an explanation of "
                              f"{count} image{'s' if count != 1 else ''}.")
-        return selected.long().cpu() % max(count, 1)
+        return selected % max(count, 1)
 
     def title(self, image_index: int, target_index: int = 0) -> str:
         """'class name (index): score' for one map ('#k class name (index): score' for a detected instance; 'text
@@ -401,24 +416,55 @@ class Explanation:
                 f"target{'s' if targets != 1 else ''}, {height}×{width}; {explained}{more})")
 
     def _repr_html_(self) -> str:
-        """Notebook display: the figure (once, as one PNG at 80 dpi), then a table of image, class,
-        score and probability (headed "sigmoid probability" for a multi-label model's, ``probability_function``).
-        There is no ``_repr_png_``: a notebook would store the figure twice."""
+        """Notebook display: the figure (once, as one PNG at 80 dpi) of the first images and targets, at most
+        ``NOTEBOOK_PANELS`` panels and ``NOTEBOOK_TARGETS`` targets (drawing every map of a big batch takes
+        minutes and a figure metres wide; a note says what is left out), then a table of image, class, score and
+        probability (headed "sigmoid probability" for a multi-label model's, ``probability_function``), at most
+        ``NOTEBOOK_ROWS`` rows. There is no ``_repr_png_``: a notebook would store the figure twice."""
         if len(self) == 0:
             return f"<div><p><b>{html.escape(self.description())}</b>: no image (an empty selection)</p></div>"
-        picture = base64.b64encode(self.png()).decode("ascii")
+        count, targets = self.map_grid.shape[:2]
+        shown_targets = min(targets, NOTEBOOK_TARGETS)
+        shown_images = max(1, min(count, NOTEBOOK_PANELS // (shown_targets + 1)))  # + 1: the image's own panel
+        picture = base64.b64encode(self._first_maps_png(shown_images, shown_targets)).decode("ascii")
+        left_out = ""
+        if (shown_images, shown_targets) != (count, targets):
+            left_out = (f"<p>The figure shows images 0–{shown_images - 1} of {count}, targets 0–{shown_targets - 1} "
+                        f"of {targets}: e[i:j].show() draws other images, e.figure() every map.</p>")
         probability_header = "sigmoid probability" if self.probability_function == "sigmoid" else "probability"
-        rows = []
-        for image in range(len(self)):
-            for target in range(self.map_grid.shape[1]):
+        rows: list[str] = []
+        for image in range(count):
+            for target in range(targets):
+                if len(rows) == NOTEBOOK_ROWS:
+                    break
                 probability = "" if self.probabilities is None else f"{float(self.probabilities[image, target]):.3f}"
                 rows.append(
                     f"<tr><td>{image}</td><td>{html.escape(self.title(image, target).rsplit(':', 1)[0])}</td>"
                     f"<td>{float(self.scores[image, target]):.4g}</td><td>{probability}</td></tr>"
                 )
+        if count * targets > len(rows):
+            rows.append(f"<tr><td colspan=\"4\">… {count * targets - len(rows)} more rows (e.scores, e.targets and "
+                        "e.probabilities hold them all)</td></tr>")
         return (
             f"<div><p><b>{html.escape(self.description())}</b></p>"
-            f'<img src="data:image/png;base64,{picture}"/>'
+            f'<img src="data:image/png;base64,{picture}"/>{left_out}'
             f"<table><tr><th>image</th><th>class</th><th>score</th><th>{probability_header}</th></tr>"
             + "".join(rows) + "</table></div>"
         )
+
+    def _first_maps_png(self, images: int, targets: int) -> bytes:
+        """``png()`` of the first ``images`` images' first ``targets`` maps (the notebook's figure)."""
+        if (images, targets) == tuple(self.map_grid.shape[:2]):
+            return self.png()
+        part = self[:images]
+        titles = [[self.title(image, target) for target in range(targets)] for image in range(images)]
+        figure = render.overlay_figure(part.images, part.drawn_map_grid()[:, :targets], titles, self.description(),
+                                       boxes=None if part.boxes is None else part.boxes[:, :targets])
+        return render.figure_png(figure, dpi=80)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and deep-copied) with its display images made, not with the model input and the preprocessing
+        that would make them: a lambda or a local function cannot be pickled, and one may hold the model."""
+        state = self.__dict__.copy()
+        state["display"] = DisplayImages(self.images)
+        return state

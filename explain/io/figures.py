@@ -241,7 +241,7 @@ def figure(
     aspect = render.panel_aspect(images.shape[1], images.shape[2])
     for grid_row, grid_column, picture, title in placed:
         axis = axes[grid_row, grid_column]
-        axis.imshow(picture, interpolation="bilinear", aspect=aspect)
+        axis.imshow(picture, interpolation=render.PANEL_INTERPOLATION, aspect=aspect)
         axis.set_xticks([])
         axis.set_yticks([])
         if title:

@@ -178,11 +178,13 @@ DIVERGING_CMAP = "RdBu_r"
 
 def signed_to_unit(maps: ArrayLike, clip_percentile: float = 99.0) -> Tensor:
     """Signed maps (..., H, W) → [0, 1] with 0 at 0.5, each map scaled by the ``clip_percentile``
-    percentile of its |values| and clipped (outliers saturate, as Captum's ``outlier_perc``). NaN pixels
-    are left out of the percentile and drawn at 0.5 (no evidence), as ``as_drawn`` draws them."""
+    percentile of its finite |values| and clipped (outliers saturate, as Captum's ``outlier_perc``). NaN pixels
+    are drawn at 0.5 (no evidence), as ``as_drawn`` draws them, and ±inf at 1 and 0 (the strongest evidence);
+    neither is counted in the percentile (a map with many ±inf pixels took an infinite or NaN scale)."""
     values = _as_float_tensor(maps)
     flat = values.reshape(-1, values.shape[-2] * values.shape[-1]).abs()
-    scale = torch.nanquantile(flat, clip_percentile / 100.0, dim=1).nan_to_num(0.0)
+    finite = torch.where(flat.isfinite(), flat, float("nan"))
+    scale = torch.nanquantile(finite, clip_percentile / 100.0, dim=1).nan_to_num(0.0)
     scale = torch.where(scale > 0, scale, 1.0)  # however small a map's values (1e-13 gradients), never a floor
     scaled = (values.reshape(flat.shape) / scale[:, None]).nan_to_num(0.0).clamp(-1, 1).reshape(values.shape)
     return (scaled + 1) / 2
@@ -348,6 +350,12 @@ def tile(images: np.ndarray) -> np.ndarray:
     return np.concatenate(columns, axis=1)
 
 
+PANEL_INTERPOLATION = "none"
+"""How figure panels are drawn (``imshow``'s interpolation): "none" embeds each panel's own pixels once in PDF/SVG/EPS
+(exact colours, a file that does not grow with the dpi; SVG marks it to be shown pixelated) and draws them as
+nearest-neighbour blocks in PNG, so no colour is drawn that the overlay does not hold (bilinear resampling mixed a
+red and a blue pixel into the diverging map's white, "no evidence", and blurred small images)."""
+
 MAX_PANEL_ASPECT = 8.0
 """The flattest (and narrowest) a figure panel is: an image more than 8 times wider than tall (or taller than wide),
 such as a 1 × 2000 strip, is stretched to fill a panel of this ratio, else it would be drawn less than a pixel
@@ -508,10 +516,11 @@ def overlay_figure(
     aspect = panel_aspect(overlays.shape[-3], overlays.shape[-2])
     for image_index in range(count):
         if show_original:
-            axes[0, image_index].imshow(pictures[image_index], interpolation="nearest", aspect=aspect)
+            axes[0, image_index].imshow(pictures[image_index], interpolation=PANEL_INTERPOLATION, aspect=aspect)
         for target_index in range(targets_per_image):
             axis = axes[target_index + int(show_original), image_index]
-            axis.imshow(overlays[image_index, target_index], interpolation="nearest", aspect=aspect)
+            axis.imshow(overlays[image_index, target_index], interpolation=PANEL_INTERPOLATION,
+                        aspect=aspect)
     for row, texts in enumerate(titled_rows):
         for image_index, text in enumerate(texts):
             axes[row, image_index].set_title(text, fontsize=fontsize, parse_math=False)

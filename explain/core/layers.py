@@ -166,6 +166,9 @@ class _ModuleRun:
     bypassed: bool = False
     """Whether the module runs inside a block too small to draw that reaches the image by another path too (a
     branch, a shortcut): its maps would show part of the evidence (``_mark_bypassed``)."""
+    on_every_path: bool = True
+    """Whether every path from what is explained back to the image passes through the output (False: a residual
+    connection written in the forward, or a torch.fx GraphModule's block run module by module, goes around it)."""
     layout_error: Optional[str] = None
     """For a norm (LayerNorm, RMSNorm) whose (N, T, D) tokens cannot be laid out on the input's patch grid: why
     (``explain.core.layouts``' message), so that a transformer given an input of the wrong size is told, not explained
@@ -210,7 +213,9 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None, *,
     VGG, DenseNet, MobileNet, EfficientNet and ConvNeXt, ``stages`` or ``final_conv`` in timm); a
     container finishes after its children, so a stage wins over its last block. Where a block's output is too
     small to draw (h or w below 2: the last stage at a small input), no layer inside it is chosen unless the
-    layer is on the block's only path: its branches or shortcut would bypass it (``_mark_bypassed``).
+    layer is on the block's only path: its branches or shortcut would bypass it (``_mark_bypassed``). Where what is
+    explained also reaches the image around that last candidate (a residual sum written in the forward; a torch.fx
+    GraphModule, whose blocks never run as modules), no layer is chosen: a ValueError says so and names the layers.
 
     Dense prediction (the output explained is (N, K, h, w) maps, as a segmentation model's logits) by a model with
     a ``backbone`` child (torchvision's FCN, DeepLabV3 and LRASPP): the last candidate
@@ -253,7 +258,27 @@ def default_layer(model: nn.Module, batch: Tensor, run: Optional[Run] = None, *,
             "(N, C, h, w), (N, h, w, C) or token (N, T, D) output that depends on the image); pass one "
             "explicitly (`explain layers MODEL` or explain.list_layers(model) lists them with their shapes)."
         )
+    if not candidates[-1].on_every_path:
+        raise ValueError(_bypassed_message(model, candidates))
     return candidates[-1].name
+
+
+def _bypassed_message(model: nn.Module, candidates: Sequence[_ModuleRun]) -> str:
+    """Why no layer is chosen where what is explained reaches the image around the last candidate, and what to do."""
+    last = candidates[-1].name
+    through = [module_run.name for module_run in candidates if module_run.on_every_path]
+    if isinstance(model, torch.fx.GraphModule):
+        why = ("The model is a torch.fx GraphModule, which runs each block's modules one by one: its blocks and "
+               "stages (a ResNet's 'layer4') never run as modules, and the module that gives a block's output (the "
+               "activation after a residual sum) runs more than once, so no layer that runs once holds a stage's "
+               "output. Explain the model as it was before torch.fx.symbolic_trace, or name a layer")
+    else:
+        why = "Name the layer to explain"
+    option = f", or {through[-1]!r}, which every path goes through" if through else ""
+    return (f"the last layer that runs once and gives maps, {last!r}, is bypassed: what is explained also reaches "
+            "the image by a path around it (a residual connection such as `x + block(x)` written in the forward), "
+            f"so its map would show only part of the evidence and no layer is chosen. {why} (layer=, --layer): "
+            f"{last!r} for the evidence that goes through it{option}.")
 
 
 def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> tuple[dict[str, _ModuleRun], bool]:
@@ -297,6 +322,11 @@ def _trace(model: nn.Module, batch: Tensor, run: Optional[Run]) -> tuple[dict[st
     if reached:  # what is explained depends on the image: a map-like output that it does not descend from is not
         for name, node in graph_nodes.items():  # a candidate (an auxiliary head whose output goes elsewhere)
             runs[name].reaches_output = id(node) in reached
+        on_every_path = _nodes_on_every_path([tensor.grad_fn for tensor in _tensors_of(output)
+                                              if tensor.grad_fn is not None], inputs)
+        if on_every_path:  # empty: the output does not reach the image
+            for name, node in graph_nodes.items():
+                runs[name].on_every_path = id(node) in on_every_path
     _mark_bypassed(runs, graph_nodes, small_nodes, inputs)
     main = _main_tensor(output)
     dense = main is not None and main.dim() == 4 and main.shape[0] == count and min(main.shape[-2:]) >= 2
@@ -340,6 +370,55 @@ def _reaches_input_avoiding(start: Any, avoided: Any, inputs: Tensor) -> bool:
             return True
         pending.extend(parent for parent, _ in node.next_functions if parent is not None)
     return False
+
+
+def _nodes_on_every_path(roots: list[Any], inputs: Tensor) -> set[int]:
+    """The ids of the autograd nodes that every path from ``roots`` back to the leaf ``inputs`` passes through
+    (empty where none reaches it). In a topological order of the nodes on such paths, a node is on every path
+    exactly when no edge jumps over its position: one walk of the graph, not one per node."""
+    post_order: list[Any] = []
+    reaches: dict[int, bool] = {}
+    for root in roots:
+        if id(root) in reaches:
+            continue
+        reaches[id(root)] = False
+        stack = [(root, _parents(root))]
+        while stack:
+            node, parents = stack[-1]
+            unvisited = next((parent for parent in parents if id(parent) not in reaches), None)
+            if unvisited is not None:
+                reaches[id(unvisited)] = False  # the graph is acyclic: read only once the node is finished
+                stack.append((unvisited, _parents(unvisited)))
+                continue
+            stack.pop()
+            reaches[id(node)] = (getattr(node, "variable", None) is inputs
+                                 or any(reaches[id(parent)] for parent in parents))
+            post_order.append(node)
+    order = [node for node in reversed(post_order) if reaches[id(node)]]  # from the output towards the image
+    if not order:
+        return set()
+    position = {id(node): index for index, node in enumerate(order)}
+    jumps = [0] * (len(order) + 1)  # jumps[p]: edges that start before position p, less those that end there
+    for root in roots:  # a virtual root before position 0 leads to every root
+        if id(root) in position:
+            jumps[0] += 1
+            jumps[position[id(root)]] -= 1
+    for node in order:
+        for parent in _parents(node):
+            if id(parent) in position:
+                jumps[position[id(node)] + 1] += 1
+                jumps[position[id(parent)]] -= 1
+    on_every_path, jumped = set(), 0
+    for index, node in enumerate(order):
+        jumped += jumps[index]
+        if jumped == 0:
+            on_every_path.add(id(node))
+    return on_every_path
+
+
+def _parents(node: Any) -> list[Any]:
+    """The autograd nodes that ``node``'s inputs come from."""
+    return [parent for parent, _ in node.next_functions if parent is not None]
 
 
 def _graph_without_tensors() -> torch.autograd.graph.saved_tensors_hooks:

@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
+from urllib.parse import quote
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ from ..methods.concepts import (
 from ..methods.signatures import setting_text
 from .batch import _broken_link_reason as broken_link_reason
 from .batch import image_files_and_broken_links as folder_image_files
+from .html_report import writable
 from .run_folder import LOCKS_UNSUPPORTED, Shard, display_name, error_line, folder_lock, write_atomically
 
 try:
@@ -497,7 +499,8 @@ def _entries(crp: ConceptRelevance, files: Sequence[Path], names: Sequence[str],
         usage: list[dict[str, Any]] = []
         for label in classes.unique().tolist():
             mean = float(relevance[classes == label, concept].mean())
-            name = class_names[label] if class_names is not None and 0 <= label < len(class_names) else str(label)
+            name = str(class_names[label]) if class_names is not None and 0 <= label < len(class_names) \
+                else str(label)
             usage.append({"class": int(label), "name": name, "mean_relevance": mean})
         entry["classes"] = sorted(usage, key=lambda item: -item["mean_relevance"])[:3]
         entries.append(entry)
@@ -509,16 +512,22 @@ def _write_png(path: Path, pixels: np.ndarray) -> None:
     write_atomically(path, lambda target: Image.fromarray(pixels).save(target, format="PNG"))
 
 
+def _text(value: Any) -> str:
+    """``value`` as the page's escaped text (``writable``: UTF-8 can write it)."""
+    return html.escape(writable(str(value)))
+
+
 def _page(entries: dict[str, Any]) -> str:
-    """A static page: a card per concept with its classes, relevance references and activation references."""
+    """A static page: a card per concept with its classes, relevance references and activation references. Every
+    name is escaped text; a patch's address percent-encoded."""
     cards = []
     for entry in entries["concepts"]:
-        classes = ", ".join(f"{html.escape(item['name'])} ({item['mean_relevance']:.3g})" for item in entry["classes"])
+        classes = ", ".join(f"{_text(item['name'])} ({item['mean_relevance']:.3g})" for item in entry["classes"])
         rows = []
         for kind in ("relevance", "activation"):
             images = "".join(
-                f'<figure><img src="{html.escape(reference["patch"])}" alt="{html.escape(reference["image"])}" '
-                f'title="{html.escape(reference["image"])}: {reference["value"]:.3g}"></figure>'
+                f'<figure><img src="{_text(quote(reference["patch"]))}" alt="{_text(reference["image"])}" '
+                f'title="{_text(reference["image"])}: {reference["value"]:.3g}"></figure>'
                 for reference in entry[f"{kind}_references"])
             rows.append(f'<div class="row"><span class="kind">{kind}</span>{images}</div>')
         cards.append(f'<section class="card" id="concept-{entry["concept"]}"><h2>concept {entry["concept"]}</h2>'
@@ -526,9 +535,9 @@ def _page(entries: dict[str, Any]) -> str:
     skipped = entries.get("skipped", [])
     if skipped:
         cards.append(f'<section class="card" id="skipped"><h2>{len(skipped)} file(s) left out</h2><ul>'
-                     + "".join(f"<li>{html.escape(item['image'])}: {html.escape(item['reason'])}</li>"
+                     + "".join(f"<li>{_text(item['image'])}: {_text(item['reason'])}</li>"
                                for item in skipped) + "</ul></section>")
-    title = html.escape(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
+    title = _text(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
     style = ("body{font-family:sans-serif;margin:1em}.card{border:1px solid #ccc;margin:.5em 0;padding:.5em}"
              ".row{display:flex;align-items:center;gap:4px}.kind{width:6em;font-size:80%}"
              "figure{margin:0}img{height:64px;image-rendering:pixelated}h2{font-size:100%;margin:0}")

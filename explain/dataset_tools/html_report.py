@@ -63,6 +63,8 @@ PAGE_SIZES = (24, 48, 96, 192)
 MAX_NOTES_SHOWN = 20
 THUMBNAIL_QUALITY = 82
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A character UTF-8 cannot write: half of a pair that is not one (``writable``)."""
 
 
 @dataclass
@@ -693,8 +695,7 @@ def _rounded(value: Optional[float], digits: int = 6) -> Optional[float]:
 def _write_script(path: Path, function: str, *arguments: Any) -> None:
     """A data file: one call of window.explainReport.<function>(arguments as JSON). JSON is a JS
     expression, so no text in it can end the call or run as code."""
-    text = ", ".join(json.dumps(argument, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-                     for argument in arguments)
+    text = ", ".join(_json_text(argument) for argument in arguments)
     path.write_text(f"explainReport.{function}({text});\n", encoding="utf-8")
 
 
@@ -827,14 +828,44 @@ def _example_thumbnail(record: ImageRecord, class_index: int, files: dict[str, _
 
 # ---- The page ---------------------------------------------------------------------------------
 
+def writable(text: str) -> str:
+    """``text`` as UTF-8 can write it: a lone surrogate (a byte that is not UTF-8, as Python reads it from a command
+    line or file name; a "\\udce9" of a JSON file) as a \\x or \\u escape, the rest unchanged."""
+    return LONE_SURROGATE.sub(lambda match: _surrogate_text(match.group()), text)
+
+
+def _surrogate_text(character: str) -> str:
+    code = ord(character)
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+
+def _writable_value(value: Any) -> Any:
+    """``value`` (JSON's types) with every string, key or value, ``writable``."""
+    if isinstance(value, str):
+        return writable(value)
+    if isinstance(value, dict):
+        return {writable(key) if isinstance(key, str) else key: _writable_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_writable_value(item) for item in value]
+    return value
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as compact JSON that UTF-8 can write (``writable`` strings)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if LONE_SURROGATE.search(text):  # rare: walk the value only then
+        text = json.dumps(_writable_value(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text
+
+
 def _escape(text: object) -> str:
-    return html.escape(str(text), quote=True)
+    return html.escape(writable(str(text)), quote=True)
 
 
 def _json_for_html(value: Any) -> str:
     """JSON to sit inside <script type="application/json">: '<', '>' and '&' as \\u escapes, so
     that no text ("</script>") can end the element."""
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = _json_text(value)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

@@ -343,17 +343,33 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
+def _escape(text: str) -> str:
+    """``text`` escaped for the page (``writable``: a lone surrogate, which UTF-8 cannot write, as an escape)."""
+    from ..dataset_tools.html_report import writable
+
+    return html.escape(writable(text), quote=True)
+
+
+def _inline_text(text: str) -> str:
+    """A token's text as the answer shows it: a newline as "⏎" (a line break follows), and every other control
+    character but the tab as ``visible_token`` writes it ("\\r", "\\x00"): a browser would read a carriage
+    return as a line break of its own and drop a NUL."""
+    return "".join("⏎" if character == "\n" else visible_token(character)
+                   if unicodedata.category(character) == "Cc" and character != "\t" else character
+                   for character in text)
+
+
 def _token_span(k: int, text: str, name: tuple[str, str], probability: Optional[float]) -> str:
     """One token of the answer as an inline element: its own text, escaped; a newline as "⏎" and a line break;
     a token of whitespace only in its visible form, marked; a token with no text by its piece of the vocabulary
     (``name``, from ``token_names``), marked, its id in its label."""
     whitespace_only = not text.strip()
-    inline = name[0] if whitespace_only else text.replace("\n", "⏎")
+    inline = name[0] if whitespace_only else _inline_text(text)
     chance = f", probability {probability:.3f}" if probability is not None else ""
     label = f"token {k + 1}: {name[0]}{f' ({name[1]})' if name[1] else ''}{chance}"
     marks = (" ws" if text else " ws notext") if whitespace_only else ""
     span = (f'<span class="token{marks}" role="button" tabindex="{0 if k == 0 else -1}" aria-pressed="false" '
-            f'data-k="{k}" aria-label="{html.escape(label, quote=True)}">{html.escape(inline)}</span>')
+            f'data-k="{k}" aria-label="{_escape(label)}">{_escape(inline)}</span>')
     return span + ("<br>" * text.count("\n"))
 
 
@@ -398,11 +414,11 @@ def token_html(
     heading = title or f"Explanation of an answer: {explanation.description()}"
     policy = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; img-src data:; "
               "base-uri 'none'; form-action 'none'")
-    prompt_section = (f'<section class="prompt"><h2>Prompt</h2><p class="text">{html.escape(prompt)}</p></section>'
+    prompt_section = (f'<section class="prompt"><h2>Prompt</h2><p class="text">{_escape(prompt)}</p></section>'
                       if prompt is not None else "")
     subtitle = (f"{explanation.description()} · {len(texts)} answer token{'s' if len(texts) != 1 else ''} · "
                 f"{width}×{height} image")
-    plain = html.escape(answer_text(explanation))
+    plain = _escape(answer_text(explanation))
     image_uri = _data_uri(Image.fromarray(image), quality)
     return f"""<!doctype html>
 <html lang="en">
@@ -411,12 +427,12 @@ def token_html(
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta http-equiv="Content-Security-Policy" content="{policy}">
 <meta name="generator" content="explain vlm">
-<title>{html.escape(heading)}</title>
+<title>{_escape(heading)}</title>
 <style>{STYLE}</style>
 </head>
 <body>
-<header><h1>{html.escape(heading)}</h1>
-<div class="subtitle">{html.escape(subtitle)}</div></header>
+<header><h1>{_escape(heading)}</h1>
+<div class="subtitle">{_escape(subtitle)}</div></header>
 <main>
 <div class="words">
 {prompt_section}

@@ -10,11 +10,17 @@ model carries no hook of ours between calls, also when a call raises.
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
+import inspect
+import linecache
+import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence, Union, cast, overload
 
 import torch
@@ -61,21 +67,105 @@ def run_model(model: nn.Module, inputs: object, call: Optional[ForwardArguments]
         return model(inputs) if call is None else model(*call[0], **call[1])
     except (LayerNotRunError, LayerNotFoundError, ModelInputError, LayerOutputError):
         raise
-    except TypeError as error:  # a forward called without its other inputs, or with the wrong ones
-        raise _model_failure(
-            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If its forward "
-            "takes other inputs, pass them with forward_args= or forward_kwargs= (and input_position= for where "
-            "the image goes).", error
-        ) from error
-    except (RuntimeError, AssertionError, ValueError, IndexError) as error:
+    except (TypeError, IndexError) as error:
+        mapping = _string_key_hint(inputs, error)  # a forward that reads its input as a dict: batch["image"]
+        if mapping is not None:
+            raise _model_failure(f"the model failed on an input of shape {_shape_text(inputs)}: "
+                                 f"{_first_line(error)}. {mapping}", error) from error
+        if isinstance(error, TypeError):  # a forward called without its other inputs, or with the wrong ones
+            raise _model_failure(
+                f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}. If its forward "
+                "takes other inputs, pass them with forward_args= or forward_kwargs= (and input_position= for where "
+                "the image goes).", error
+            ) from error
         if is_out_of_memory(error):  # not the input's fault: passed on as it is (see Explainer.row_passes)
             raise
-        raise _model_failure(
-            f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}."
-            f"{_channels_last_hint(model, inputs, error)} If it expects "
-            "another size or channel count, pass a preprocess that produces it (e.g. torchvision "
-            "weights.transforms() for its 224 px models), or resize the tensor yourself.", error
-        ) from error
+        raise _input_failure(model, inputs, error) from error
+    except (RuntimeError, AssertionError, ValueError) as error:
+        if is_out_of_memory(error):
+            raise
+        raise _input_failure(model, inputs, error) from error
+
+
+def _input_failure(model: nn.Module, inputs: object, error: BaseException) -> ModelInputError:
+    """The ModelInputError for a model that failed on its input (``error``): its size, channels or dtype."""
+    return _model_failure(
+        f"the model failed on an input of shape {_shape_text(inputs)}: {_first_line(error)}."
+        f"{_channels_last_hint(model, inputs, error)} If it expects "
+        "another size or channel count, pass a preprocess that produces it (e.g. torchvision "
+        "weights.transforms() for its 224 px models), or resize the tensor yourself.", error
+    )
+
+
+_TENSOR_STRING_INDEX_ERRORS = ("too many indices for tensor", "invalid data type 'str'")
+"""Words of the errors by which a tensor refuses a string index (torch reads ``x["image"]`` as a sequence of
+characters: too many indices, or none of the types an index can be)."""
+
+
+def _string_key_hint(inputs: object, error: BaseException) -> Optional[str]:
+    """Where ``error`` was raised by the model's forward indexing a tensor with a string (``batch["image"]``, a
+    forward that takes a dict of inputs): what happened and the wrapper that passes the image as that dict; else
+    None. Read from the failing expression in the innermost frame of the traceback outside torch."""
+    if not any(words in str(error) for words in _TENSOR_STRING_INDEX_ERRORS):
+        return None
+    torch_files = os.path.dirname(torch.__file__) + os.sep
+    frames = [(frame, summary) for (frame, _), summary in zip(traceback.walk_tb(error.__traceback__),
+                                                              traceback.extract_tb(error.__traceback__))
+              if not summary.filename.startswith(torch_files)]
+    if not frames:
+        return None
+    frame, summary = frames[-1]
+    expression = _failed_expression(summary)
+    if not isinstance(expression, ast.Subscript):
+        return None
+    key = _value_in_frame(expression.slice, frame)
+    indexed = _value_in_frame(expression.value, frame)  # a torch error: a tensor, where it cannot be read
+    if not isinstance(key, str) or not isinstance(indexed, (Tensor, type(None))):
+        return None
+    what = ("the image tensor it was given" if indexed is inputs else
+            f"the tensor `{ast.unparse(expression.value)}`" if indexed is not None else "a tensor")
+    return (f"Its forward indexes {what} with the string key {key!r} (`{ast.unparse(expression)}`, "
+            f"{os.path.basename(summary.filename)} line {summary.lineno}): the model takes a dict (mapping) of "
+            "inputs there, and the toolkit passes the image as a tensor. Explain a wrapper whose forward takes the "
+            "image tensor and calls the model with the dict, e.g. `class Wrapped(nn.Module): def __init__(self, "
+            "model): super().__init__(); self.model = model` with `def forward(self, x): return "
+            f"self.model({{{key!r}: x}})` (add the dict's other entries there; the layers' names gain the "
+            "prefix 'model.').")
+
+
+def _value_in_frame(expression: ast.expr, frame: FrameType) -> object:
+    """The value of a constant, a variable or attributes of one (``self.key``) in ``frame``, read without running
+    code (no property is called); None for other expressions or a name not found."""
+    if isinstance(expression, ast.Constant):
+        return expression.value
+    if isinstance(expression, ast.Name):
+        return frame.f_locals.get(expression.id, frame.f_globals.get(expression.id))
+    if isinstance(expression, ast.Attribute):
+        owner = _value_in_frame(expression.value, frame)
+        try:
+            return None if owner is None else inspect.getattr_static(owner, expression.attr)
+        except AttributeError:
+            return None
+    return None
+
+
+def _failed_expression(summary: traceback.FrameSummary) -> Optional[ast.expr]:
+    """The expression whose evaluation raised, as the traceback's positions delimit it in the source; None where
+    the source or the positions are not at hand."""
+    # the positions of the failing expression (Python 3.11 on): read by name, as FrameSummary had none before
+    first, last = summary.lineno, getattr(summary, "end_lineno", None)
+    start, end = getattr(summary, "colno", None), getattr(summary, "end_colno", None)
+    if first is None or last is None or start is None or end is None:
+        return None
+    lines = [linecache.getline(summary.filename, number).encode() for number in range(first, last + 1)]
+    if not all(lines):
+        return None
+    lines[-1] = lines[-1][:end]
+    lines[0] = lines[0][start:]
+    try:
+        return ast.parse(b"".join(lines).decode().strip(), mode="eval").body
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def _model_failure(message: str, error: BaseException) -> ModelInputError:
@@ -478,18 +568,18 @@ class ActivationCapture(CallScope["ActivationCapture"]):
 
     def __init__(self, model: nn.Module, layers: Sequence[tuple[str, nn.Module]], *, graph_from_first_layer: bool):
         super().__init__(model)
+        self.root = model
         self.layers = list(layers)
         self.graph_from_first_layer = graph_from_first_layer
         self._captured: dict[str, Tensor] = {}
+        self._runs: dict[str, int] = {}
+        """How many times each target layer, and each block containing one, ran in the forward."""
 
-    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], Tensor]:
-        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> Tensor:
-            if name in self._captured:
-                raise LayerNotRunError(
-                    f"layer {name!r} ran more than once in one forward pass (a module used in several "
-                    "places, such as the one `relu` of a torchvision BasicBlock). A map needs a layer "
-                    f"that runs once: {_run_once_advice(name)}"
-                )
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], Optional[Tensor]]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> Optional[Tensor]:
+            self._runs[name] = self._runs.get(name, 0) + 1
+            if name in self._captured:  # refused by ``activations``, once the forward has said which blocks run once
+                return None
             if not isinstance(output, Tensor):
                 raise LayerOutputError(
                     f"layer {name!r} returned a {type(output).__name__}, not a tensor; "
@@ -505,8 +595,20 @@ class ActivationCapture(CallScope["ActivationCapture"]):
 
         return hook
 
+    def _count_runs(self, name: str) -> Callable[..., None]:
+        def count(module: nn.Module, args: tuple[object, ...]) -> None:
+            self._runs[name] = self._runs.get(name, 0) + 1
+
+        return count
+
     def setup(self) -> "ActivationCapture":
         self._captured.clear()
+        self._runs.clear()
+        targets = {name for name, _ in self.layers}
+        for block in sorted({parent for name in targets for parent in _parent_names(name)} - targets):
+            module = _submodule(self.root, block)
+            if module is not None:
+                self.forward_pre_hook(module, self._count_runs(block))
         for name, module in self.layers:
             self.forward_hook(module, self._hook_for(name))
         return self
@@ -514,14 +616,23 @@ class ActivationCapture(CallScope["ActivationCapture"]):
     def activations(self) -> list[Tensor]:
         """The captured output of each target layer, in the order the layers were given.
 
-        Raises LayerNotRunError for a layer that did not run in the forward pass.
+        Raises LayerNotRunError for a layer that did not run in the forward pass, or ran more than once.
         """
+        for name, _ in self.layers:
+            runs = self._runs.get(name, 0)
+            if runs > 1:
+                raise LayerNotRunError(
+                    f"layer {name!r} ran more than once in one forward pass ({runs} times: a module used in several "
+                    "places, such as the one `relu` of a torchvision BasicBlock, or inside a block that runs several "
+                    "times). A "
+                    f"map needs a layer that runs once: {_run_once_advice(self.root, name, self._runs)}"
+                )
         missing = [name for name, _ in self.layers if name not in self._captured]
         if missing:
             raise LayerNotRunError(
                 f"layer {missing[0]!r} did not run during the model's forward pass, so there is "
                 "nothing to explain at it. Choose a layer that the forward uses "
-                "(`explain layers MODEL` lists them with their output shapes)."
+                f"(`explain layers MODEL` lists them with their output shapes).{_fx_block_note(self.root, missing[0])}"
             )
         return [self._captured[name] for name, _ in self.layers]
 
@@ -530,13 +641,86 @@ class ActivationCapture(CallScope["ActivationCapture"]):
         self._captured.clear()
 
 
-def _run_once_advice(name: str) -> str:
-    """What to choose instead of layer ``name``, which ran more than once: its parent block, or for a layer of the
-    model itself (no parent but the whole model) another layer."""
-    if "." in name:
-        return f"choose its parent block ({name.rsplit('.', 1)[0]!r}) or another layer."
-    return ("choose another layer (one that runs once: `explain layers MODEL` lists them), or give the model a "
-            f"separate module for each place {name!r} is used.")
+def _parent_names(name: str) -> list[str]:
+    """The names of the blocks that contain layer ``name``, nearest first (``"a.b.c"``: ``"a.b"``, ``"a"``)."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
+
+
+def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:
+    """The module called ``name`` in ``model``, or None where there is none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _fx_graph_module(model: nn.Module, name: str) -> Optional[tuple[str, torch.fx.GraphModule]]:
+    """(its name, the GraphModule) of the innermost torch.fx GraphModule containing layer ``name`` (the model
+    itself: name ""), or None where none does."""
+    for owner in [*_parent_names(name), ""]:
+        module = _submodule(model, owner) if owner else model
+        if isinstance(module, torch.fx.GraphModule):
+            return owner, module
+    return None
+
+
+def _fx_leaves_run_once(model: nn.Module, block: str) -> Optional[list[str]]:
+    """For a layer ``block`` inside a torch.fx GraphModule: the leaf layers under it that the graph calls once,
+    last first (None where the layer is in no GraphModule)."""
+    graph_module = _fx_graph_module(model, block)
+    if graph_module is None:
+        return None
+    owner, module = graph_module
+    prefix = f"{owner}." if owner else ""
+    called = [prefix + str(node.target) for node in module.graph.nodes if node.op == "call_module"]
+    inside = [name for name in called if name.startswith(f"{block}.")]
+    return [name for name in reversed(dict.fromkeys(inside)) if called.count(name) == 1]
+
+
+def _fx_block_note(model: nn.Module, name: str) -> str:
+    """Where layer ``name`` is a block of a torch.fx GraphModule (which never runs as a module): why it did
+    not run and what to name instead; else ""."""
+    leaves = _fx_leaves_run_once(model, name)
+    module = _submodule(model, name)
+    if leaves is None or module is None or not any(True for _ in module.children()):
+        return ""
+    instead = (f" Leaf layers under it that run once, last first: {', '.join(map(repr, leaves[:4]))}." if leaves
+               else "")
+    return (f" The model is a torch.fx GraphModule, which calls its leaf modules directly: a block such as {name!r} "
+            "never runs as a module. Explain the model as it was before torch.fx.symbolic_trace, or name a leaf "
+            f"layer.{instead}")
+
+
+def _run_once_advice(model: nn.Module, name: str, runs: dict[str, int]) -> str:
+    """What to choose instead of layer ``name``, which ran more than once: the nearest block containing it that
+    ran once in the forward (``runs``: the times each block ran), else why none did and what to do."""
+    parents = _parent_names(name)
+    counts = [runs.get(parent, 0) for parent in parents]
+    if not parents:
+        return ("choose another layer (one that runs once: `explain layers MODEL` lists them), or give the model a "
+                f"separate module for each place {name!r} is used.")
+    ran = ", ".join(f"{parent!r} {_times(count)}" for parent, count in zip(parents, counts))
+    if counts[0] == 1:
+        return f"choose its parent block ({parents[0]!r}, which ran once) or another layer."
+    if 1 in counts:
+        block = parents[counts.index(1)]
+        return (f"its parent block ({parents[0]!r}) did not run once ({ran}): choose {block!r}, the nearest block "
+                "containing it that ran once, or another layer.")
+    leaves = _fx_leaves_run_once(model, parents[0])
+    if leaves is not None:
+        instead = f" (e.g. {', '.join(map(repr, leaves[:4]))})" if leaves else ""
+        return (f"its parent block ({parents[0]!r}) and the blocks around it never run as modules: the model is a "
+                "torch.fx GraphModule, which calls its leaf modules directly. Explain the model as it was before "
+                f"torch.fx.symbolic_trace, or choose a leaf layer that runs once{instead}.")
+    return (f"no block containing it ran once, not its parent block ({parents[0]!r}) either ({ran}). Choose another "
+            "layer that runs once (`explain layers MODEL` lists them), or give the model a separate module for each "
+            "place the shared one is used (e.g. a copy.deepcopy of the block for its second use).")
+
+
+def _times(count: int) -> str:
+    """How many times a block ran, in words."""
+    return "never (its layers were called directly)" if count == 0 else "once" if count == 1 else f"{count} times"
 
 
 def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:

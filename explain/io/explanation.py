@@ -356,7 +356,7 @@ class Explanation:
         resolution, images side by side, one row per target, tagged with ``dpi``
         (so a document places them at width / dpi inches). PDF/SVG/EPS: the
         titled figure of ``figure()`` as vector graphics (text as text, each
-        panel one embedded image drawn at ``dpi``). The folder must exist.
+        panel embedded once at its own pixels, whatever ``dpi``). The folder must exist.
         """
         path = Path(os.fsdecode(path)).expanduser()
         if path.is_dir():

@@ -405,8 +405,10 @@ def _load_torchvision(name: str, weights: Optional[str], num_classes: Optional[i
     preprocess: Preprocess
     if chosen is not None:
         preprocess = TransformPreprocess(chosen.transforms())
-    else:
-        preprocess = Normalize()
+    elif task == "detection":  # torchvision's detectors take [0, 1] pixels and normalise inside
+        preprocess = Normalize((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    else:  # ImageNet's statistics: a guess, as for a bare model (no [0, 1] tensor warning)
+        preprocess = Normalize(assumed=True)
     crop = getattr(chosen.transforms(), "crop_size", None) if chosen is not None else None
     size = (3, int(crop[0]), int(crop[0])) if crop else None
     return LoadedModel(model, preprocess, names, name, input_size=size, task=task, random_weights=weights is None)
@@ -590,7 +592,7 @@ def _load_whole_model(path: Path, allow_pickle: bool) -> LoadedModel:
             "name the architecture: --model ARCH --weights FILE (with --allow-pickle for a checkpoint that holds "
             "more than tensors)."
         )
-    return LoadedModel(loaded, Normalize(), None, path.name)
+    return LoadedModel(loaded, Normalize(assumed=True), None, path.name)
 
 
 def _load_ultralytics(spec: str, weights: Optional[str], num_classes: Optional[int], allow_pickle: bool

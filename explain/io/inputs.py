@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.caller import warn_at_callers_line
 from ..core.checks import check
@@ -34,9 +34,9 @@ from ..core.checks import check
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-ImageInput = Union[str, "os.PathLike[str]", Image.Image, np.ndarray, Tensor]
-"""One input: a path, a PIL image, an (H, W, 3) ndarray, a (C, H, W) or (N, C, H, W) float tensor of model input,
-or a (3, H, W) or (N, 3, H, W) uint8 tensor of pixels."""
+ImageInput = Union[str, bytes, "os.PathLike[str]", Image.Image, np.ndarray, Tensor]
+"""One input: a path (str, bytes or a path object), a PIL image, an (H, W, 3) ndarray, a (C, H, W) or
+(N, C, H, W) float tensor of model input, or a (3, H, W) or (N, 3, H, W) uint8 tensor of pixels."""
 Inputs = Union[ImageInput, Sequence[ImageInput]]
 """What ``explain()`` takes: one input or a list of them."""
 PreprocessSpec = Optional[Callable[..., Any]]
@@ -55,9 +55,13 @@ class Normalize:
     Its ``mean`` and ``std`` are also used to turn model input back into a display image.
     """
 
-    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *,
+                 assumed: bool = False):
         self.mean = tuple(float(value) for value in mean)
         self.std = tuple(float(value) for value in std)
+        self.assumed = assumed
+        """Whether nothing stated this normalisation (``preprocess=None``): the model may take [0, 1] pixels
+        (its normalisation inside), so float tensors in [0, 1] are not warned about, and are shown as they are."""
 
     def __call__(self, image: Union[Image.Image, np.ndarray, Tensor]) -> Tensor:
         if isinstance(image, Tensor) and image.is_floating_point():
@@ -74,7 +78,7 @@ class Normalize:
     def grayscale(self) -> "Normalize":
         """This normalisation for 1-channel images (a 1-channel model's): the mean and std averaged over the
         channels (ImageNet's: 0.449, 0.226)."""
-        return Normalize((sum(self.mean) / len(self.mean),), (sum(self.std) / len(self.std),))
+        return Normalize((sum(self.mean) / len(self.mean),), (sum(self.std) / len(self.std),), assumed=self.assumed)
 
 
 def _conversion_hint(array: np.ndarray) -> str:
@@ -178,12 +182,13 @@ def is_image_processor(value: object) -> bool:
         module.startswith("transformers.") and hasattr(getattr(value, "image_processor", None), "image_mean"))
 
 
-def as_preprocess(value: PreprocessSpec) -> Preprocess:
-    """``preprocess=`` as given: None → ``Normalize()``; a HuggingFace image processor (or a
-    ``CLIPProcessor``, whose image processor is used) → ``ImageProcessorPreprocess``; any other
-    callable as it is."""
+def as_preprocess(value: PreprocessSpec, model: Optional[nn.Module] = None) -> Preprocess:
+    """``preprocess=`` as given: None → ``Normalize(assumed=True)`` (ImageNet's statistics), or for a ``model`` that
+    takes [0, 1] pixels and normalises them inside (``takes_unit_pixels``: torchvision's detectors, YOLO) the pixels
+    as they are, ``Normalize((0, 0, 0), (1, 1, 1))``; a HuggingFace image processor (or a ``CLIPProcessor``, whose
+    image processor is used) → ``ImageProcessorPreprocess``; any other callable as it is."""
     if value is None:
-        return Normalize()
+        return Normalize((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)) if takes_unit_pixels(model) else Normalize(assumed=True)
     if is_image_processor(value):
         return ImageProcessorPreprocess(getattr(value, "image_processor", None) or value)
     if not callable(value):
@@ -420,9 +425,12 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor], channels: int
     if array.ndim != 3 or array.shape[2] not in (1, 3):
         counted = f" with {array.shape[2]} channels" if array.ndim == 3 else ""
         hint = " (RGBA: drop or composite the alpha channel)" if array.ndim == 3 and array.shape[2] == 4 else ""
+        layout = ("It looks channels-first: pass array.transpose(1, 2, 0) (a float tensor would be taken as "
+                  "model input, not normalised)." if array.ndim == 3 and array.shape[0] in (1, 3)
+                  else "")
         raise ValueError(
             f"an image array must be (H, W, 3) RGB, or (H, W) grayscale; got shape {array.shape}{counted}{hint}. "
-            "A channels-first image is a tensor input: torch.as_tensor(array)."
+            + layout
         )
     if array.dtype == np.uint8:
         tensor = torch.from_numpy(array.astype(np.float32)) / 255.0
@@ -455,7 +463,9 @@ def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = N
     """Model input (N, C, H, W) → display images (N, H, W, 3) float in [0, 1] on the CPU.
 
     Undoes the preprocess's ``mean``/``std`` when it has them and the channel
-    count matches; otherwise rescales each image to [0, 1] by its min and max.
+    count matches; otherwise rescales each image to [0, 1] by its min and max. With the assumed default
+    (``Normalize(assumed=True)``, no preprocess given), an image whose values lie in [0, 1] is shown as it is: [0, 1]
+    pixels of a model that normalises inside.
     """
     batch = batch.detach().to("cpu", torch.float32)
     channels = batch.shape[1]
@@ -464,6 +474,9 @@ def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = N
     mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
     if mean is not None and std is not None and len(mean) == channels == len(std):
         images = batch * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+        if getattr(preprocess, "assumed", False):
+            pixels = (batch.amin(dim=(1, 2, 3)) >= -UNIT_ROUNDING) & (batch.amax(dim=(1, 2, 3)) <= 1 + UNIT_ROUNDING)
+            images = torch.where(pixels.view(-1, 1, 1, 1), batch, images)
     else:
         low = batch.amin(dim=(1, 2, 3), keepdim=True)
         high = batch.amax(dim=(1, 2, 3), keepdim=True)
@@ -471,6 +484,32 @@ def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = N
     if channels != 3:
         images = images.mean(dim=1, keepdim=True).expand(-1, 3, -1, -1)
     return images.clamp(0.0, 1.0).permute(0, 2, 3, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class DisplayStatistics:
+    """What ``display_from_model_input`` reads of a preprocess (its ``mean`` and ``std``), kept instead of the
+    preprocess itself: a user's preprocess may hold the model (a closure, a bound method), which an Explanation
+    would then keep alive."""
+
+    mean: Optional[tuple[float, ...]]
+    std: Optional[tuple[float, ...]]
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        raise TypeError("DisplayStatistics only turns model input back into display images; it preprocesses nothing.")
+
+
+def _display_statistics(preprocess: Optional[Preprocess]) -> Optional[Preprocess]:
+    """``preprocess`` as display images need it: the default ``Normalize`` (which holds only its statistics, and
+    tells 1-channel input apart) as it is; any other as its ``mean`` and ``std`` alone."""
+    if preprocess is None or isinstance(preprocess, (Normalize, DisplayStatistics)):
+        return preprocess
+    mean: Any = getattr(preprocess, "mean", None)
+    std: Any = getattr(preprocess, "std", None)
+    try:
+        return DisplayStatistics(tuple(float(value) for value in mean), tuple(float(value) for value in std))
+    except TypeError:  # no per-channel statistics (None, a number): each image rescaled by its min and max
+        return DisplayStatistics(None, None)
 
 
 class DisplayImages:
@@ -485,13 +524,13 @@ class DisplayImages:
         self._images = images
         self._model_input = None if model_input is None else (  # a copy: safe from the caller's later edits
             model_input.detach() if model_input.requires_grad else model_input).clone()
-        self._preprocess = preprocess
+        self._preprocess = _display_statistics(preprocess)
 
     def get(self) -> Tensor:
         if self._images is None:
             assert self._model_input is not None, "made from model input when not given"
             self._images = display_from_model_input(self._model_input, self._preprocess)
-            self._model_input = None
+            self._model_input = self._preprocess = None
         return self._images
 
     def select(self, rows: Tensor) -> "DisplayImages":
@@ -517,7 +556,7 @@ class PreparedInputs:
 
 
 def _flatten(inputs: Inputs) -> list[ImageInput]:
-    if isinstance(inputs, (str, os.PathLike, Image.Image)):
+    if isinstance(inputs, (str, bytes, os.PathLike, Image.Image)):
         return [inputs]
     if isinstance(inputs, Tensor):
         if inputs.dim() == 4:
@@ -550,8 +589,8 @@ def _prepare_one(item: ImageInput, preprocess: Preprocess, channels: Optional[in
     gray = channels == 1
     checked = _checked_gray if gray else _checked_rgb
     pil_image: Optional[Image.Image]
-    if isinstance(item, (str, os.PathLike)):
-        pil_image = checked(_read_image(item), source=str(item))
+    if isinstance(item, (str, bytes, os.PathLike)):
+        pil_image = checked(_read_image(item), source=os.fsdecode(item))
         image = image_to_tensor(pil_image, 1 if gray else 3)
     elif isinstance(item, Image.Image):
         pil_image = checked(item, source="the PIL image")
@@ -590,7 +629,9 @@ def prepare_inputs(
     if isinstance(inputs, Tensor) and inputs.dim() == 4 and inputs.shape[0] > 0 and inputs.dtype != torch.uint8:
         # a model-ready batch: no split into images and re-stacking; display images when first drawn
         _warn_if_channels_last(inputs, channels)
-        return _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
+        ready = _checked(inputs.to(device), dtype, DisplayImages(model_input=inputs, preprocess=preprocess))
+        _check_unit_pixels(ready.batch, list(range(len(ready.batch))), preprocess)
+        return ready
     items = _flatten(inputs)
     for item in items:
         if isinstance(item, Tensor) and item.is_floating_point():
@@ -606,7 +647,11 @@ def prepare_inputs(
             "the images one at a time."
         )
     batch = torch.stack([model_input for model_input, _ in prepared]).to(device)
-    return _checked(batch, dtype, DisplayImages(torch.stack([display for _, display in prepared]).float()))
+    checked = _checked(batch, dtype, DisplayImages(torch.stack([display for _, display in prepared]).float()))
+    model_ready = [index for index, item in enumerate(items) if isinstance(item, Tensor) and item.is_floating_point()]
+    if model_ready:
+        _check_unit_pixels(checked.batch[model_ready], model_ready, preprocess)
+    return checked
 
 
 def _checked(batch: Tensor, dtype: torch.dtype, display: DisplayImages) -> PreparedInputs:
@@ -655,6 +700,65 @@ def _check_values(batch: Tensor) -> None:
                 "explainer's preprocess normalises; or divide by 255 and normalise as the model expects "
                 "(explain.Normalize() for ImageNet statistics). If the model itself takes 0-255 values, ignore "
                 "this warning.")
+
+    check(extremes, decide)
+
+
+def _normalising_statistics(preprocess: object) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
+    """The (mean, std) a preprocess normalises by, when it states them and they change values (not mean 0, std 1);
+    None for the assumed default (no preprocess given: the model may normalise inside)."""
+    mean, std = _normalize_statistics(preprocess)
+    if (getattr(preprocess, "assumed", False) or mean is None or std is None
+            or (all(value == 0 for value in mean) and all(value == 1 for value in std))):
+        return None
+    return mean, std
+
+
+UNIT_PIXEL_DETECTORS = ("torchvision.models.detection", "ultralytics")
+"""The modules of models that take [0, 1] pixels and normalise them inside (torchvision's detectors, YOLO)."""
+
+
+def takes_unit_pixels(model: object) -> bool:
+    """Whether ``model`` takes [0, 1] pixels and normalises them inside (its module is one of
+    ``UNIT_PIXEL_DETECTORS``): an image given to it is not normalised again."""
+    return model is not None and type(model).__module__.startswith(UNIT_PIXEL_DETECTORS)
+
+
+def _model_normalises_inside() -> bool:
+    """Whether the model of the call in progress (``explain.core.scope.current_scope``) takes [0, 1] pixels."""
+    from ..core.scope import current_scope
+
+    return takes_unit_pixels(getattr(current_scope(), "model", None))
+
+
+def _check_unit_pixels(model_inputs: Tensor, positions: list[int], preprocess: object) -> None:
+    """Warn where float tensors taken as model input (``model_inputs`` (K, C, H, W), the images at ``positions``) hold [0, 1] pixels
+    (``ToTensor()``'s output, ``torch.rand``) while the preprocess normalises (a stated mean/std other than 0/1): the
+    model would be explained on an image it was not trained on, and the display shows it washed out. Each image's
+    values all in [0, 1], not all equal; a normalised photo is below 0 wherever a pixel is darker than the mean.
+    Decided at the end of the explainer's call, with its other checks (``explain.core.checks``)."""
+    statistics = _normalising_statistics(preprocess)
+    if statistics is None or not len(model_inputs) or _model_normalises_inside():
+        return
+    mean, std = statistics
+    with torch.no_grad():
+        extremes = torch.stack(torch.aminmax(model_inputs.detach().flatten(1), dim=1), dim=1).flatten()
+
+    def decide(values: list[float]) -> None:
+        pairs = zip(values[0::2], values[1::2])
+        found = [position for position, (low, high) in zip(positions, pairs)
+                 if 0.0 <= low < high <= 1.0 + UNIT_ROUNDING]
+        if not found:
+            return
+        named = ", ".join(str(position) for position in found[:5]) + (", ..." if len(found) > 5 else "")
+        warn_at_callers_line(
+            f"the float tensor input of image(s) {named} lies in [0, 1]: it looks like un-normalised pixels "
+            f"(ToTensor()'s output), and a float tensor is taken as model input as it is, while the preprocess "
+            f"normalises by mean={mean}, std={std}: the model would be explained on an image it was not trained on, "
+            "and the display shows it washed out. Pass the image un-normalised as a uint8 tensor "
+            "((x * 255).round().to(torch.uint8)), a PIL image or an ndarray, which the preprocess normalises; or "
+            "normalise the tensor yourself (explain.Normalize(mean, std)(x) with the statistics above). If the "
+            "model takes [0, 1] values, state it: preprocess=explain.Normalize(mean=(0, 0, 0), std=(1, 1, 1)).")
 
     check(extremes, decide)
 

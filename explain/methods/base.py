@@ -193,7 +193,7 @@ class Explainer(ABC):
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}.")
         self.model = model
-        self.preprocess = as_preprocess(preprocess)
+        self.preprocess = as_preprocess(preprocess, model)
         self.normalize = normalize
         if isinstance(class_names, str) or not (class_names is None or isinstance(class_names, Sequence)):
             raise TypeError(f"class_names must be a list of names, one per class (index i: class i's name); got "

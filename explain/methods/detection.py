@@ -108,7 +108,8 @@ class DRISE(Explainer):
 
     masks: how many (the paper: 5000; the map's noise falls as 1/√masks). grid: the cells per side of a mask (16).
     probability: of a cell being kept (0.5). fill: the masked pixels' value, "black" (the model input of a black
-    pixel, from the preprocessing's mean and std when it has them, else 0, as the paper masks images) or a number
+    pixel, from the preprocessing's mean and std when it has them, else 0, as the paper masks images; 0 for
+    torchvision's and Ultralytics' detectors without a stated preprocess: they take [0, 1] pixels) or a number
     in the model's input space. seed: the masks' generator seed (the same masks on every call). batch_size: masked
     images per forward pass (None: chosen for the device).
     Call ``explain(image, instances=...)``. Maps are ≥ 0, one forward pass per mask and image, no gradient.

@@ -33,8 +33,10 @@ class SmoothGradCAMPlusPlus(CAM):
 
     samples: noisy copies (torchcam's default 4); noise_std: the noise's standard deviation in model-input
         units (absolute, default 0.3 as torchcam); seed: the noise's generator seed (same seed, same map;
-        None draws afresh); noise_draws: a callable ``shape → N(0, 1) tensor`` called once per copy with
-        the batch's shape (N, C, H, W) instead of the generator, e.g. to replay another library's draws.
+        None draws afresh); every image of a call gets the same draws, (1, C, H, W) per copy, so that its map
+        does not depend on the rest of its batch; noise_draws: a callable ``shape → N(0, 1) tensor`` called
+        once per copy with the batch's shape (N, C, H, W), one draw per image, instead of the generator, e.g. to
+        replay another library's draws.
     The copies of one sample run as one pass; every target's gradient comes from the same copies.
     torchcam 0.5 differs from the paper twice: its final map uses the last copy's activations and
     gradients instead of the image's and the averages, and its α sums A · D_3 over positions (see
@@ -73,9 +75,12 @@ class SmoothGradCAMPlusPlus(CAM):
         # a hidden unit may lie before the target layer: then the graph starts at the input
         from_input = isinstance(selected.target_function, BoundUnits)
         images = torch.arange(count, device=batch.device)
+        # the generator's draws are one image's, shared by the batch's images (an image's map does not depend on the
+        # rest of its batch); draws given as noise_draws are the whole batch's, as torchcam draws them
+        drawn = count if self.noise_draws is not None else 1
         sums: list[list[Tensor]] = []
         for _ in range(self.samples):
-            noise = drawn_noise(draws, tuple(batch.shape), batch.device, batch.dtype)
+            noise = drawn_noise(draws, (drawn, *batch.shape[1:]), batch.device, batch.dtype)
             capture = ActivationCapture(self.model, self.layers, graph_from_first_layer=True)
             with torch.enable_grad(), capture, contextlib.nullcontext() if from_input else torch.no_grad():
                 output = self.call_model(batch + self.noise_std * noise)

@@ -109,7 +109,7 @@ def test_an_explanation_does_not_keep_the_preprocess_nor_its_model_alive(draw_fi
     batch = torch.randn(2, 3, 8, 8)
     explanation = explain.GradCAM(model, "0", preprocess=HoldsTheModel(model)).explain(batch)
     if draw_first:
-        explanation.images
+        assert explanation.images.shape[0] == len(batch)
     del model
     gc.collect()
     assert alive() is None

@@ -732,11 +732,11 @@ def _model_normalises_inside() -> bool:
 
 
 def _check_unit_pixels(model_inputs: Tensor, positions: list[int], preprocess: object) -> None:
-    """Warn where float tensors taken as model input (``model_inputs`` (K, C, H, W), the images at ``positions``) hold [0, 1] pixels
-    (``ToTensor()``'s output, ``torch.rand``) while the preprocess normalises (a stated mean/std other than 0/1): the
-    model would be explained on an image it was not trained on, and the display shows it washed out. Each image's
-    values all in [0, 1], not all equal; a normalised photo is below 0 wherever a pixel is darker than the mean.
-    Decided at the end of the explainer's call, with its other checks (``explain.core.checks``)."""
+    """Warn where float tensors taken as model input (``model_inputs`` (K, C, H, W), the images at ``positions``)
+    hold [0, 1] pixels (``ToTensor()``'s output, ``torch.rand``) while the preprocess normalises (a stated mean/std
+    other than 0/1): the model would be explained on an image it was not trained on, and the display shows it washed
+    out. Each image's values all in [0, 1], not all equal; a normalised photo is below 0 wherever a pixel is darker
+    than the mean. Decided at the end of the explainer's call, with its other checks (``explain.core.checks``)."""
     statistics = _normalising_statistics(preprocess)
     if statistics is None or not len(model_inputs) or _model_normalises_inside():
         return

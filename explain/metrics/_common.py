@@ -61,7 +61,9 @@ def as_maps(maps: MapsLike, size: Optional[Sequence[int]] = None) -> Tensor:
     if isinstance(maps, Explanation):
         if maps.keep_target_dim and maps.map_grid.shape[1] != 1:
             raise ValueError(
-                "this explanation has several targets per image; pass one target's maps, e.g. explanation.maps[:, k]."
+                "this explanation has several targets per image; pass one target's maps with its classes, e.g. "
+                "explanation.maps[:, k] and target=explanation.targets[:, k] (without target, the metrics that score "
+                "classes score each image's top class)."
             )
         maps = maps.map_grid[:, 0]
     maps = as_tensor(maps, "maps must be an Explanation or a (N, H, W) tensor").detach().float()
@@ -164,6 +166,11 @@ def as_masks(masks_or_boxes: Tensor, size: Sequence[int], count: int) -> Tensor:
         return boxes_to_masks(region, size)
     if region.dim() == 2:
         region = region[None]
+    if region.dim() == 3 and region.shape[-2] > size[0] and region.shape[-1] > size[1]:
+        raise ValueError(f"masks of {region.shape[-2]} × {region.shape[-1]} for maps of {size[0]} × {size[1]}: the "
+                         "maps are coarser than the masks (a layer's grid). Resize the maps to the masks' size, e.g. "
+                         "torch.nn.functional.interpolate(maps[:, None], size=masks.shape[-2:], mode='bilinear')"
+                         "[:, 0], or pass the Explanation (its maps are at the image's size).")
     if region.dim() != 3 or tuple(region.shape[-2:]) != tuple(size):
         raise ValueError(f"masks must be (N, H, W) at the maps' size {tuple(size)}, or (N, 4) boxes; "
                          f"got shape {tuple(region.shape)}.")
@@ -200,7 +207,7 @@ def run_model(model: nn.Module, inputs: Tensor, options: Mapping[str, Any], coun
 
 def model_inputs(model: nn.Module, inputs: Inputs, preprocess: PreprocessSpec) -> Tensor:
     """Anything ``explain()`` accepts → the (N, C, H, W) model batch on the model's device."""
-    return prepare_inputs(inputs, as_preprocess(preprocess), model_device(model), model_dtype(model),
+    return prepare_inputs(inputs, as_preprocess(preprocess, model), model_device(model), model_dtype(model),
                           channels=model_input_channels(model)).batch
 
 
@@ -209,14 +216,9 @@ def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Targe
     """(N,) classes to score: the explanation's, else ``target``, else each image's top class; ``output``
     picks the scores in the model's output (``model_scores``). An Explanation without class indices (of a hidden
     unit, or a callable score) needs ``target``."""
-    if isinstance(maps, Explanation) and target is None:
-        if maps.class_indices is None:  # the top class would be another score than the one explained
-            raise ValueError(
-                f"the {maps.method} explanation has no class indices: it explains a hidden unit (explain.Neuron, "
-                "explain.Channel) or a score given as a callable, which these metrics do not score (they read "
-                "classes from the model's output), and scoring each image's top class instead would measure "
-                "another score than the one explained. Give target= (the class to score), or explain a class.")
-        return maps.class_indices[:, 0].to(batch.device)
+    explained = explained_classes(maps, target)
+    if explained is not None:
+        return explained.to(batch.device)
     with torch.no_grad(), preserved_model_state(model):
         selected = select_targets(model_scores(model(batch), output, batch.shape[0]), target, None,
                                   batch_size=batch.shape[0])
@@ -224,7 +226,41 @@ def fixed_classes(model: nn.Module, batch: Tensor, maps: MapsLike, target: Targe
         raise ValueError("faithfulness metrics score classes: give class targets, not a callable.")
     if selected.class_indices.shape[1] != 1:
         raise ValueError("faithfulness metrics take one class per image.")
+    check_explained_classes(maps, selected.class_indices[:, 0])
     return selected.class_indices[:, 0]
+
+
+def explained_classes(maps: MapsLike, target: Target) -> Optional[Tensor]:
+    """(N,) the classes an Explanation's maps explain, where no ``target`` is given; None for a tensor of maps
+    or a given ``target`` (the caller resolves it, then ``check_explained_classes``). An Explanation without class
+    indices (of a hidden unit, or a callable score) and no ``target`` is refused: scoring each image's top class
+    instead would measure another score than the one explained."""
+    if not isinstance(maps, Explanation) or target is not None:
+        return None
+    if maps.class_indices is None:
+        raise ValueError(
+            f"the {maps.method} explanation has no class indices: it explains a hidden unit (explain.Neuron, "
+            "explain.Channel) or a score given as a callable, which these metrics do not score (they read "
+            "classes from the model's output), and scoring each image's top class instead would measure "
+            "another score than the one explained. Give target= (the class to score), or explain a class.")
+    return maps.class_indices[:, 0]
+
+
+def check_explained_classes(maps: MapsLike, classes: Tensor) -> None:
+    """Refuse (N,) ``classes`` to score that differ from those an Explanation's maps explain: a map for one class
+    would be scored on another class's score without a word."""
+    if not isinstance(maps, Explanation) or maps.class_indices is None:
+        return
+    explained = maps.class_indices[:, 0].to(classes.device)
+    differ = (explained != classes).nonzero()[:, 0].tolist()
+    if differ:
+        index = differ[0]
+        raise ValueError(
+            f"target asks for class {int(classes[index])} of image {index}, but this {maps.method} explanation's map "
+            f"of it explains class {int(explained[index])} ({len(differ)} image{'s' if len(differ) > 1 else ''} "
+            "so): the map would be scored on a class it does not explain. Leave target out (the explanation's "
+            "classes are scored), explain the classes you mean, or pass the maps as a tensor (explanation.maps) to "
+            "score them on other classes on purpose.")
 
 
 def model_scores(output: Any, selector: OutputSelector, rows: int) -> Any:

@@ -37,8 +37,10 @@ from ._common import (
     as_maps,
     as_tensor,
     check_count,
+    check_explained_classes,
     check_finite,
     class_scores,
+    explained_classes,
     model_inputs,
     model_scores,
     run_model,
@@ -97,8 +99,9 @@ def _classes_and_scores(model: nn.Module, batch: Tensor, source: MapsLike, targe
                         batch_size: int, output: OutputSelector) -> tuple[Tensor, Tensor]:
     """(N,) classes to score (the explanation's, else ``target``, else each image's top class) and (N,)
     their scores on ``batch`` ("logit" or "probability", ``class_scores``), from one pass through the model."""
-    if isinstance(source, Explanation) and target is None and source.class_indices is not None:
-        classes = source.class_indices[:, 0].to(batch.device)
+    explained = explained_classes(source, target)
+    if explained is not None:
+        classes = explained.to(batch.device)
         return classes, class_scores(model, batch, classes, score, batch_size, output)
     with torch.no_grad(), preserved_model_state(model):
         logits = torch.cat([model_scores(model(rows), output, rows.shape[0]).float()
@@ -108,6 +111,7 @@ def _classes_and_scores(model: nn.Module, batch: Tensor, source: MapsLike, targe
         raise ValueError("this metric scores one class per image: give one class index (or none, for the top class) "
                          "per image, not a callable or several targets.")
     classes = selected.class_indices[:, 0].to(batch.device)
+    check_explained_classes(source, classes)
     values = class_probabilities(logits) if score == "probability" else logits
     return classes, values.gather(1, classes[:, None])[:, 0]
 
@@ -136,8 +140,8 @@ def _attribution_sums(attributions: MapsLike) -> Tensor:
                              "(CAM-like maps live at a layer's resolution and do not add up to a score): completeness "
                              "applies to input attributions such as Integrated Gradients' or DeepLIFT's.")
         if attributions.attributions.shape[1] != 1:
-            raise ValueError("this explanation has several targets per image; pass one target's attributions, "
-                             "e.g. explanation.attributions[:, k].")
+            raise ValueError("this explanation has several targets per image; pass one target's attributions with its "
+                             "classes, e.g. explanation.attributions[:, k] and target=explanation.targets[:, k].")
         values = attributions.attributions[:, 0]
     else:
         values = as_tensor(attributions, "attributions must be an Explanation or a (N, C, H, W) / (N, H, W) tensor")

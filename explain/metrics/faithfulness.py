@@ -288,10 +288,13 @@ def noisy_linear_imputation(
     residual_norm = (residual * residual).sum(dim=(1, 2, 3), keepdim=True)
     scale = (right_side * right_side).sum(dim=(1, 2, 3), keepdim=True).clamp_min(1e-30)
     for _ in range(iterations):
-        if (residual_norm / scale).max().sqrt() < tolerance:
+        # each image's channels stop at their own tolerance, not the batch's slowest: an image alone as in a batch
+        active = (residual_norm / scale).sqrt() >= tolerance
+        if not bool(active.any()):
             break
         applied = operator(direction)
         step = residual_norm / (direction * applied).sum(dim=(1, 2, 3), keepdim=True).clamp_min(1e-30)
+        step = torch.where(active, step, 0.0)  # a converged row stays as it is (its residual too)
         solution = solution + step * direction
         residual = residual - step * applied
         new_norm = (residual * residual).sum(dim=(1, 2, 3), keepdim=True)

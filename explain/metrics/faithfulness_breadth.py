@@ -472,8 +472,9 @@ def _attributions(attributions: MapsLike, batch: Tensor) -> Tensor:
     ``attributions`` (one target), else its raw maps; or a (N, C, H, W) / (N, H, W) tensor (maps resized)."""
     if isinstance(attributions, Explanation):
         if attributions.raw_map_grid.shape[1] != 1:
-            raise ValueError("this explanation has several targets per image; pass one target's attributions, "
-                             "e.g. explanation.attributions[:, k] (or explanation.raw_map_grid[:, k]).")
+            raise ValueError("this explanation has several targets per image; pass one target's attributions with its "
+                             "classes, e.g. explanation.attributions[:, k] (or explanation.raw_map_grid[:, k]) and "
+                             "target=explanation.targets[:, k].")
         if attributions.attributions is not None:
             values = attributions.attributions[:, 0].detach().float()
         else:

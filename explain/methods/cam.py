@@ -593,6 +593,9 @@ class HiResCAM(CAM):
         gradients = required(gradients)
         return gradients * activations
 
+    def reads_pixel_gradients(self) -> bool:
+        return True  # per-position gradients, not averaged over the layer: reduced precision moves them (warns)
+
 
 @register
 class GradCAMElementWise(CAM):
@@ -606,6 +609,9 @@ class GradCAMElementWise(CAM):
         gradients = required(gradients)
         return torch.relu(gradients * activations)
 
+    def reads_pixel_gradients(self) -> bool:
+        return True  # per-position gradients, not averaged over the layer: reduced precision moves them (warns)
+
 
 @register
 class LayerCAM(CAM):
@@ -617,6 +623,9 @@ class LayerCAM(CAM):
     def channel_terms(self, activations: Tensor, gradients: Optional[Tensor]) -> Tensor:
         gradients = required(gradients)
         return torch.relu(gradients) * activations
+
+    def reads_pixel_gradients(self) -> bool:
+        return True  # per-position gradients, not averaged over the layer: reduced precision moves them (warns)
 
 
 @register
@@ -753,6 +762,9 @@ class EigenGradCAM(CAM):
         gradients = required(gradients)
         return principal_component(gradients * activations).to(activations.dtype)
 
+    def reads_pixel_gradients(self) -> bool:
+        return True  # per-position gradients, not averaged over the layer: reduced precision moves them (warns)
+
 
 KERNELS = ("sigmoid", "rbf", "poly", "linear", "cosine")
 
@@ -823,6 +835,9 @@ class SegEigenCAM(CAM):
         projection, _ = first_component_scores(required(gradients).abs() * activations)
         signed = torch.where(peak_is_negative(projection)[:, None], -projection, projection)
         return signed.reshape(count, height, width).to(activations.dtype)
+
+    def reads_pixel_gradients(self) -> bool:
+        return True  # per-position gradients, not averaged over the layer: reduced precision moves them (warns)
 
 
 Classifier = Union[str, nn.Module]

@@ -19,7 +19,17 @@ from ..core.edit import edit
 from ..core.targets import SelectedTargets
 from ..io.loaded_model import ModelSource
 from ._eval_batch_norm import uses_batch_statistics
-from .cam import CAM, CAMOptions, TargetLayers, weighted_sum
+from .cam import (
+    CAM,
+    FLOAT32_ROUNDOFF,
+    ROUNDING_GROWTH,
+    ROUNDING_TOLERANCE,
+    CAMOptions,
+    TargetLayers,
+    precision_name,
+    weighted_sum,
+    working_unit_roundoff,
+)
 from .options import NoiseDraws, drawn_noise, int_option, noise_options, normal_draws
 from .registry import register
 
@@ -75,15 +85,36 @@ class PerturbationCAM(CAM):
 
     def layer_maps(self, batch: Tensor, activations: list[Tensor], selected: SelectedTargets) -> list[Tensor]:
         maps = []
+        roundoff = working_unit_roundoff(activations)
+        rounding_decides = False
         for layer_index, activation in enumerate(activations):
             feature_maps = self.feature_maps(layer_index, activation).float()
-            maps.append(weighted_sum(self.channel_weights(batch, layer_index, feature_maps, selected), feature_maps))
+            weights = self.channel_weights(batch, layer_index, feature_maps, selected)
+            maps.append(weighted_sum(weights, feature_maps))
+            if roundoff > FLOAT32_ROUNDOFF and not rounding_decides:  # float32 and float64: no check
+                rounding_decides = cancels_below_rounding(weights, feature_maps, maps[-1], roundoff)
+        if rounding_decides:
+            warn_at_callers_line(
+                f"{self.method_name}'s map Σ_k w_k A_k cancels: it is smaller than the rounding of the layer's "
+                f"activations in {precision_name(roundoff)} can move it (by more than {ROUNDING_TOLERANCE} of its "
+                "maximum), so the map is decided by rounding and differs from the float32 model's. Call explain "
+                "outside torch.autocast (on a float32 model), or choose a layer after a ReLU/GELU.", RuntimeWarning)
         return maps
 
     def channel_weights(self, batch: Tensor, layer_index: int, activation: Tensor, selected: SelectedTargets) -> Tensor:
         """(N, K, C) weight of each channel of the layer for each target; ``activation`` is the
         layer's output as (N, C, h, w) feature maps."""
         raise TypeError(f"{type(self).__name__} does not define channel_weights.")
+
+
+def cancels_below_rounding(weights: Tensor, activations: Tensor, maps: Tensor, unit_roundoff: float) -> bool:
+    """Whether rounding the activations A (relative error ``ROUNDING_GROWTH`` u) can move a map Σ_k w_k A_k
+    (weights (N, K, C), A (N, C, h, w), maps (N, K, h, w)) by more than ``ROUNDING_TOLERANCE`` of its largest
+    |value|: where the terms w_k A_k cancel (signed activations, weights nearly equal over channels), the bound
+    u Σ_k |w_k| |A_k| exceeds the map itself."""
+    spread = ROUNDING_GROWTH * unit_roundoff * weighted_sum(weights.abs(), activations.abs())
+    extent = maps.abs().flatten(2).amax(2)
+    return bool((spread.flatten(2).amax(2) > ROUNDING_TOLERANCE * extent).any())
 
 
 @register

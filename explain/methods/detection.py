@@ -176,6 +176,6 @@ class DRISE(Explainer):
                                                       batch.shape[1:].numel()):
                     saliency[image] += torch.einsum("rk,rhw->khw", weights.double(), masks[chunk].double())
         return Attribution(maps=saliency.float(), selected=selected, nonnegative_maps=True,
-                           empty_reason=f"the detector found the instance (a candidate of its class overlapping its "
-                           f"box by IoU ≥ {instance_target.min_iou}) in none of the {self.masks} masked images: use "
-                           "more masks (masks=), keep more of the image (probability=), or lower min_iou")
+                           empty_reason=f"no candidate of the detector overlapped the instance's box (IoU > 0) with a "
+                           f"score for its class in any of the {self.masks} masked images (D-RISE's weights are not "
+                           "gated by min_iou): use more masks (masks=) or keep more of the image (probability=)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -375,20 +376,28 @@ def _reaches_input_avoiding(start: Any, avoided: Any, inputs: Tensor) -> bool:
 def _nodes_on_every_path(roots: list[Any], inputs: Tensor) -> set[int]:
     """The ids of the autograd nodes that every path from ``roots`` back to the leaf ``inputs`` passes through
     (empty where none reaches it). In a topological order of the nodes on such paths, a node is on every path
-    exactly when no edge jumps over its position: one walk of the graph, not one per node."""
+    exactly when no edge jumps over its position: one walk of the graph, not one per node. A path whose first step
+    from the image reduces it to a statistic (``_reads_image_statistic``: its mean colour) carries no maps, and is
+    left out: a term of the output computed from it is no residual around a layer."""
+    image = _ImageNodes(inputs)
+
+    def parents_of(node: Any) -> list[Any]:
+        parents = _all_parents(node)
+        return [parent for parent in parents if not (image.holds(parent) and _reads_image_statistic(node, inputs))]
+
     post_order: list[Any] = []
     reaches: dict[int, bool] = {}
     for root in roots:
         if id(root) in reaches:
             continue
         reaches[id(root)] = False
-        stack = [(root, _parents(root))]
+        stack = [(root, parents_of(root))]
         while stack:
             node, parents = stack[-1]
             unvisited = next((parent for parent in parents if id(parent) not in reaches), None)
             if unvisited is not None:
                 reaches[id(unvisited)] = False  # the graph is acyclic: read only once the node is finished
-                stack.append((unvisited, _parents(unvisited)))
+                stack.append((unvisited, parents_of(unvisited)))
                 continue
             stack.pop()
             reaches[id(node)] = (getattr(node, "variable", None) is inputs
@@ -404,7 +413,7 @@ def _nodes_on_every_path(roots: list[Any], inputs: Tensor) -> set[int]:
             jumps[0] += 1
             jumps[position[id(root)]] -= 1
     for node in order:
-        for parent in _parents(node):
+        for parent in parents_of(node):
             if id(parent) in position:
                 jumps[position[id(node)] + 1] += 1
                 jumps[position[id(parent)]] -= 1
@@ -416,9 +425,50 @@ def _nodes_on_every_path(roots: list[Any], inputs: Tensor) -> set[int]:
     return on_every_path
 
 
-def _parents(node: Any) -> list[Any]:
+def _all_parents(node: Any) -> list[Any]:
     """The autograd nodes that ``node``'s inputs come from."""
     return [parent for parent, _ in node.next_functions if parent is not None]
+
+
+def _output_shape(node: Any) -> Optional[tuple[int, ...]]:
+    """The shape of the tensor an autograd node's forward operation gave, where torch records it (None otherwise)."""
+    metadata = getattr(node, "_input_metadata", None)  # the gradients it takes: one per output of the operation
+    try:
+        return tuple(int(size) for size in metadata[0].shape) if metadata else None
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        return None
+
+
+def _reads_image_statistic(node: Any, inputs: Tensor) -> bool:
+    """Whether ``node``'s operation gives at most one value per channel of each image (the image's mean colour, its
+    brightness): read from the image, such a value holds no map."""
+    shape = _output_shape(node)
+    if shape is None or inputs.dim() < 3 or not shape or shape[0] != inputs.shape[0]:
+        return shape is not None and len(shape) == 0 and inputs.dim() >= 3  # a scalar of the whole batch
+    per_image = math.prod(shape[1:])
+    return per_image <= inputs.shape[1]
+
+
+class _ImageNodes:
+    """Which autograd nodes give the image itself: the leaf ``inputs``, and operations of its shape computed from
+    the image alone (copies, casts, a normalisation inside the model), a few steps deep."""
+
+    DEPTH = 8
+
+    def __init__(self, inputs: Tensor):
+        self.inputs = inputs
+        self.known: dict[int, bool] = {}
+
+    def holds(self, node: Any, depth: int = 0) -> bool:
+        if id(node) not in self.known:
+            if getattr(node, "variable", None) is self.inputs:
+                found = True
+            else:
+                parents = _all_parents(node)
+                found = (depth < self.DEPTH and bool(parents) and _output_shape(node) == tuple(self.inputs.shape)
+                         and all(self.holds(parent, depth + 1) for parent in parents))
+            self.known[id(node)] = found
+        return self.known[id(node)]
 
 
 def _graph_without_tensors() -> torch.autograd.graph.saved_tensors_hooks:

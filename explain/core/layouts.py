@@ -128,8 +128,9 @@ POOL_BYPASSING_MODELS = ("SiglipForImageClassification", "Siglip2ForImageClassif
 def attention_pooling_head(model: Optional[nn.Module]) -> Optional[str]:
     """The name of the attention-pooling head (``ATTENTION_POOLS``) whose output the model's head reads, else None:
     its weights of the tokens are its own attention to a learned query, which no row of the blocks' relevance
-    holds."""
-    if model is None or type(model).__name__ in POOL_BYPASSING_MODELS:
+    holds. None also where the model is, or holds, one that computes such a head but does not read it
+    (``POOL_BYPASSING_MODELS``: a user's module wrapping HF's SigLIP classifier)."""
+    if model is None or any(type(module).__name__ in POOL_BYPASSING_MODELS for module in model.modules()):
         return None
     return next((name for name, module in model.named_modules() if type(module).__name__ in ATTENTION_POOLS), None)
 

@@ -731,23 +731,48 @@ def _model_normalises_inside() -> bool:
     return takes_unit_pixels(getattr(current_scope(), "model", None))
 
 
+PIXEL_LEVEL_TOLERANCE = 0.1
+"""How far (in 0-255 levels) normalised model input read back as pixels may stray from whole levels and still be taken
+for a normalised 8-bit image: float32 and float16 rounding stay well below it; [0, 1] pixels read back through
+ImageNet's statistics land anywhere between levels, through mean = std = 0.5 halfway between them for even levels."""
+
+
+def off_pixel_levels(model_inputs: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """Per image of ``model_inputs`` (K, C, H, W): the largest distance, in 0-255 levels, of its values read back as
+    pixels, ``(x * std + mean) * 255``, from whole levels; near 0 for a normalised 8-bit image (the output of an image
+    processor or a transform on a PIL image). Statistics that are not one per channel are averaged (a 1-channel
+    model's, as ``Normalize.grayscale``)."""
+    channels = model_inputs.shape[1] if model_inputs.dim() > 1 else 1
+    mean_t, std_t = (torch.tensor(values, dtype=torch.float32, device=model_inputs.device) for values in (mean, std))
+    if mean_t.numel() != channels:
+        mean_t, std_t = mean_t.mean().reshape(1), std_t.mean().reshape(1)
+    shape = (1, -1) + (1,) * max(model_inputs.dim() - 2, 0)
+    levels = (model_inputs.float() * std_t.view(shape) + mean_t.view(shape)) * 255
+    return (levels - levels.round()).abs().flatten(1).amax(dim=1)
+
+
 def _check_unit_pixels(model_inputs: Tensor, positions: list[int], preprocess: object) -> None:
     """Warn where float tensors taken as model input (``model_inputs`` (K, C, H, W), the images at ``positions``)
     hold [0, 1] pixels (``ToTensor()``'s output, ``torch.rand``) while the preprocess normalises (a stated mean/std
     other than 0/1): the model would be explained on an image it was not trained on, and the display shows it washed
-    out. Each image's values all in [0, 1], not all equal; a normalised photo is below 0 wherever a pixel is darker
-    than the mean. Decided at the end of the explainer's call, with its other checks (``explain.core.checks``)."""
+    out. Each image's values all in [0, 1], not all equal, and not all 0-255 pixel levels put through the stated
+    normalisation: a normalised photo is below 0 wherever a pixel is darker than the mean, and one that is not (a
+    bright image under mean = std = 0.5, as ViT's and SigLIP's processors and timm's ViTs state) is told apart by its
+    values, each (k / 255 - mean) / std for an integer k (``off_pixel_levels``), which [0, 1] pixels, k / 255, are
+    not. Decided at the end of the explainer's call, with its other checks (``explain.core.checks``)."""
     statistics = _normalising_statistics(preprocess)
     if statistics is None or not len(model_inputs) or _model_normalises_inside():
         return
     mean, std = statistics
     with torch.no_grad():
-        extremes = torch.stack(torch.aminmax(model_inputs.detach().flatten(1), dim=1), dim=1).flatten()
+        flat = model_inputs.detach().flatten(1)
+        low, high = torch.aminmax(flat, dim=1)
+        extremes = torch.stack([low, high, off_pixel_levels(model_inputs.detach(), mean, std)], dim=1).flatten()
 
     def decide(values: list[float]) -> None:
-        pairs = zip(values[0::2], values[1::2])
-        found = [position for position, (low, high) in zip(positions, pairs)
-                 if 0.0 <= low < high <= 1.0 + UNIT_ROUNDING]
+        triples = zip(values[0::3], values[1::3], values[2::3])
+        found = [position for position, (low, high, off) in zip(positions, triples)
+                 if 0.0 <= low < high <= 1.0 + UNIT_ROUNDING and off > PIXEL_LEVEL_TOLERANCE]
         if not found:
             return
         named = ", ".join(str(position) for position in found[:5]) + (", ..." if len(found) > 5 else "")

@@ -53,16 +53,26 @@ def retinanet() -> nn.Module:
         weights=None, weights_backbone=None, num_classes=4, min_size=64, max_size=64, score_thresh=0.0).eval()
 
 
-def detr() -> nn.Module:
+def _detr_style(config_name: str, model_name: str) -> nn.Module:
+    """A tiny DETR-style detector of transformers (``config_name``, ``model_name``): a small ResNet backbone built
+    from its config (no download), one encoder and one decoder layer, 10 queries, 3 classes; eval mode."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.DetrConfig(
+    config = getattr(transformers, config_name)(
         use_timm_backbone=False, use_pretrained_backbone=False,
         backbone_config={"model_type": "resnet", "depths": [1, 1, 1, 1], "hidden_sizes": [8, 16, 32, 64],
                          "embedding_size": 8},
         d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
         encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=10, num_labels=3)
-    return transformers.DetrForObjectDetection(config).eval()
+    return getattr(transformers, model_name)(config).eval()
+
+
+def detr() -> nn.Module:
+    return _detr_style("DetrConfig", "DetrForObjectDetection")
+
+
+def conditional_detr() -> nn.Module:
+    return _detr_style("ConditionalDetrConfig", "ConditionalDetrForObjectDetection")
 
 
 def rt_detr() -> nn.Module:

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from detection_models import SmallDetector, decoded, faster_rcnn, rt_detr
+from detection_models import SmallDetector, conditional_detr, decoded, faster_rcnn, rt_detr
 from torch import nn
 from torchvision.ops import box_iou
 
@@ -28,18 +28,6 @@ SIZE = (64, 64)
 @pytest.fixture(autouse=True)
 def one_thread(one_torch_thread):
     """One torch thread: these detectors run many times slower with two threads competing on a shared CPU."""
-
-
-def conditional_detr() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.ConditionalDetrConfig(
-        use_timm_backbone=False, use_pretrained_backbone=False,
-        backbone_config={"model_type": "resnet", "depths": [1, 1, 1, 1], "hidden_sizes": [8, 16, 32, 64],
-                         "embedding_size": 8},
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=10, num_labels=3)
-    return transformers.ConditionalDetrForObjectDetection(config).eval()
 
 
 def yolos() -> nn.Module:

@@ -394,14 +394,15 @@ def _nodes_on_every_path(roots: list[Any], inputs: Tensor) -> set[int]:
         stack = [(root, parents_of(root))]
         while stack:
             node, parents = stack[-1]
-            unvisited = next((parent for parent in parents if id(parent) not in reaches), None)
+            # lists, not generators: a generator left suspended is closed later, where an interrupt is lost
+            unvisited = ([parent for parent in parents if id(parent) not in reaches] or [None])[0]
             if unvisited is not None:
                 reaches[id(unvisited)] = False  # the graph is acyclic: read only once the node is finished
                 stack.append((unvisited, parents_of(unvisited)))
                 continue
             stack.pop()
             reaches[id(node)] = (getattr(node, "variable", None) is inputs
-                                 or any(reaches[id(parent)] for parent in parents))
+                                 or any([reaches[id(parent)] for parent in parents]))
             post_order.append(node)
     order = [node for node in reversed(post_order) if reaches[id(node)]]  # from the output towards the image
     if not order:
@@ -466,7 +467,7 @@ class _ImageNodes:
             else:
                 parents = _all_parents(node)
                 found = (depth < self.DEPTH and bool(parents) and _output_shape(node) == tuple(self.inputs.shape)
-                         and all(self.holds(parent, depth + 1) for parent in parents))
+                         and all([self.holds(parent, depth + 1) for parent in parents]))
             self.known[id(node)] = found
         return self.known[id(node)]
 

@@ -199,3 +199,20 @@ def test_train_mode_dropout_does_not_reach_multi_pass_methods():
     got = explain.IntegratedGradients(model, normalize=None, steps=8).explain(X, target=1)
     torch.testing.assert_close(got.raw_maps, expected.raw_maps, rtol=0, atol=0)
     assert_state_equal(before, model_state(model))
+
+
+def test_the_first_parameter_is_read_with_its_generator_closed():
+    """``model_device``/``model_dtype`` read the first parameter and close the generator there and then: a generator
+    left suspended is closed when collected, where a Ctrl-C landing in it is lost ("Exception ignored")."""
+    from explain.core.capture import first_tensor, model_device, model_dtype
+
+    model = nn.Sequential(nn.Embedding(3, 2), nn.Linear(2, 2).double())
+    parameters = model.parameters()
+    assert first_tensor(parameters) is model[0].weight
+    assert parameters.gi_frame is None  # closed, not suspended
+    floating = model.parameters()
+    model[0].weight.data = model[0].weight.data.half()
+    assert first_tensor(floating, lambda tensor: tensor.dtype == torch.float64) is model[1].weight
+    assert floating.gi_frame is None
+    assert model_dtype(model) == torch.float16 and model_device(model) == torch.device("cpu")
+    assert first_tensor(nn.ReLU().parameters()) is None and model_device(nn.ReLU()) == torch.device("cpu")

@@ -505,21 +505,32 @@ COMPILED_PREFIX = "_orig_mod."
 """How ``torch.compile(model)``'s module names start: explainers run the module it wraps, whose names lack it."""
 
 
+def first_tensor(tensors: Iterator[Tensor], accepted: Callable[[Tensor], bool] = lambda _: True) -> Optional[Tensor]:
+    """The first of ``tensors`` (a module's ``parameters()``, ``buffers()``) that ``accepted`` takes, else None. The
+    generator is closed here: one left suspended is closed when it is collected, where a Ctrl-C landing in it is lost
+    (Python reports it as "Exception ignored")."""
+    try:
+        for tensor in tensors:
+            if accepted(tensor):
+                return tensor
+        return None
+    finally:
+        close = getattr(tensors, "close", None)
+        if close is not None:
+            close()
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a model with neither)."""
-    for parameter in model.parameters():
-        return parameter.device
-    for buffer in model.buffers():
-        return buffer.device
-    return torch.device("cpu")
+    tensor = first_tensor(model.parameters())
+    tensor = tensor if tensor is not None else first_tensor(model.buffers())
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The floating dtype of the model's first floating parameter (float32 if none)."""
-    for tensor in model.parameters():
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return torch.float32
+    tensor = first_tensor(model.parameters(), Tensor.is_floating_point)
+    return tensor.dtype if tensor is not None else torch.float32
 
 
 def model_input_channels(model: nn.Module) -> Optional[int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import itertools
 import json
 import math
 import time
@@ -41,7 +40,7 @@ from tqdm.auto import tqdm
 
 from .. import metrics
 from ..core.caller import warn_at_callers_line
-from ..core.capture import preserved_model_state
+from ..core.capture import model_device, preserved_model_state
 from ..core.layers import default_layer
 from ..detection import Instances, InstanceSpec, InstanceTarget, detect
 from ..detection.candidates import check_detector
@@ -764,7 +763,7 @@ def _instances_text(instances: InstanceSpec) -> str:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+    return model_device(model)
 
 
 def _named_method(name: str, module: nn.Module, parts: dict[str, Any], model: Union[nn.Module, LoadedModel]

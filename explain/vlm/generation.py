@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ..core.attention import capture_attention
 from ..core.caller import warn_at_callers_line
+from ..core.capture import model_device, model_dtype
 from ..core.scope import CallScope
 from ..io.explanation import Explanation
 from ..io.inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
@@ -289,15 +290,15 @@ class GenerationExplainer:
         except (ValueError, TypeError) as error:
             raise ValueError(f"the processor refused the image and prompt: {error}{self._image_token_hint(text)}"
                              ) from error
-        parameter = next(self.model.parameters())
+        device, dtype = model_device(self.model), model_dtype(self.model)
         inputs: dict[str, Any] = {}
         for name, value in dict(processed).items():
             if name == "labels":  # PaliGemma's processor adds training labels: no loss is wanted here
                 continue
             if isinstance(value, Tensor):
-                value = value.to(parameter.device)
+                value = value.to(device)
                 if value.is_floating_point():
-                    value = value.to(parameter.dtype)
+                    value = value.to(dtype)
             inputs[name] = value
         input_ids = inputs["input_ids"]
         if int((input_ids == self.image_token).sum()) == 0:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import html
 import inspect
 import json
 import os
@@ -49,6 +48,7 @@ from tqdm.auto import tqdm
 from ..core.caller import warn_at_callers_line
 from ..io.inputs import IMAGE_SUFFIXES, prepare_inputs
 from ..io.loaded_model import LoadedModel
+from ..io.page_text import escaped
 from ..methods.base import Explainer
 from ..methods.concepts import (
     ConceptRelevance,
@@ -62,7 +62,6 @@ from ..methods.concepts import (
 from ..methods.signatures import setting_text
 from .batch import _broken_link_reason as broken_link_reason
 from .batch import image_files_and_broken_links as folder_image_files
-from .html_report import writable
 from .run_folder import LOCKS_UNSUPPORTED, Shard, display_name, error_line, folder_lock, write_atomically
 
 try:
@@ -512,22 +511,17 @@ def _write_png(path: Path, pixels: np.ndarray) -> None:
     write_atomically(path, lambda target: Image.fromarray(pixels).save(target, format="PNG"))
 
 
-def _text(value: Any) -> str:
-    """``value`` as the page's escaped text (``writable``: UTF-8 can write it)."""
-    return html.escape(writable(str(value)))
-
-
 def _page(entries: dict[str, Any]) -> str:
     """A static page: a card per concept with its classes, relevance references and activation references. Every
     name is escaped text; a patch's address percent-encoded."""
     cards = []
     for entry in entries["concepts"]:
-        classes = ", ".join(f"{_text(item['name'])} ({item['mean_relevance']:.3g})" for item in entry["classes"])
+        classes = ", ".join(f"{escaped(item['name'])} ({item['mean_relevance']:.3g})" for item in entry["classes"])
         rows = []
         for kind in ("relevance", "activation"):
             images = "".join(
-                f'<figure><img src="{_text(quote(reference["patch"]))}" alt="{_text(reference["image"])}" '
-                f'title="{_text(reference["image"])}: {reference["value"]:.3g}"></figure>'
+                f'<figure><img src="{escaped(quote(reference["patch"]))}" alt="{escaped(reference["image"])}" '
+                f'title="{escaped(reference["image"])}: {reference["value"]:.3g}"></figure>'
                 for reference in entry[f"{kind}_references"])
             rows.append(f'<div class="row"><span class="kind">{kind}</span>{images}</div>')
         cards.append(f'<section class="card" id="concept-{entry["concept"]}"><h2>concept {entry["concept"]}</h2>'
@@ -535,9 +529,9 @@ def _page(entries: dict[str, Any]) -> str:
     skipped = entries.get("skipped", [])
     if skipped:
         cards.append(f'<section class="card" id="skipped"><h2>{len(skipped)} file(s) left out</h2><ul>'
-                     + "".join(f"<li>{_text(item['image'])}: {_text(item['reason'])}</li>"
+                     + "".join(f"<li>{escaped(item['image'])}: {escaped(item['reason'])}</li>"
                                for item in skipped) + "</ul></section>")
-    title = _text(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
+    title = escaped(f"Concept atlas of {entries['layer']} ({entries['method']}, {entries['images']} images)")
     style = ("body{font-family:sans-serif;margin:1em}.card{border:1px solid #ccc;margin:.5em 0;padding:.5em}"
              ".row{display:flex;align-items:center;gap:4px}.kind{width:6em;font-size:80%}"
              "figure{margin:0}img{height:64px;image-rendering:pixelated}h2{font-size:100%;margin:0}")

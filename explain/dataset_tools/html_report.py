@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import csv
 import hashlib
-import html
 import json
 import math
 import os
@@ -49,6 +48,7 @@ from PIL import Image
 
 from ..io import render
 from ..io.inputs import open_image, upright
+from ..io.page_text import LONE_SURROGATE, escaped, writable
 from .index import MapReader, read_index_contents
 from .run_folder import FolderInUseError, display_name, folder_lock, write_atomically
 from .run_record import RunRecord, read_run_record
@@ -63,8 +63,6 @@ PAGE_SIZES = (24, 48, 96, 192)
 MAX_NOTES_SHOWN = 20
 THUMBNAIL_QUALITY = 82
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-"""A character UTF-8 cannot write: half of a pair that is not one (``writable``)."""
 
 
 @dataclass
@@ -828,17 +826,6 @@ def _example_thumbnail(record: ImageRecord, class_index: int, files: dict[str, _
 
 # ---- The page ---------------------------------------------------------------------------------
 
-def writable(text: str) -> str:
-    """``text`` as UTF-8 can write it: a lone surrogate (a byte that is not UTF-8, as Python reads it from a command
-    line or file name; a "\\udce9" of a JSON file) as a \\x or \\u escape, the rest unchanged."""
-    return LONE_SURROGATE.sub(lambda match: _surrogate_text(match.group()), text)
-
-
-def _surrogate_text(character: str) -> str:
-    code = ord(character)
-    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
-
-
 def _writable_value(value: Any) -> Any:
     """``value`` (JSON's types) with every string, key or value, ``writable``."""
     if isinstance(value, str):
@@ -856,10 +843,6 @@ def _json_text(value: Any) -> str:
     if LONE_SURROGATE.search(text):  # rare: walk the value only then
         text = json.dumps(_writable_value(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return text
-
-
-def _escape(text: object) -> str:
-    return html.escape(writable(str(text)), quote=True)
 
 
 def _json_for_html(value: Any) -> str:
@@ -885,13 +868,13 @@ def _tiles(summary: Summary, images: Sequence[ImageRecord], low_confidence: floa
     if any(record.confidence is not None for record in images):
         tiles.append(("low", f"{summary.low_confidence:,}", f"confidence below {low_confidence:g}"))
     tiles.append(("", f"{class_count:,}", "classes seen"))
-    return "".join(f'<div class="tile {kind}"><div class="value">{_escape(value)}</div>'
-                   f'<div class="label">{_escape(label)}</div></div>' for kind, value, label in tiles)
+    return "".join(f'<div class="tile {kind}"><div class="value">{escaped(value)}</div>'
+                   f'<div class="label">{escaped(label)}</div></div>' for kind, value, label in tiles)
 
 
 def _class_cell(index: int, names: dict[int, str]) -> str:
     """A table cell naming a class (escaped) with its index."""
-    return f'<td class="class-name">{_escape(names.get(index) or f"class {index}")} <small>({index})</small></td>'
+    return f'<td class="class-name">{escaped(names.get(index) or f"class {index}")} <small>({index})</small></td>'
 
 
 def _classes_section(summary: Summary, images: Sequence[ImageRecord], names: dict[int, str]) -> str:
@@ -910,7 +893,7 @@ def _classes_section(summary: Summary, images: Sequence[ImageRecord], names: dic
             if row.confused_with is not None:
                 other, count = row.confused_with
                 confused = (f'<button type="button" class="link" data-filter data-label="{row.class_index}" '
-                            f'data-predicted="{other}">{_escape(names.get(other) or f"class {other}")} '
+                            f'data-predicted="{other}">{escaped(names.get(other) or f"class {other}")} '
                             f'<small>({other})</small> × {count:,}</button>')
             bar = ("" if row.accuracy is None else
                    f'<b class="bar correct"><i style="width:{100 * row.accuracy:.0f}%"></i></b>')
@@ -957,8 +940,8 @@ def _confusion_section(summary: Summary, names: dict[int, str], matrix_classes: 
         totals: Counter[int] = Counter()
         for (truth, _), count in summary.confusion.items():
             totals[truth] += count
-        header = "".join(f'<th title="{_escape(names.get(index) or f"class {index}")}">'
-                         f'{_escape(names.get(index) or f"class {index}")}</th>' for index in classes)
+        header = "".join(f'<th title="{escaped(names.get(index) or f"class {index}")}">'
+                         f'{escaped(names.get(index) or f"class {index}")}</th>' for index in classes)
         rows = []
         for truth in classes:
             cells = []
@@ -974,10 +957,10 @@ def _confusion_section(summary: Summary, names: dict[int, str], matrix_classes: 
                 title = (f"true {names.get(truth) or truth}, predicted {names.get(guess) or guess}: {count} image(s), "
                          f"{100 * share:.1f} % of the class")
                 cells.append(f'<td class="{kind}" data-filter data-label="{truth}" data-predicted="{guess}" '
-                             f'title="{_escape(title)}" style="background: rgba({colour}, {0.08 + 0.82 * share:.2f}); '
+                             f'title="{escaped(title)}" style="background: rgba({colour}, {0.08 + 0.82 * share:.2f}); '
                              f'color: {text_colour}">{count:,}</td>')
             label = names.get(truth) or f"class {truth}"
-            rows.append(f'<tr><th class="row" title="{_escape(label)}">{_escape(label)}</th>{"".join(cells)}</tr>')
+            rows.append(f'<tr><th class="row" title="{escaped(label)}">{escaped(label)}</th>{"".join(cells)}</tr>')
         table = (f'<table class="confusion"><caption>rows: true class · columns: predicted class · shade: share of '
                  f'the row</caption><thead><tr><th></th>{header}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
         hint = "A cell shows its images in the gallery below."
@@ -1009,8 +992,8 @@ def _strategies_section(strategies: Optional[dict[str, Any]]) -> str:
                            for entry in skipped[:MAX_NOTES_SHOWN])
         more = f"; … and {len(skipped) - MAX_NOTES_SHOWN} more" if len(skipped) > MAX_NOTES_SHOWN else ""
         not_analysed = (f'<p class="hint" id="strategies-skipped">{len(skipped)} class(es) not analysed, so '
-                        f'nothing is known of their strategies: {_escape(listed + more)}</p>')
-    return (f'<section id="strategies"><h2>Strategies</h2><p class="hint">{_escape(hint)}</p>{not_analysed}'
+                        f'nothing is known of their strategies: {escaped(listed + more)}</p>')
+    return (f'<section id="strategies"><h2>Strategies</h2><p class="hint">{escaped(hint)}</p>{not_analysed}'
             '<div class="strategy-controls"><label><input type="checkbox" id="strategies-flagged"> flagged only'
             '</label><span class="pager" id="strategies-pager"><button type="button" class="previous">‹ Previous'
             '</button><span class="page-number"></span><button type="button" class="next">Next ›</button></span>'
@@ -1019,8 +1002,8 @@ def _strategies_section(strategies: Optional[dict[str, Any]]) -> str:
 
 def _select(identifier: str, label: str, options: Iterable[tuple[str, str]], kind: str = "") -> str:
     """A labelled <select> of the toolbar; the class selects are filled by the page's script."""
-    choices = "".join(f'<option value="{_escape(value)}">{_escape(text)}</option>' for value, text in options)
-    return f'<label>{_escape(label)}<select id="{identifier}" class="{kind}">{choices}</select></label>'
+    choices = "".join(f'<option value="{escaped(value)}">{escaped(text)}</option>' for value, text in options)
+    return f'<label>{escaped(label)}<select id="{identifier}" class="{kind}">{choices}</select></label>'
 
 
 def _gallery_pager(position: str) -> str:
@@ -1090,7 +1073,7 @@ def _page(out: Path, title: Optional[str], method: str, images: Sequence[ImageRe
         shown_notes.append("The index has no label and prediction columns (written by an older explain): accuracy, "
                            "confusion and confidence are not available; run explain batch again to get them.")
     if shown_notes:
-        items = "".join(f"<li>{_escape(note)}</li>" for note in shown_notes[:MAX_NOTES_SHOWN])
+        items = "".join(f"<li>{escaped(note)}</li>" for note in shown_notes[:MAX_NOTES_SHOWN])
         more = (f"<li>… and {len(shown_notes) - MAX_NOTES_SHOWN} more</li>" if len(shown_notes) > MAX_NOTES_SHOWN
                 else "")
         notes_html = f'<section id="notes" class="notes"><strong>Notes</strong><ul>{items}{more}</ul></section>'
@@ -1103,12 +1086,12 @@ def _page(out: Path, title: Optional[str], method: str, images: Sequence[ImageRe
         gallery_hint = "Click an image for its details."
     template = string.Template((ASSETS / "report.html").read_text(encoding="utf-8"))
     return template.substitute(
-        title=_escape(title), subtitle=_escape(subtitle), folder=REPORT_FOLDER,
-        navigation="".join(f'<a href="{href}">{_escape(text)}</a>' for href, text in navigation),
+        title=escaped(title), subtitle=escaped(subtitle), folder=REPORT_FOLDER,
+        navigation="".join(f'<a href="{href}">{escaped(text)}</a>' for href, text in navigation),
         notes=notes_html, tiles=_tiles(summary, images, meta["lowConfidence"], classes_seen), **sections,
-        gallery_hint=_escape(gallery_hint), toolbar=_toolbar(meta, page_size, has_confidence),
+        gallery_hint=escaped(gallery_hint), toolbar=_toolbar(meta, page_size, has_confidence),
         pager_top=_gallery_pager("top"), pager_bottom=_gallery_pager("bottom"),
-        footer=_escape(f"Written by explain report on {time.strftime('%Y-%m-%d %H:%M')}."),
+        footer=escaped(f"Written by explain report on {time.strftime('%Y-%m-%d %H:%M')}."),
         meta=_json_for_html(meta),
     )
 

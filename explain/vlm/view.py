@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import html
 import io
 import math
 import textwrap
@@ -30,6 +29,7 @@ from torch import Tensor
 from ..core.caller import warn_at_callers_line
 from ..io import render
 from ..io.explanation import Explanation
+from ..io.page_text import escaped
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -343,13 +343,6 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
-def _escape(text: str) -> str:
-    """``text`` escaped for the page (``writable``: a lone surrogate, which UTF-8 cannot write, as an escape)."""
-    from ..dataset_tools.html_report import writable
-
-    return html.escape(writable(text), quote=True)
-
-
 def _inline_text(text: str) -> str:
     """A token's text as the answer shows it: a newline as "⏎" (a line break follows), and every other control
     character but the tab as ``visible_token`` writes it ("\\r", "\\x00"): a browser would read a carriage
@@ -369,7 +362,7 @@ def _token_span(k: int, text: str, name: tuple[str, str], probability: Optional[
     label = f"token {k + 1}: {name[0]}{f' ({name[1]})' if name[1] else ''}{chance}"
     marks = (" ws" if text else " ws notext") if whitespace_only else ""
     span = (f'<span class="token{marks}" role="button" tabindex="{0 if k == 0 else -1}" aria-pressed="false" '
-            f'data-k="{k}" aria-label="{_escape(label)}">{_escape(inline)}</span>')
+            f'data-k="{k}" aria-label="{escaped(label)}">{escaped(inline)}</span>')
     return span + ("<br>" * text.count("\n"))
 
 
@@ -414,11 +407,11 @@ def token_html(
     heading = title or f"Explanation of an answer: {explanation.description()}"
     policy = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; img-src data:; "
               "base-uri 'none'; form-action 'none'")
-    prompt_section = (f'<section class="prompt"><h2>Prompt</h2><p class="text">{_escape(prompt)}</p></section>'
+    prompt_section = (f'<section class="prompt"><h2>Prompt</h2><p class="text">{escaped(prompt)}</p></section>'
                       if prompt is not None else "")
     subtitle = (f"{explanation.description()} · {len(texts)} answer token{'s' if len(texts) != 1 else ''} · "
                 f"{width}×{height} image")
-    plain = _escape(answer_text(explanation))
+    plain = escaped(answer_text(explanation))
     image_uri = _data_uri(Image.fromarray(image), quality)
     return f"""<!doctype html>
 <html lang="en">
@@ -427,12 +420,12 @@ def token_html(
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta http-equiv="Content-Security-Policy" content="{policy}">
 <meta name="generator" content="explain vlm">
-<title>{_escape(heading)}</title>
+<title>{escaped(heading)}</title>
 <style>{STYLE}</style>
 </head>
 <body>
-<header><h1>{_escape(heading)}</h1>
-<div class="subtitle">{_escape(subtitle)}</div></header>
+<header><h1>{escaped(heading)}</h1>
+<div class="subtitle">{escaped(subtitle)}</div></header>
 <main>
 <div class="words">
 {prompt_section}

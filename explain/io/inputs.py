@@ -459,7 +459,7 @@ def image_to_tensor(image: Union[Image.Image, np.ndarray, Tensor], channels: int
     return tensor.contiguous()
 
 
-def display_from_model_input(batch: Tensor, preprocess: Optional[Preprocess] = None) -> Tensor:
+def display_from_model_input(batch: Tensor, preprocess: object = None) -> Tensor:
     """Model input (N, C, H, W) → display images (N, H, W, 3) float in [0, 1] on the CPU.
 
     Undoes the preprocess's ``mean``/``std`` when it has them and the channel
@@ -495,11 +495,8 @@ class DisplayStatistics:
     mean: Optional[tuple[float, ...]]
     std: Optional[tuple[float, ...]]
 
-    def __call__(self, image: Image.Image) -> Tensor:
-        raise TypeError("DisplayStatistics only turns model input back into display images; it preprocesses nothing.")
 
-
-def _display_statistics(preprocess: Optional[Preprocess]) -> Optional[Preprocess]:
+def _display_statistics(preprocess: object) -> Union[Normalize, DisplayStatistics, None]:
     """``preprocess`` as display images need it: the default ``Normalize`` (which holds only its statistics, and
     tells 1-channel input apart) as it is; any other as its ``mean`` and ``std`` alone."""
     if preprocess is None or isinstance(preprocess, (Normalize, DisplayStatistics)):
@@ -518,7 +515,7 @@ class DisplayImages:
     Grad-CAM itself, and a call whose maps are never drawn needs no images."""
 
     def __init__(self, images: Optional[Tensor] = None, *, model_input: Optional[Tensor] = None,
-                 preprocess: Optional[Preprocess] = None):
+                 preprocess: object = None):
         if (images is None) == (model_input is None):
             raise ValueError("give the display images or the model input to make them from, not both.")
         self._images = images

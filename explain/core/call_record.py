@@ -19,12 +19,17 @@ class PassRecord:
 
     images: the images explained (rows of the prepared batch); image_shape: their shape, without the row.
     passes: how many passes of the model have run; shapes: each input shape that ran → its first pass (1, 2, …).
+    kept: what targets keep for the call (see ``kept_for_call``).
     """
 
     images: int
     image_shape: tuple[int, ...]
     passes: int = 0
     shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
+    kept: dict[int, tuple[object, Tensor]] = field(default_factory=dict)
+    """What a target keeps for the rest of the call, by the target's id (with the target, so that the id stays its
+    own): a ``SegmentationTarget``'s pixels predicted as its class on the images explained. Dropped with the record
+    when the call ends, so that nothing of a call stays on a target that other calls and threads share."""
 
     def ran(self, inputs: Tensor) -> None:
         """Count a pass of the model that ran on ``inputs``."""
@@ -74,3 +79,17 @@ def explained_batch_shape() -> Optional[tuple[int, ...]]:
     if record is None or len(record.image_shape) < 2:
         return None
     return (record.images, *record.image_shape)
+
+
+def kept_for_call(target: object) -> Optional[Tensor]:
+    """What ``target`` kept for this thread's ``explain`` call in progress (``keep_for_call``), or None."""
+    record: Optional[PassRecord] = getattr(call_passes, "record", None)
+    kept = None if record is None else record.kept.get(id(target))
+    return None if kept is None else kept[1]
+
+
+def keep_for_call(target: object, value: Tensor) -> None:
+    """Keep ``value`` for ``target`` until this thread's ``explain`` call in progress ends (nothing outside one)."""
+    record: Optional[PassRecord] = getattr(call_passes, "record", None)
+    if record is not None:
+        record.kept[id(target)] = (target, value)

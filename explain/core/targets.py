@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import functools
 import math
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .call_record import keep_for_call, kept_for_call
 from .caller import warn_at_callers_line
 from .checks import check
 
@@ -202,6 +202,8 @@ class SegmentationTarget:
     where ``class_index`` is the predicted class on the explained images; methods that score copies of the
     images (Integrated Gradients, SmoothGrad, Score-CAM...) keep those pixels for every copy
     (``scores_for_rows``), as they keep a given mask, so the score is one function of the output along the path.
+    Those pixels belong to the ``explain`` call in progress (``keep_for_call``), not to the target: one target may
+    serve calls in several threads at once, and keeps nothing of a call after it.
     Called on (N, classes, H, W) segmentation logits, returns (N,) scores, summed in float32 at least (no float16
     overflow). An image where the mask selects no pixel (no pixel predicted as the class) scores 0: a zero map
     and a warning that says so (``RegionTarget``).
@@ -216,8 +218,6 @@ class SegmentationTarget:
                             "class name, look its index up in the model's labels (a HuggingFace config.label2id).")
         self.class_index = int(class_index)
         self.mask = None if mask is None else _checked_mask(mask)
-        self._predicted: dict[int, Tensor] = {}
-        """mask None: per thread, the pixels predicted as the class on the images of the last call (``__call__``)."""
 
     def region(self, output: Tensor, image_index: Optional[Tensor] = None) -> Tensor:
         """(N, H, W) or (H, W): the weight of each pixel's logit in the sum (the mask, or the predicted pixels).
@@ -252,24 +252,24 @@ class SegmentationTarget:
     def __call__(self, output: Tensor) -> Tensor:
         region = self.region(output)
         if self.mask is None:  # the explained images: their predicted pixels are kept for copies of them
-            self._predicted[threading.get_ident()] = region
+            keep_for_call(self, region)
         return self._summed(output, region)
 
     def scores_for_rows(self, output: Tensor, image_index: Tensor) -> Tensor:
         """(R, 1) the scores of R rows, row r a copy of image ``image_index[r]``, over that image's mask or its
-        predicted pixels (those of the last call on the images, where known), not the copy's own."""
+        predicted pixels (those of this thread's call in progress on the images, where known), not the copy's own."""
         region = self.region(output, image_index)
-        predicted = self._predicted.get(threading.get_ident()) if self.mask is None else None
+        predicted = kept_for_call(self) if self.mask is None else None
         if predicted is not None and predicted.shape[-2:] == output.shape[-2:] and len(image_index) \
                 and int(image_index.max()) < predicted.shape[0]:
             region = predicted.to(output.device)[image_index.to(output.device)]
         return self._summed(output, region)[:, None]
 
     def for_copies(self, flip: bool) -> "SegmentationTarget":
-        """The target of copies of the images of this thread's last call (smooth="augment"): its region fixed as a
-        mask (the mask given, or the pixels predicted as the class on those images), mirrored left-right where
+        """The target of copies of the images of this thread's call in progress (smooth="augment"): its region fixed
+        as a mask (the mask given, or the pixels predicted as the class on those images), mirrored left-right where
         the copies are flipped horizontally, so that it covers the same part of the scene in each copy."""
-        region = self.mask if self.mask is not None else self._predicted.get(threading.get_ident())
+        region = self.mask if self.mask is not None else kept_for_call(self)
         if region is None:
             return self
         return SegmentationTarget(self.class_index, region.flip(-1) if flip else region)

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import difflib
 import hashlib
 import inspect
+import io
 import json
 import os
 import re
@@ -48,7 +50,7 @@ from .core.layers import format_layers, list_layers
 from .core.targets import SegmentationTarget, Target, class_index
 from .dataset_tools.batch import merge_shard_indexes, run
 from .dataset_tools.pipeline import default_workers
-from .dataset_tools.run_folder import Shard, write_atomically
+from .dataset_tools.run_folder import Shard, one_line, write_atomically
 from .detection.instances import InstanceSpec
 from .io.explanation import Explanation
 from .io.inputs import open_image
@@ -366,8 +368,9 @@ def output_file_name(arguments: argparse.Namespace, stem: str) -> str:
     if arguments.layer is not None:
         parts.append(_slug(arguments.layer))
     if arguments.target is not None:  # a name in other letters (正方形) as a digest: t alone would be shared
-        target = _slug(arguments.target)
-        parts.append("t" + (target if target else hashlib.sha1(arguments.target.encode()).hexdigest()[:6]))
+        target = _slug(arguments.target)  # (a byte that is not UTF-8, a lone surrogate, is hashed as its code)
+        digest = hashlib.sha1(arguments.target.encode("utf-8", "surrogatepass")).hexdigest()[:6]
+        parts.append("t" + (target if target else digest))
     if arguments.topk is not None:
         parts.append(f"top{arguments.topk}")
     if arguments.instances is not None:
@@ -382,7 +385,7 @@ def output_file_name(arguments: argparse.Namespace, stem: str) -> str:
         parts.append(hashlib.sha1(json.dumps(extras).encode()).hexdigest()[:6])
     name = "_".join(part for part in parts if part)
     if len(name) > 200:  # file systems allow 255 bytes
-        name = f"{name[:190]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        name = f"{name[:190]}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
     return name + ".png"
 
 
@@ -478,7 +481,7 @@ def run_images(arguments: argparse.Namespace) -> int:
         targets = explanation.map_grid.shape[1]
         described = "; ".join(_describe(explanation, 0, k) for k in range(targets))
         layer = f" [{explanation.description()}]" if explanation.layer is not None else ""
-        print(f"{path}: {described}{mark}{layer} -> {destination}{note}", flush=True)
+        print(one_line(f"{path}: {described}{mark}{layer} -> {destination}{note}"), flush=True)
     if not failures:
         return 0
     reasons = {reason for _, reason in failures}
@@ -498,7 +501,7 @@ def run_images(arguments: argparse.Namespace) -> int:
 
 def _print_image_error(path: str, reason: str) -> None:
     """One image's failure as an ``explain: error:`` line that names the image."""
-    print(f"explain: error: {'' if path in reason else f'{path}: '}{reason}", file=sys.stderr, flush=True)
+    print(f"explain: error: {'' if path in reason else f'{one_line(path)}: '}{reason}", file=sys.stderr, flush=True)
 
 
 DEMO_METHODS = {"demo": ("gradcam", "layer4", "Grad-CAM at layer4 of the demo CNN"),
@@ -836,7 +839,7 @@ def run_vlm(argv: Sequence[str]) -> int:
     (greedy decoding, or the answer given with --answer) and each answer token gets a map over the image; writes
     OUT/tokens.png (every token's map) and OUT/tokens.html (the answer as text: hover a token to see its map)."""
     from .io.inputs import load_image
-    from .vlm.generation import METHODS, GenerationExplainer
+    from .vlm.generation import METHODS, GenerationExplainer, check_text
     from .vlm.hf import DTYPES, load_vision_language_model
     from .vlm.view import write_token_files
 
@@ -869,6 +872,9 @@ def run_vlm(argv: Sequence[str]) -> int:
     parser.add_argument("--columns", type=positive_int, default=8, metavar="N",
                         help="panels per row of tokens.png (default 8)")
     arguments = parser.parse_args(argv)
+    check_text(arguments.prompt, "prompt (--prompt)")  # before the model is loaded
+    if arguments.answer is not None:
+        check_text(arguments.answer, "answer (--answer)")
     check_colormap(arguments.cmap)
     if not 0.0 <= arguments.alpha <= 1.0:
         raise ValueError(f"--alpha must lie in [0, 1]; got {arguments.alpha}.")
@@ -1098,12 +1104,12 @@ def run_batch(argv: Sequence[str]) -> int:
         skipped = (f"; {skipped_count} file(s) skipped, listed with the reason in {skipped_file}"
                    if skipped_count else "")
         rank = f"rank {shard.rank}: " if shard.world_size > 1 and not merged else ""
-        if summary.labels:
-            print(f"{rank}{summary.labels}")
+        if summary.labels:  # (one line each: a newline of a folder's name as an escape)
+            print(one_line(f"{rank}{summary.labels}"))
         labelled = (f"; {labelled_count} of them with a label, {misclassified} misclassified"
                     if summary.labels else "")
-        print(f"{rank}{explained} image(s) explained{processes}{mark}, {already_done} already done{labelled}"
-              f"{skipped}; results in {arguments.out}, index {index}")
+        print(one_line(f"{rank}{explained} image(s) explained{processes}{mark}, {already_done} already done"
+                       f"{labelled}{skipped}; results in {arguments.out}, index {index}"))
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -1184,8 +1190,32 @@ def _image_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def escaped_output() -> Iterator[None]:
+    """While the command runs, stdout and stderr write what their encoding cannot (a class name's or a file name's
+    byte that is not UTF-8, read as a lone surrogate, on a terminal that does not take it back) as a backslash
+    escape, instead of failing after the work is done; their way is restored after."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            with contextlib.suppress(ValueError, OSError):  # a closed or detached stream is left as it is
+                stream.reconfigure(errors="backslashreplace")
+                changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="strict")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    with escaped_output():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "demo":
             parser = Parser(prog="explain demo", description=run_demo.__doc__)

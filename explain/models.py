@@ -832,11 +832,13 @@ def read_class_names(names: Union[str, Path, Sequence[str]]) -> list[str]:
                                 "line, or a JSON list.")
     if not path.is_file():
         raise FileNotFoundError(f"no class-names file at {str(path)!r}.")
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of a name
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not part of a name
     except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
         raise ValueError(f"the class-names file {str(path)!r} is not UTF-8 text ({error.reason} at byte "
-                         f"{error.start}): save it as UTF-8, one name per line.") from None
+                         f"{error.start}, line {line}): save it as UTF-8, one name per line.") from None
     if text.lstrip().startswith("["):
         try:
             loaded = json.loads(text)

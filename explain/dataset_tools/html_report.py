@@ -47,7 +47,7 @@ import numpy as np
 from PIL import Image
 
 from ..io import render
-from ..io.inputs import open_image, upright
+from ..io.inputs import list_image_files, open_image, upright
 from ..io.page_text import LONE_SURROGATE, escaped, writable
 from .index import MapReader, read_index_contents
 from .run_folder import FolderInUseError, display_name, folder_lock, write_atomically
@@ -340,8 +340,17 @@ def _inside(out: Path, relative: str) -> Optional[Path]:
 
 
 def _url(relative: Union[str, Path]) -> str:
-    """A path relative to the page as a URL (each part percent-encoded: '#', '?', '%' in names)."""
-    return "/".join(quote(part) for part in Path(relative).as_posix().split("/"))
+    """A path relative to the page as a URL (each part percent-encoded: '#', '?', '%', a newline in names; a
+    byte that is not UTF-8, read as a lone surrogate, as that very byte, %E9, which a browser opens)."""
+    return "/".join(quote(_path_bytes(part)) for part in Path(relative).as_posix().split("/"))
+
+
+def _path_bytes(part: str) -> bytes:
+    """A file name's bytes on disk (``os.fsencode``); a lone surrogate no file name holds as UTF-8's three bytes."""
+    try:
+        return os.fsencode(part)
+    except UnicodeEncodeError:
+        return part.encode("utf-8", "surrogatepass")
 
 
 def _safe_name(text: str) -> str:
@@ -380,16 +389,42 @@ def _modified(path: Optional[Path]) -> float:
         return 0.0
 
 
-def _source_image(record: ImageRecord) -> Optional[Path]:
+def _source_image(record: ImageRecord, by_id: Optional[dict[str, Path]] = None) -> Optional[Path]:
     """The image file the run read, when it is still where the index says (relative to the
-    current folder, as the run was given it)."""
-    if not record.image or record.image == record.id:
-        return None
+    current folder, as the run was given it), else the one of its id in ``by_id`` (``_sources_by_id``)."""
+    found = (by_id or {}).get(record.id)
+    if found is not None or not record.image or record.image == record.id:
+        return found
     path = Path(record.image)
     try:
         return path if path.suffix and path.is_file() else None
     except (OSError, ValueError):
         return None
+
+
+def _sources_by_id(out: Path, record: Optional[RunRecord], images: Sequence[ImageRecord]) -> dict[str, Path]:
+    """The source images of the images whose index entry names no file, found by their id among the files of the
+    run's input folder (run.json's data.folder), listed as explain batch lists it. The index shows a file name in
+    its display form, which names no file where it holds a newline, a tab or a byte that is not UTF-8 (each written
+    as a \\x escape), and a run started in another folder names its files relative to that one."""
+    data = record.data if record is not None else None
+    folder = data.get("folder") if isinstance(data, dict) else None
+    missing = {image.id for image in images if image.image and image.image != image.id
+               and _source_image(image) is None}
+    if not missing or not isinstance(folder, str):
+        return {}
+    from .batch import item_id  # the batch module imports much: loaded only when an image is not found
+
+    try:
+        files, _ = list_image_files(folder, exclude=out)
+    except (OSError, ValueError):  # the folder is gone, or cannot be read: the images are shown without a link
+        return {}
+    found = {}
+    for path in files:
+        identifier = item_id(path, Path(folder))
+        if identifier in missing:
+            found[identifier] = path
+    return found
 
 
 def _make_thumbnails(job: _ThumbnailJob, size: int) -> bool:
@@ -543,7 +578,8 @@ def report(
         notes = list(run_index.notes)
         images = default_order(run_index.images)
         thumbnail_folder = f"thumbs-{thumbnail_size}"
-        files, made, reused = _write_thumbnails(out, images, folder / thumbnail_folder, thumbnail_size, notes)
+        files, made, reused = _write_thumbnails(out, images, folder / thumbnail_folder, thumbnail_size, notes,
+                                                run_index.record)
         strategies_file = out / "strategies.json"
         strategies, strategies_method = _read_strategies(out, strategies_file, images, files, run_index.class_names,
                                                          notes) if strategies_file.exists() else (None, None)
@@ -630,8 +666,8 @@ class _ImageFiles:
     source: Optional[str]
 
 
-def _write_thumbnails(out: Path, images: Sequence[ImageRecord], folder: Path, size: int, notes: list[str]
-                      ) -> tuple[dict[str, _ImageFiles], int, int]:
+def _write_thumbnails(out: Path, images: Sequence[ImageRecord], folder: Path, size: int, notes: list[str],
+                      run_record: Optional[RunRecord] = None) -> tuple[dict[str, _ImageFiles], int, int]:
     """Each image's files, making its K thumbnails where those on disk are missing or older than
     its overlay and map files (in threads: decoding and resizing release Python's lock); and how
     many thumbnails were made and reused."""
@@ -639,11 +675,12 @@ def _write_thumbnails(out: Path, images: Sequence[ImageRecord], folder: Path, si
     jobs: dict[str, _ThumbnailJob] = {}
     reused = 0
     reader = MapReader(out, files_kept=16)  # shared by the threads: a maps file holds the maps of several images
+    by_id = _sources_by_id(out, run_record, images)
     for record in images:
         paths = _thumbnail_paths(folder, record)
         overlay = _inside(out, f"overlays/{record.id}.png")
         map_file = _inside(out, record.map_file)
-        source = _source_image(record)
+        source = _source_image(record, by_id)
         newest_input = max(_modified(overlay), _modified(map_file))
         files[record.id] = _ImageFiles([_url(path.relative_to(out)) for path in paths],
                                        _url(overlay.relative_to(out)) if overlay is not None else None,

@@ -26,6 +26,7 @@ except ImportError:  # Windows: no flock, so runs into one folder are not locked
 import re
 
 from ..core.caller import warn_at_callers_line
+from ..io.page_text import writable
 
 LOCK_FILE = ".explain.lock"
 """The file of an output folder that a run holds locked while it writes there (see ``folder_lock``)."""
@@ -188,9 +189,10 @@ def display_name(path: Union[str, Path]) -> str:
 
 
 def one_line(text: str) -> str:
-    """Text with its control characters (a newline, a tab) as \\x escapes: one line of an index
-    row or of a caption."""
-    return re.sub(r"[\x00-\x1f\x7f]", lambda match: f"\\x{ord(match.group()):02x}", text)
+    """Text with its control characters (a newline, a tab) as \\x escapes, and what UTF-8 cannot
+    write (a lone surrogate: a byte that is not UTF-8, a JSON file's "\\udce9") as ``writable``
+    escapes it: one line of an index row, a run record or a caption."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda match: f"\\x{ord(match.group()):02x}", writable(text))
 
 
 _HELD_LOCKS: set[int] = set()

@@ -27,6 +27,7 @@ try:
 except ImportError:  # Windows: no flock, so runs into one folder are not locked there
     fcntl = None  # type: ignore[assignment]
 
+from ..io.page_text import LONE_SURROGATE
 from ..methods.signatures import setting_text
 from .run_folder import Shard, display_name, error_line, write_atomically
 
@@ -72,7 +73,7 @@ class RunRecord:
         """The record as run.json holds it: JSON, one setting a line (class names, and the files,
         on one line)."""
         fields = asdict(self)
-        lines = [f"  {json.dumps(name)}: {json.dumps(value, ensure_ascii=False)}" for name, value in fields.items()]
+        lines = [f"  {json.dumps(name)}: {_json_text(value)}" for name, value in fields.items()]
         return "{\n" + ",\n".join(lines) + "\n}\n"
 
     @classmethod
@@ -328,3 +329,8 @@ def _merged_data(earlier: Optional[dict[str, Any]], now: Optional[dict[str, Any]
     return merged
 
 
+def _json_text(value: Any) -> str:
+    """``value`` as JSON with its letters as they are, except a lone surrogate (a folder's byte that is not UTF-8,
+    as Python reads it), which UTF-8 cannot write: that one as its \\u escape, which JSON reads back as the same
+    character."""
+    return LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", json.dumps(value, ensure_ascii=False))

@@ -238,6 +238,10 @@ class CAM(Explainer):
         reshape: Reshape = None,
         **options: Unpack[ExplainerOptions],
     ):
+        if type(self) is CAM:  # before super(): nothing of the model is touched
+            raise TypeError("explain.CAM is the base class of the class-activation-map family, not a method: for "
+                            "Zhou et al.'s CAM (the classifier's weights on the feature maps) use "
+                            "explain.ClassActivationMapping (method name 'cam'); for Grad-CAM, explain.GradCAM.")
         if layer is None and isinstance(model, LoadedModel):
             layer = model.default_layer  # the loaded model's own (the demos'), else chosen on the first call
         super().__init__(model, **options)

@@ -43,6 +43,7 @@ from ..core.capture import model_device, model_dtype
 from ..core.scope import CallScope
 from ..io.explanation import Explanation
 from ..io.inputs import DisplayImages, _checked_rgb, image_to_tensor, load_image
+from ..io.page_text import LONE_SURROGATE
 from ..methods.maps import NORMALIZATIONS, check_finite_maps, normalize_maps
 from ..methods.passes import check_parameters_usable, reduced_precision
 from .families import layout_for
@@ -225,6 +226,19 @@ def bytes_text(data: bytes) -> str:
     return "".join(parts)
 
 
+def check_text(text: str, what: str) -> None:
+    """A ValueError when ``text`` (the prompt, the answer) holds a lone surrogate: a byte that is not UTF-8, as
+    Python reads it from a command line or file in another encoding, which no tokenizer can encode."""
+    found = LONE_SURROGATE.search(text)
+    if found is None:
+        return
+    code = ord(found.group())
+    character = f"the byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"half a character, U+{code:04X},"
+    raise ValueError(f"the {what} {text!r} holds {character} at character {found.start()}, which is not UTF-8 text "
+                     f"(a command line, terminal or file in another encoding gives such bytes): write the {what} in "
+                     "UTF-8.")
+
+
 class GenerationExplainer:
     """Maps over the image for each token a vision-language model generates.
 
@@ -277,6 +291,7 @@ class GenerationExplainer:
         """Image and prompt through the model's processor, onto the model's device (floats in its dtype)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str; got {type(prompt).__name__}.")
+        check_text(prompt, "prompt")
         picture = as_pil_image(image)
         unknown = self.unknown_words(prompt)
         if unknown:
@@ -346,6 +361,7 @@ class GenerationExplainer:
     def answer_ids(self, answer: str) -> Tensor:
         """(T,) the token ids of a given answer; a ValueError for an empty answer, or one with words the tokenizer
         does not know (their map would be the unknown token's, not theirs)."""
+        check_text(answer, "answer")
         ids = self.tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         if ids.numel() == 0:
             raise ValueError("the given answer has no tokens: pass a non-empty answer text.")

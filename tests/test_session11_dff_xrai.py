@@ -118,7 +118,7 @@ def test_a_layer_that_is_zero_everywhere_is_refused():
         factorize(model)
 
 
-def test_options_are_checked_and_more_concepts_than_channels_warn():
+def test_options_are_checked_and_more_concepts_than_channels_are_refused():
     model = Features(nn.Linear(16, 5)).eval()
     for options, match in [({"iterations": 0}, "iterations"), ({"concepts": 2.5}, "concepts"),
                            ({"concepts": True}, "concepts"), ({"tolerance": float("nan")}, "tolerance")]:
@@ -128,7 +128,7 @@ def test_options_are_checked_and_more_concepts_than_channels_warn():
         explain.DeepFeatureFactorization(model, "features.1", classifier="head")
     with pytest.raises(ValueError, match=r"\(2, classes\)"):
         factorize(model, classifier=lambda profiles: profiles.sum(dim=1))
-    with pytest.warns(RuntimeWarning, match="concepts ≤ 16"):
+    with pytest.raises(ValueError, match="concepts ≤ 16"):
         explain.DeepFeatureFactorization(model, "features.1", concepts=17, classifier=None,
                                                   iterations=3).factorize(X[:1])
 

@@ -62,11 +62,11 @@ from .tcav import ImageSet, folder_images
 
 
 def _whole_number(name: str, value: object, least: int) -> int:
-    """``value`` as an int (a Python or numpy integer), refused where it is not one (a bool, a float) or below
-    ``least``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or int(value) < least:
+    """``value`` as an int (a Python or numpy integer, or a 0-d integer tensor), refused where it is not one (a bool,
+    a float) or below ``least``."""
+    if not is_whole_number(value) or int(value) < least:  # type: ignore[call-overload]
         raise ValueError(f"{name} must be a whole number ≥ {least}; got {value!r}.")
-    return int(value)
+    return int(value)  # type: ignore[call-overload]
 
 
 # ------------------------------------------------------------------ the Sobol design and estimator

@@ -43,7 +43,7 @@ from ..core.scope import CallScope
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
 from ..io.render import image_as_float, label_text
 from .maps import upsample_maps
-from .options import int_option, number_option
+from .options import int_option, is_whole_number, number_option
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -179,7 +179,8 @@ class DeepFeatureFactorization:
 
     model: any ``nn.Module``; run in eval mode during ``factorize`` and left as found.
     layer: the layer whose output is factorised; it must be non-negative (after a ReLU).
-    concepts: k, the number of concepts.
+    concepts: k, the number of concepts (an int, numpy integer or 0-d integer tensor): at most the layer's channels
+        and its positions over the batch, the most dimensions its activations span (more is refused).
     classifier: the module (or callable (k, C) → (k, classes)) that turns a concept's channel
         profile into class scores; "auto" (default): the ``nn.Linear`` taking C features whose
         output is the model's output (a ResNet's ``fc``; not a hidden layer of an MLP head nor a
@@ -211,6 +212,7 @@ class DeepFeatureFactorization:
         found = find_layers(model, layer)
         if len(found) != 1:
             raise ValueError(f"deep feature factorisation needs one layer; {layer!r} selects {len(found)}.")
+        concepts = int(concepts) if is_whole_number(concepts) else concepts
         concepts, iterations = int_option("concepts", concepts, 1), int_option("iterations", iterations, 1)
         tolerance, seed = number_option("tolerance", tolerance), int_option("seed", seed, 0)
         if not (classifier is None or (isinstance(classifier, str) and classifier == "auto") or callable(classifier)):
@@ -304,11 +306,13 @@ class DeepFeatureFactorization:
                                  "nothing to factorise. Choose another layer or other images.")
             count, channels, height, width = activations.shape
             if self.concepts > min(channels, count * height * width):
-                warn_at_callers_line(
-                    f"DeepFeatureFactorization into {self.concepts} concepts of layer {self.layer_name!r}, which has "
-                    f"{channels} channels at {count * height * width} positions: more concepts than that can "
-                    f"reconstruct the activations exactly while splitting them arbitrarily. Pass concepts ≤ "
-                    f"{min(channels, count * height * width)}.", RuntimeWarning)
+                raise ValueError(
+                    f"DeepFeatureFactorization into concepts={self.concepts} of layer {self.layer_name!r}, which has "
+                    f"{channels} channels at {count * height * width} positions: the activations span at most "
+                    f"{min(channels, count * height * width)} dimensions, so more concepts reconstruct them exactly "
+                    "while splitting them arbitrarily (the maps and class scores would mean nothing). Pass concepts ≤ "
+                    f"{min(channels, count * height * width)}"
+                    + (", or more images." if count * height * width < channels else "."))
             matrix = activations.transpose(0, 1).reshape(channels, -1)  # (C, N·h·w)
             profiles, presence, error = nmf(matrix, self.concepts, iterations=self.iterations,
                                             tolerance=self.tolerance, seed=self.seed)

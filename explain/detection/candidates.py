@@ -19,8 +19,10 @@ explains.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +83,66 @@ def check_detector(model: nn.Module) -> None:
         if getattr(head, "end2end", False):
             raise ValueError("this YOLO model has an end-to-end (NMS-free) head, whose output is already its final "
                              "detections; explain reads the per-anchor scores of YOLOv8 / YOLO11 Detect heads.")
+
+
+class _StraightThroughClamp(torch.autograd.Function):
+    """``values.clamp(low, high)`` forward (the same values), the gradient passed on unchanged backward."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, low: float, high: float) -> Tensor:
+        return values.clamp(min=low, max=high)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor, None, None]:
+        return gradient, None, None
+
+
+def _straight_through_clip(boxes: Tensor, size: tuple[int, int]) -> Tensor:
+    """torchvision's ``clip_boxes_to_image`` (the same values), whose gradient is that of the unclipped boxes."""
+    height, width = size
+    boxes_x = _StraightThroughClamp.apply(boxes[..., 0::2], 0, width)
+    boxes_y = _StraightThroughClamp.apply(boxes[..., 1::2], 0, height)
+    return torch.stack((boxes_x, boxes_y), dim=boxes.dim()).reshape(boxes.shape)
+
+
+_unclipped = threading.local()  # depth: this thread's calls inside ``unclipped_box_gradients``
+_unclipped_lock = threading.Lock()
+_unclipped_state: dict[str, Any] = {"users": 0, "original": None}
+
+
+@contextmanager
+def unclipped_box_gradients() -> Iterator[None]:
+    """Inside, in this thread, torchvision detectors' boxes clipped to the image keep their values and take the
+    gradient of the box before clipping: a coordinate clipped to an image side is otherwise a constant (0 or the
+    side) whose gradient is 0, and its map empty. The unclipped coordinate is the box head's own regression, what
+    ODAM's authors differentiate. torchvision's ``ops.boxes.clip_boxes_to_image`` is replaced while some thread is
+    inside (other threads get the original) and restored after."""
+    import torchvision
+    from torchvision.ops import boxes as box_ops
+
+    with _unclipped_lock:
+        if _unclipped_state["users"] == 0:
+            original: Callable[[Tensor, tuple[int, int]], Tensor] = box_ops.clip_boxes_to_image
+
+            def clip_boxes_to_image(boxes: Tensor, size: tuple[int, int]) -> Tensor:
+                if getattr(_unclipped, "depth", 0) and not torchvision._is_tracing():
+                    return _straight_through_clip(boxes, size)
+                return original(boxes, size)
+
+            _unclipped_state["original"], _unclipped_state["patched"] = original, clip_boxes_to_image
+            box_ops.clip_boxes_to_image = clip_boxes_to_image
+        _unclipped_state["users"] += 1
+    _unclipped.depth = getattr(_unclipped, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _unclipped.depth -= 1
+        with _unclipped_lock:
+            _unclipped_state["users"] -= 1
+            if _unclipped_state["users"] == 0:
+                if box_ops.clip_boxes_to_image is _unclipped_state["patched"]:  # not replaced again since
+                    box_ops.clip_boxes_to_image = _unclipped_state["original"]
+                _unclipped_state["original"] = _unclipped_state["patched"] = None
 
 
 def _xywh_to_xyxy(boxes: Tensor) -> Tensor:

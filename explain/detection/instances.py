@@ -78,11 +78,11 @@ def final_detections(candidates: Candidates, family: Optional[str], iou_threshol
     own output for torchvision (already after NMS and its score threshold), each query's best class for DETR-style
     models (which need no NMS), each candidate's best class after per-class NMS for the others. Detections whose
     box has no area (clipped to a side of the image: a random-weight FCOS or RetinaNet has many) are left out: no
-    box overlaps them, so no forward could find them again."""
+    box overlaps them, so no forward could find them again; so are those whose box or scores are not finite."""
     found = []
     with torch.no_grad():
         for boxes, scores, valid in zip(candidates.boxes, candidates.scores, candidates.valid):
-            valid = valid & (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+            valid = valid & (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1]) & scores.isfinite().all(dim=-1)
             best, classes = scores[valid].max(dim=-1)
             boxes = boxes[valid]
             if family not in ("torchvision", "huggingface"):
@@ -152,12 +152,19 @@ def check_instances(instances: Instances, images: Optional[int] = None, classes:
                              f"to {classes - 1}.")
 
 
-def select_instances(candidates: Candidates, family: Optional[str], spec: InstanceSpec) -> Instances:
-    """The instances ``spec`` names (see ``InstanceSpec``) among the detections of each image."""
+def select_instances(candidates: Candidates, family: Optional[str], spec: InstanceSpec,
+                     size: Optional[Sequence[int]] = None) -> Instances:
+    """The instances ``spec`` names (see ``InstanceSpec``) among the detections of each image; ``size``: (H, W) of
+    the input, where given boxes lying wholly outside it are padding."""
     device = candidates.boxes.device
     if isinstance(spec, Instances):
         check_instances(spec, candidates.boxes.shape[0], candidates.classes)
         return spec
+    if isinstance(spec, (Tensor, np.ndarray)) and spec.ndim == 0:  # a number held in a tensor: k or a threshold
+        spec = spec.item()
+    if isinstance(spec, (list, tuple)) and not spec:
+        raise ValueError(f"instances={spec!r} gives no box: give boxes x0, y0, x1, y1 ((K, 4), K ≥ 1), or "
+                         "instances='all' / k / a score threshold for the detector's detections.")
     if given_boxes(spec):
         try:
             boxes = torch.as_tensor(spec, dtype=torch.float32, device=device)
@@ -165,7 +172,7 @@ def select_instances(candidates: Candidates, family: Optional[str], spec: Instan
             raise ValueError(f"boxes for instances must be one (K, 4) or (N, K, 4) array of x0, y0, x1, y1 (the same "
                              f"K for every image: give explain.detection.Instances, with present=False for padding, "
                              f"for different counts per image); torch could not read them: {error}") from None
-        return _instances_at_boxes(candidates, boxes)
+        return _instances_at_boxes(candidates, boxes, size)
     final = final_detections(candidates, family)
     if isinstance(spec, str):
         if spec != "all":
@@ -180,13 +187,21 @@ def select_instances(candidates: Candidates, family: Optional[str], spec: Instan
         if spec < 1:
             raise ValueError(f"instances=k takes each image's k highest-scoring detections: k must be ≥ 1; got {spec}.")
         return _padded([(b[:spec], c[:spec], s[:spec]) for b, c, s in final], device)
-    if not 0 < spec < 1:
+    least = float(spec)
+    if not 0 < least < 1:
         raise ValueError(f"a score threshold for instances must be in (0, 1); got {spec}.")
-    return _padded([(b[s >= spec], c[s >= spec], s[s >= spec]) for b, c, s in final], device)
+    return _padded([(b[s >= least], c[s >= least], s[s >= least]) for b, c, s in final], device)
 
 
-def _instances_at_boxes(candidates: Candidates, boxes: Tensor) -> Instances:
-    """Boxes given by the caller, each with the class of the candidate that overlaps it most (score × IoU)."""
+def wholly_outside(boxes: Tensor, size: Sequence[int]) -> Tensor:
+    """(..., 4) boxes x0, y0, x1, y1 → (...) bool: True where a box lies wholly outside an input of ``size`` (H, W)."""
+    height, width = int(size[-2]), int(size[-1])
+    return (boxes[..., 0] >= width) | (boxes[..., 1] >= height) | (boxes[..., 2] <= 0) | (boxes[..., 3] <= 0)
+
+
+def _instances_at_boxes(candidates: Candidates, boxes: Tensor, size: Optional[Sequence[int]] = None) -> Instances:
+    """Boxes given by the caller, each with the class of the candidate that overlaps it most (score × IoU); boxes
+    lying wholly outside an input of ``size`` (H, W), where given, are padding."""
     images = candidates.boxes.shape[0]
     if boxes.dim() == 1:
         boxes = boxes[None]
@@ -206,6 +221,8 @@ def _instances_at_boxes(candidates: Candidates, boxes: Tensor) -> Instances:
         best = agreement.flatten(2).max(dim=-1)
         classes = best.indices % candidates.classes
         present = best.values > 0
+        if size is not None:  # a candidate reaching past the image's side does not make an outside box an instance
+            present &= ~wholly_outside(boxes, size)
     return Instances(boxes.clone(), classes, torch.full(classes.shape, float("nan"), device=boxes.device), present)
 
 
@@ -220,10 +237,13 @@ def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: 
             output = model(batch)
     family = detector_family(model)
     candidates = candidates_of(output, model, batch.shape[-2:], family)
-    instances = select_instances(candidates, family, spec)
+    instances = select_instances(candidates, family, spec, batch.shape[-2:])
     if given_boxes(spec) and instances.count:
         unmatched = (~instances.present).nonzero().tolist()
+        outside = wholly_outside(instances.boxes, batch.shape[-2:])
         shown = ", ".join(f"({image}, {index}) {[round(value, 1) for value in instances.boxes[image, index].tolist()]}"
+                          + (f" (wholly outside the {batch.shape[-2]} × {batch.shape[-1]} input)"
+                             if outside[image, index] else "")
                           for image, index in unmatched[:6]) + (" …" if len(unmatched) > 6 else "")
         if len(unmatched) == instances.present.numel():
             raise ValueError(f"no instance selected by the boxes given: none overlaps a detection of the detector (a "
@@ -233,7 +253,17 @@ def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: 
             warn_at_callers_line(f"boxes given for instances overlap no detection of the detector (no candidate with "
                                  f"a score > 0 overlaps them): their maps are empty and drawn as 'no instance'. "
                                  f"(image, box): {shown}. {_BOX_ADVICE}", RuntimeWarning)
+    broken = _non_finite_images(candidates)
+    if broken and len(broken) < candidates.boxes.shape[0]:
+        warn_at_callers_line(f"the detector's output holds NaN or infinite boxes or scores for image(s) "
+                             f"{', '.join(map(str, broken[:8]))}{' …' if len(broken) > 8 else ''}: their detections "
+                             "that are not finite are not explained. Check those images (NaN or infinite pixels?).",
+                             RuntimeWarning)
     if not instances.present.any():
+        if len(broken) == candidates.boxes.shape[0]:
+            raise ValueError(f"no instance selected by instances={spec!r}: the detector's output holds NaN or "
+                             "infinite boxes or scores for every image. Check the images (NaN or infinite pixels?) "
+                             "and the model's weights.")
         if family == "torchvision" and not candidates.valid.any():
             raise ValueError(f"no instance selected by instances={spec!r}: {type(model).__name__} returned no "
                              "detection at all for these images. torchvision detectors drop the detections scoring "
@@ -246,6 +276,13 @@ def detect(model: nn.Module, batch: Tensor, spec: InstanceSpec = "all", output: 
                          f"threshold, or no box was given; the highest score is {best:.3g}): give a lower threshold, "
                          "or instances=k for each image's k highest-scoring detections.")
     return instances
+
+
+def _non_finite_images(candidates: Candidates) -> list[int]:
+    """The images whose output holds a box or a score that is not finite (among its valid candidates)."""
+    with torch.no_grad():
+        finite = candidates.boxes.isfinite().all(dim=-1) & candidates.scores.isfinite().all(dim=-1)
+        return (candidates.valid & ~finite).any(dim=-1).nonzero()[:, 0].tolist()
 
 
 _BOX_ADVICE = ("Give boxes x0, y0, x1, y1 in the model input's pixels where the detector finds something, or "

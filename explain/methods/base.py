@@ -47,7 +47,7 @@ from ..core.targets import (
     select_output,
 )
 from ..core.units import bind_units
-from ..detection.candidates import check_detector
+from ..detection.candidates import check_detector, unclipped_box_gradients
 from ..detection.instances import InstanceSpec, InstanceTarget, detect
 from ..io.explanation import Explanation
 from ..io.inputs import Inputs, PreprocessSpec, as_preprocess, prepare_inputs
@@ -563,7 +563,11 @@ class Explainer(ABC):
 
     def _attribute_in_a_layout_the_model_takes(self, scope: CallScope, batch: Tensor, target: Target,
                                                topk: Optional[int]) -> Attribution:
-        """``attribute``, run again in the batch's usual layout when the model refused a channels-last copy."""
+        """``attribute``, run again in the batch's usual layout when the model refused a channels-last copy. A box
+        coordinate of a torchvision detector's instance is differentiated before the detector clips it to the image
+        (``unclipped_box_gradients``: clipped to a side, it is a constant, its map empty)."""
+        if isinstance(target, InstanceTarget) and target.quantity != "score" and target.family == "torchvision":
+            scope.enter(unclipped_box_gradients())
         copies_before = channels_last_copies()
         try:
             return self.attribute(batch, target, topk)

@@ -17,7 +17,7 @@ from ..detection.instances import QUANTITIES, InstanceSpec, InstanceTarget
 from ..io.loaded_model import ModelSource
 from .base import Explainer
 from .cam import CAM, CAMOptions, TargetLayers, required
-from .maps import Attribution
+from .maps import Attribution, flags_of
 from .options import int_option, number_option, random_generator, seed_option
 from .passes import checked_batch_size
 from .registry import register
@@ -39,7 +39,8 @@ class ODAM(CAM):
 
     quantity: y, "score" (the instance's class score in every forward, ``explain.detection.InstanceTarget``) or one
         coordinate of its box, "x0", "y0", "x1", "y1" (the paper's box maps; the authors differentiate the box head's
-        outputs, here the decoded coordinate in input pixels). layer: the feature maps, e.g. the FPN level or head
+        outputs, here the decoded coordinate in input pixels; a torchvision box clipped to an image side keeps the
+        gradient of its unclipped coordinate, the regression's). layer: the feature maps, e.g. the FPN level or head
         input the instance is detected at (the authors take the detection's own level).
     Call ``explain(image, instances=...)``, or give ``target=explain.detection.InstanceTarget(...)``, whose own
     ``quantity`` is then explained (one that differs from a ``quantity`` other than "score" given here is refused).
@@ -78,7 +79,30 @@ class ODAM(CAM):
                              f"given explains quantity={given.quantity!r}: give the quantity once, to the target "
                              f"(InstanceTarget(..., quantity={self.quantity!r})) or to {self.method_name} with "
                              "instances=.")
-        return super().attribute(batch, target, topk)
+        attribution = super().attribute(batch, target, topk)  # (torchvision's boxes: before they are clipped)
+        if given.quantity != "score":
+            _blame_the_border(attribution, given.quantity, batch.shape[-2:])
+        return attribution
+
+
+def _blame_the_border(attribution: Attribution, quantity: str, size: Sequence[int]) -> None:
+    """An empty map of a box coordinate that lies on the image's border (0 or the side) is said to come from the
+    detector clipping its boxes there (the coordinate a constant, its gradient 0), not from a zero-initialised
+    head."""
+    side = size[-1] if quantity.startswith("x") else size[-2]
+    values = attribution.selected.scores.detach().cpu()
+    on_border = (values == 0) | (values == side)  # where clipping puts a coordinate
+    if not on_border.any():
+        return
+    zero_gradient = attribution.zero_gradient
+    if zero_gradient is not None:
+        attribution.zero_gradient = lambda: flags_of(zero_gradient).cpu() & ~on_border  # type: ignore[union-attr]
+    attribution.empty_reason = (
+        f"the instance's {quantity} lies on the image's border (0 or {side}), where a detector that clips its boxes "
+        f"to the image puts it: a clipped {quantity} is a constant whose gradient is 0 (explain "
+        "reads torchvision's boxes before clipping; this detector clips them itself). Explain quantity='score' or "
+        "the box's other coordinates, or return the boxes before clipping (the map is also zero where the layer's "
+        "activations are all zero)")
 
 
 def rise_masks(count: int, grid: int, probability: float, size: Sequence[int], generator: torch.Generator,
@@ -154,6 +178,11 @@ class DRISE(Explainer):
 
     def attribute(self, batch: Tensor, target: Target, topk: Optional[int]) -> Attribution:
         instance_target = _instance_target(target, self.method_name)
+        if instance_target.quantity != "score":
+            raise ValueError(f"{self.method_name} weighs each mask by the instance's similarity to the masked image's "
+                             f"detections, not by its {instance_target.quantity}: give an InstanceTarget of "
+                             "quantity='score', or explain a box coordinate with ODAM(model, layer, "
+                             f"quantity={instance_target.quantity!r}).")
         count, channels, height, width = batch.shape
         with torch.no_grad():
             selected: SelectedTargets = select_targets(self.call_model(batch), instance_target, batch_size=count)

@@ -9,7 +9,9 @@ model computes it):
   QuickGELU, HuggingFace's activation classes): the identity rule, ∂ → y / x (paper, eq. 9). Where y(0) ≠ 0
   (sigmoid, hard sigmoid, softplus, exp) y / x is unbounded near x = 0, and the LRP-0 layer below would pass that
   on (a sigmoid whose input is 1e-9 multiplies its relevance by 5e8): such a function gets the identity rule of
-  y − y(0), ∂ → (y − y(0)) / x, bounded by the function's slope; the constant y(0) keeps its share, as a bias does;
+  y − y(0), ∂ → (y − y(0)) / x, bounded by the function's slope; the constant y(0) keeps its share, as a bias does.
+  Where y(0) = 0 the ratio is y / x itself (0 at x = 0), bounded at any scale of x; elsewhere the divisor is
+  x + ε·sign(x), never below ε in size (``identity_divisor``);
 - a product of two tensors on the path (attention's QKᵀ and A·V, a gated MLP's product): the uniform rule, each
   factor's gradient divided by the number of factors on the path (eq. 7). A gate, the output of an activation with
   y(0) ≠ 0 (a squeeze-and-excitation block's x · σ(W s), CBAM's, ECA's), is held constant in a product with a
@@ -51,7 +53,7 @@ from ._lrp_rules import Gamma, stabilize
 from ._lrp_trace import ACTIVATIONS, ADDITIONS, ROUTING, SCALINGS, SUMS
 
 IDENTITY_EPSILON = 1e-10
-"""The identity rule's y / (x + ε), as lxt computes it."""
+"""The ε of the identity rule's (y − y(0)) / (x + ε·sign(x)) where y(0) ≠ 0 (lxt's ε; see ``identity_divisor``)."""
 GATES_FOLLOW = ROUTING
 """Functions whose result is a gate when their input is one (a gate reshaped, expanded or cast)."""
 
@@ -105,13 +107,25 @@ def ratio_of(numerator: Tensor, denominator: Tensor) -> Tensor:
     return numerator.div_(denominator).masked_fill_(denominator == 0, 0)
 
 
+def identity_divisor(inputs: Tensor, at_zero: Optional[float]) -> Tensor:
+    """The divisor of the identity rule's (y − y(0)) / x. Where y(0) = 0 (GELU, SiLU, hard swish, tanh), x itself:
+    y / x is then bounded by the function's slope at any scale of x, where lxt's y / (x + ε) shrinks the ratio of
+    activations far below ε (torchvision's EfficientNet-B0 with random weights, whose SiLU inputs are ~1e-14: the
+    relevance vanished, 6e-6 of the logit at the input instead of all of it). Elsewhere (y(0) ≠ 0, or None: not
+    finite or not known) x + ε·sign(x), at least ε in size: y − y(0) holds rounding errors (an ulp of y(0)) that a
+    tiny x would blow up, and lxt's x + ε is 0 at x = −ε (in torchvision's MobileNetV3 with random weights, hard swish
+    inputs near −1e-10 made the input's relevance 900 times the logit). x = 0 gives 0 (``ratio_of``)."""
+    return inputs if at_zero == 0.0 else stabilize(inputs, IDENTITY_EPSILON)
+
+
 class IdentityRule(torch.autograd.Function):
-    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · (y − y(0)) / (x + ε) (AttnLRP's identity rule,
-    of y − y(0) where y(0) ≠ 0), with y recomputed from the saved input (as the plain backward of GELU keeps its
-    input, so no more memory)."""
+    """Forward: the elementwise function, exactly; backward: ∂ → ∂ · (y − y(0)) / x (AttnLRP's identity rule, of
+    y − y(0) where y(0) ≠ 0; the divisor as ``identity_divisor`` gives it), with y recomputed from the saved input (as
+    the plain backward of GELU keeps its input, so no more memory). at_zero: y(0), None where it is not finite."""
 
     @staticmethod
-    def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor, at_zero: float = 0.0) -> Tensor:
+    def forward(ctx: Any, function: Callable[[Tensor], Tensor], inputs: Tensor,
+                at_zero: Optional[float] = 0.0) -> Tensor:
         ctx.function, ctx.at_zero = function, at_zero
         ctx.save_for_backward(inputs)
         return function(inputs)
@@ -123,17 +137,18 @@ class IdentityRule(torch.autograd.Function):
             values = ctx.function(inputs)
             if ctx.at_zero:
                 values = values.sub_(ctx.at_zero)
-            ratio = ratio_of(values, inputs + IDENTITY_EPSILON)
+            ratio = ratio_of(values, identity_divisor(inputs, ctx.at_zero))
         return None, ratio.mul_(gradient), None
 
 
 class IdentityOfValues(torch.autograd.Function):
     """Forward: ``output`` (an activation module's result, computed beside the graph); backward from it to
-    ``inputs``: ∂ · (output − y(0)) / (inputs + ε)."""
+    ``inputs``: ∂ · (output − y(0)) / inputs, the divisor as ``identity_divisor`` gives it."""
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, output: Tensor, at_zero: float = 0.0) -> Tensor:
-        ctx.save_for_backward(ratio_of(output - at_zero if at_zero else output.clone(), inputs + IDENTITY_EPSILON))
+    def forward(ctx: Any, inputs: Tensor, output: Tensor, at_zero: Optional[float] = 0.0) -> Tensor:
+        shifted = output - at_zero if at_zero else output.clone()
+        ctx.save_for_backward(ratio_of(shifted, identity_divisor(inputs, at_zero)))
         return output.view_as(output)
 
     @staticmethod
@@ -142,10 +157,11 @@ class IdentityOfValues(torch.autograd.Function):
         return gradient * ratio, None, None
 
 
-def value_at_zero(function: Callable[[Tensor], Tensor], like: Tensor) -> float:
+def value_at_zero(function: Callable[[Tensor], Tensor], like: Tensor) -> Optional[float]:
     """f(0) of an elementwise function of tensors like ``like``: computed on a one-element zero on the CPU, so no
-    device sync (on ``like``'s device where the call has another tensor argument that must be there). 0, the plain
-    identity rule, where f(0) is not finite (log, 1/x) or a one-element zero is not an input the function takes."""
+    device sync (on ``like``'s device where the call has another tensor argument that must be there). None, the
+    plain identity rule with its divisor kept from 0 (``identity_divisor``), where f(0) is not finite (log, 1/x) or a
+    one-element zero is not an input the function takes."""
     for zero in (torch.zeros(1, dtype=like.dtype), like.new_zeros(1)):
         try:
             value = function(zero)
@@ -153,11 +169,11 @@ def value_at_zero(function: Callable[[Tensor], Tensor], like: Tensor) -> float:
         except (RuntimeError, TypeError, ValueError, IndexError):
             continue
     else:
-        return 0.0
+        return None
     if not isinstance(value, Tensor) or value.numel() != 1:
-        return 0.0
+        return None
     number = float(value.reshape(()))
-    return number if math.isfinite(number) else 0.0
+    return number if math.isfinite(number) else None
 
 
 class ScaledGradient(torch.autograd.Function):

@@ -2,7 +2,9 @@
 backward pass per target, as input × a modified gradient (see ``explain.methods._attnlrp_rules`` for the rules).
 
 Same results as lxt 2.x (its "efficient" gradient × input mode, with zennit's γ rule for the linear layers when
-``linear_gamma`` / ``conv_gamma`` are given), without patching any module: the rules act on this call's forward pass
+``linear_gamma`` / ``conv_gamma`` are given; but for lxt's ε in the identity rule's y / (x + ε), left out where y(0) = 0
+and given x's sign elsewhere, ``_attnlrp_rules.identity_divisor``: ~1e-9 apart on a small DINOv2), without patching
+any module: the rules act on this call's forward pass
 only, through fused attention kernels too (only the query, key and value gradients are rescaled, so no
 (N, heads, T, T) matrix is made), on any model built from torch functions: ViT, DeiT, DINOv2 with registers, CLIP and
 SigLIP towers, Swin's window attention, hybrids with convolutional stems, and CNNs.

@@ -506,8 +506,7 @@ class GenerationExplainer:
             skip_hidden = skip_special_tokens and generated
             explained = self._explained_positions(ids, skip_hidden)
             if not explained:
-                raise ValueError("the answer has no token to explain (the model generated only special tokens, "
-                                 "which the decoded answer hides): give an answer text, or raise max_new_tokens.")
+                raise ValueError(self._nothing_to_explain(ids, max_new_tokens))
             texts = self.token_texts(ids, skip_special_tokens=skip_hidden)
             targets = self._targets(explained, texts, spans)
             pieces = self._target_pieces(ids, targets)
@@ -546,6 +545,23 @@ class GenerationExplainer:
         active = [f"{name}={getattr(config, name)!r}" for name, value in neutral.items()
                   if getattr(config, name, None) not in (value, None)]
         return ", ".join(active)
+
+    def _nothing_to_explain(self, ids: Tensor, max_new_tokens: int) -> str:
+        """Why a generated answer of only hidden tokens (``ids``) has no target, and how to go on: a larger
+        ``max_new_tokens`` only where generation stopped at it, not where the model ended its answer itself (its
+        end of sequence first)."""
+        pieces = ", ".join(f"{piece or '∅'} (id {int(token)})"
+                           for piece, token in zip(self.token_pieces(ids[:4]), ids[:4]))
+        generated = f"{pieces}{', ...' if ids.numel() > 4 else ''}"
+        special = "skip_special_tokens=False to explain the special tokens themselves"
+        if ids.numel() < max_new_tokens:  # generation stopped on its own: the end of sequence (or a stop string)
+            return (f"the answer has no token to explain: the model generated only special tokens, which the decoded "
+                    f"answer hides ({generated}), and ended its answer there, before max_new_tokens="
+                    f"{max_new_tokens}, so a larger max_new_tokens gives the same answer: give an answer text "
+                    f"(answer=...), or pass {special}.")
+        return (f"the answer has no token to explain: the model generated only special tokens, which the decoded "
+                f"answer hides ({generated}), up to max_new_tokens={max_new_tokens}: give an answer text, or raise "
+                f"max_new_tokens (or pass {special}).")
 
     def _explained_positions(self, ids: Tensor, skip_hidden: bool) -> list[int]:
         """The answer positions that get a target: all, or with ``skip_hidden`` those the decoded answer shows."""

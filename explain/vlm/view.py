@@ -175,8 +175,11 @@ def display_maps(explanation: Explanation, signed: Optional[bool] = None, cmap: 
 
     signed: draw the maps, in [-1, 1], with the diverging colour map ``render.DIVERGING_CMAP`` (0 at the middle,
     value (m + 1) / 2); None: when some map value is negative. Otherwise the maps, in [0, 1], with ``cmap``.
+    The maps are those every drawing of the explanation shows (``Explanation.drawn_map_grid``): maps that are not
+    normalised (``normalize=None``: raw values of 1e-5 would be drawn as nothing) scaled to their own largest
+    |value|, with a warning at the caller's line.
     """
-    maps = explanation.map_grid[0].detach().float().cpu().nan_to_num(0.0)
+    maps = explanation.drawn_map_grid()[0]
     if signed is None:
         signed = bool((maps < 0).any())
     if signed:

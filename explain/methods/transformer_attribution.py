@@ -33,7 +33,7 @@ from ..core.targets import SelectedTargets, Target, select_targets
 from ..core.windows import WindowPartition, spread_to_grid
 from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from ._chefer_rules import CheferRules, CheferScope, OneImageAtATime
-from .attention import AttentionMethod, Recorded
+from .attention import AttentionMethod, Recorded, without_autocast
 from .maps import Attribution
 from .passes import autocast_dtype, reduced_precision
 from .registry import register
@@ -71,14 +71,16 @@ class RelevanceWeightedRollout(AttentionMethod):
         selected.scores = selected.scores.detach()
         at_least = torch.promote_types(batch.dtype, torch.float32) if batch.is_floating_point() else torch.float32
         if recorded.partitions is not None:
-            grid_maps = self._window_rollout(relevances, gradients, recorded.partitions, first, batch.shape[0],
-                                             at_least)
+            with without_autocast(batch.device):  # the products over the blocks: not in the caller's bfloat16
+                grid_maps = self._window_rollout(relevances, gradients, recorded.partitions, first, batch.shape[0],
+                                                 at_least)
             # 0 on pixels the patch embedding never reads
             maps = stage_layout(self.model, recorded.partitions[0].grid, batch.shape[-2:]).to_input(
                 grid_maps, batch.shape[-2:])
         else:
             layout = recorded.token_layout
-            rolled = self._rollout(relevances, gradients, at_least)
+            with without_autocast(batch.device):  # the products over the blocks: not in the caller's bfloat16
+                rolled = self._rollout(relevances, gradients, at_least)
             grid_maps = layout.apply(self._token_row(rolled, layout).transpose(1, 2))  # (N, K, h, w)
             maps = layout.to_input(grid_maps, batch.shape[-2:])  # 0 on pixels the patch embedding never reads
         return Attribution(maps=maps, selected=selected, low_res_maps=[grid_maps], zero_gradient=zero_gradient,

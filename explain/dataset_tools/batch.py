@@ -25,6 +25,8 @@ Output folder layout:
                              a second run into the folder at the same time is refused
     OUT/index.rank<R>.csv    each process's rows when run under torchrun (merged into index.csv)
     OUT/skipped.rank<R>.csv  each process's skipped files under torchrun (merged into skipped.csv)
+    OUT/run.rank<R>.json     the record of a torchrun process other than rank 0, against which a resume
+                             is checked until rank 0 has written run.json (removed at the merge)
 
 The index's columns: ``target`` the class explained (its name ``class_name``, the model's ``score``
 for it and its ``probability``, as ``confidence``), row ``k`` of the image's ``targets`` = K rows, ``map`` the
@@ -133,6 +135,7 @@ from .index import (
     _indexes,
     _maps_file_prefix,
     _remove_unlisted_maps,
+    _rows_with_maps,
     append_rows,
     index_line_ending,
     read_index,
@@ -1100,7 +1103,7 @@ def _merge_shard_indexes(out: Path) -> Path:
     index_path = out / "index.csv"
     notes: list[str] = []
     existing = _complete_rows(index_path, notes)
-    present = {row["id"] for row in existing}
+    present = {row["id"] for row in _rows_with_maps(out, existing)[0]}  # not an image whose maps file is missing
     shards = [index for index in _indexes(out) if index != index_path]
     rows: list[dict[str, str]] = []
     for shard_index in shards:  # each image once, also where two ranks' files hold it (another world size)
@@ -1108,6 +1111,8 @@ def _merge_shard_indexes(out: Path) -> Path:
         new_ids = {row["id"] for row in shard_rows} - present
         rows.extend(row for row in shard_rows if row["id"] in new_ids)
         present |= new_ids
+    replaced = {row["id"] for row in rows}  # rows of the index whose maps file is missing, a shard's now
+    existing = [row for row in existing if row["id"] not in replaced]
     for note in notes:
         warn_at_callers_line(note)
 
@@ -1123,6 +1128,10 @@ def _merge_shard_indexes(out: Path) -> Path:
     _merge_skipped(out)
     for shard_index in shards:
         shard_index.unlink()
+    if (out / RUN_RECORD).exists():  # the ranks' records, checked until rank 0 had written run.json
+        for rank_record in out.glob("run.rank*.json"):
+            if re.fullmatch(r"run\.rank\d+\.json", rank_record.name):
+                rank_record.unlink()
     return index_path
 
 

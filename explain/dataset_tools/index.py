@@ -153,9 +153,35 @@ def _done_ids(out: Path, own_index: Path, notes: list[str]) -> tuple[set[str], s
         with open(index, "rb") as file:
             _refuse_an_earlier_index(index, file.readline())
     rows = _complete_rows(own_index, notes)
-    for index in others:
-        rows += read_index(index)
-    return {row["id"] for row in rows}, {row["map"] for row in rows}
+    kept, lost = _rows_with_maps(out, rows)
+    if lost:  # its maps files deleted: the images are explained again, their rows removed so that none is twice
+        kept_ids = {row["id"] for row in kept}
+        lines = own_index.read_bytes().splitlines(keepends=True)
+        write_atomically(own_index, lambda temporary: temporary.write_bytes(b"".join(
+            [lines[0]] + [line for line, row in zip(lines[1:], rows) if row["id"] in kept_ids])))
+        notes.append(_missing_maps_note(own_index, rows, lost))
+    for index in others:  # another process's rows: its images are not done where their maps file is missing
+        kept += _rows_with_maps(out, read_index(index))[0]
+    return {row["id"] for row in kept}, {row["map"] for row in kept}
+
+
+def _rows_with_maps(out: Path, rows: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+    """The rows of the images whose maps file is in the folder ``out``, and the maps files that are not (deleted
+    by hand), in the order their rows name them."""
+    present: dict[str, bool] = {}
+    for row in rows:
+        if row["map"] not in present:
+            present[row["map"]] = (out / row["map"]).is_file()
+    missing_ids = {row["id"] for row in rows if not present[row["map"]]}
+    return [row for row in rows if row["id"] not in missing_ids], [name for name, there in present.items()
+                                                                    if not there]
+
+
+def _missing_maps_note(index: Path, rows: list[dict[str, str]], lost: list[str]) -> str:
+    """What a resumed run says when maps files that its index names are missing."""
+    images = len({row["id"] for row in rows if row["map"] in set(lost)})
+    return (f"{len(lost)} maps file(s) that {display_name(index)} names are missing (deleted?), e.g. {lost[0]}: "
+            f"the rows of their {images} image(s) were removed from it, and those images are explained again.")
 
 
 def _maps_file_prefix(shard: Shard) -> str:

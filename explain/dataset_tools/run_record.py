@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -266,6 +267,11 @@ def _check_and_record_run(out: Path, record: RunRecord, shard: Shard, done: Coll
             differences = record.differences(earlier, done)
             if differences:
                 raise ValueError(_refusal(out, record, earlier, differences))
+        else:  # no run.json (yet): the ranks of a torchrun run whose rank 0 has not written it say how they explained
+            for rank_path, rank_record in _rank_records(out):
+                differences = record.differences(rank_record, done)
+                if differences:
+                    raise ValueError(_refusal(out, record, rank_record, differences, display_name(rank_path.name)))
         if earlier is not None:  # (none: a folder written before run.json, or a rank of a run whose rank 0 is late)
             unchecked = [(what, same) for what, same, value in (
                 ("the model", "by this run's model", earlier.model),
@@ -278,7 +284,9 @@ def _check_and_record_run(out: Path, record: RunRecord, shard: Shard, done: Coll
                              f"explained {how}. It takes them as such and records its own from now on; if they were "
                              "not, give another output folder.")
             record = replace(earlier, model=earlier.model or record.model, data=_merged_data(earlier.data, record.data))
-    if shard.rank == 0:
+    if shard.rank != 0:  # rank 0 writes run.json; another rank's record is checked until it has
+        path = out / rank_record_name(shard.rank)
+    if shard.rank == 0 or shard.world_size > 1:
         text = record.to_text()
         try:
             unchanged = path.read_text(encoding="utf-8") == text
@@ -289,8 +297,30 @@ def _check_and_record_run(out: Path, record: RunRecord, shard: Shard, done: Coll
     return notes
 
 
-def _refusal(out: Path, record: RunRecord, earlier: RunRecord, differences: list[str]) -> str:
-    """The error of a resumed run that differs from the earlier one: what differs, and what to do."""
+def rank_record_name(rank: int) -> str:
+    """The record a rank other than 0 of a torchrun run writes (rank 0 writes run.json): run.rank<R>.json."""
+    return f"run.rank{rank}.json"
+
+
+def _rank_records(out: Path) -> list[tuple[Path, RunRecord]]:
+    """The records of the ranks other than 0 in ``out`` (``rank_record_name``), by rank; ValueError for one that
+    is not a run record."""
+    found = sorted(path for path in out.glob("run.rank*.json") if re.fullmatch(r"run\.rank\d+\.json", path.name))
+    records = []
+    for path in found:
+        try:
+            records.append((path, RunRecord.from_json(json.loads(path.read_text(encoding="utf-8")),
+                                                      display_name(path))))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{display_name(path)} is not a run record ({error_line(error)}); delete it, and the "
+                             "index of its rank if it was not written by this run.") from error
+    return records
+
+
+def _refusal(out: Path, record: RunRecord, earlier: RunRecord, differences: list[str],
+             source: str = RUN_RECORD) -> str:
+    """The error of a resumed run that differs from the earlier one (as ``source``, the file, records it): what
+    differs, and what to do."""
     def differ(*starts: str) -> bool:
         return any(line.startswith(starts) for line in differences)
 
@@ -302,7 +332,7 @@ def _refusal(out: Path, record: RunRecord, earlier: RunRecord, differences: list
         mixing, keep = "maps made two ways", "settings"
     else:
         mixing, keep = "maps of other images under the same names", "images"
-    text = (f"{display_name(out)} holds images explained by another run, as {RUN_RECORD} records: "
+    text = (f"{display_name(out)} holds images explained by another run, as {source} records: "
             f"{'; '.join(differences)}. Images already done are not explained again, so the folder would mix {mixing} "
             f"in one index. Resume with the earlier run's {keep}, or give another output folder; to start over in "
             "this one, delete it first.")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.caller import warn_at_callers_line
 from ..core.capture import model_device, model_dtype, model_input_channels, preserved_model_state
 from ..core.targets import OutputSelector, Target, class_probabilities, select_output, select_targets
 from ..io.explanation import Explanation
@@ -97,6 +98,9 @@ def check_boxes(boxes: Tensor, size: Sequence[int]) -> Tensor:
     0 ≤ y0 ≤ y1 ≤ H − 1. Normalised coordinates (fractions in [0, 1]) are an error that says
     to scale them: they are never guessed."""
     height, width = size
+    if boxes.dtype == torch.bool or boxes.is_complex():
+        raise ValueError(f"boxes must be pixel coordinates (x0, y0, x1, y1), whole numbers; got {short_repr(boxes)}. "
+                         "A mask is (N, H, W), at the maps' size.")
     for index, box in enumerate(boxes.tolist()):
         shown = f"box {index} ({', '.join(f'{value:g}' for value in box)})"
         if not all(math.isfinite(value) for value in box):
@@ -281,6 +285,27 @@ def decisions(scores: Tensor) -> Tensor:
     return (scores[:, 0] > 0).long() if scores.shape[1] == 1 else scores.argmax(dim=1)
 
 
+PROBABILITY_TOLERANCE = 1e-3
+"""How far from 1 a row of class scores may sum (float16 rounding) and still be read as probabilities."""
+
+
+def warn_if_probabilities(scores: Tensor) -> None:
+    """Warn, at the caller's line, where (R, C) scores with C ≥ 2 already are probabilities (every row in [0, 1],
+    summing to 1): the model applies its own softmax, and the softmax taken again for ``score="probability"`` is
+    nearly uniform (≈ 1 / C whatever the input), so every map would score about the same. The message holds no
+    numbers, so that Python's default filter shows it once per calling line."""
+    if scores.dim() != 2 or scores.shape[1] < 2 or scores.shape[0] == 0:
+        return
+    in_range = bool(((scores >= 0) & (scores <= 1)).all())
+    if in_range and bool(((scores.double().sum(dim=1) - 1).abs() <= PROBABILITY_TOLERANCE).all()):
+        warn_at_callers_line(
+            "the model's outputs already are probabilities (each row in [0, 1], summing to 1: the model applies "
+            "its own softmax), and score='probability' takes their softmax again, which is nearly uniform "
+            "(about 1 / classes whatever the input): every map would score about the same. Give the model without "
+            "its final softmax (its logits), or, where the metric takes it, score='logit' to score its outputs as "
+            "they are.")
+
+
 def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, batch_size: int,
                  output_selector: OutputSelector = None) -> Tensor:
     """(R,) score of ``classes[r]`` on row r of ``batch``: "probability" (``explain.core.targets.class_probabilities``:
@@ -294,6 +319,7 @@ def class_scores(model: nn.Module, batch: Tensor, classes: Tensor, score: str, b
             rows = batch[start : start + batch_size]
             output = model_scores(model(rows), output_selector, rows.shape[0]).float()
             if score == "probability":
+                warn_if_probabilities(output)
                 output = class_probabilities(output)
             results.append(output.gather(1, classes[start : start + batch_size, None].to(output.device))[:, 0])
     return torch.cat(results)

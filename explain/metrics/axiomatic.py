@@ -45,6 +45,7 @@ from ._common import (
     model_scores,
     run_model,
     short_repr,
+    warn_if_probabilities,
 )
 
 Baseline = Union[str, float, Tensor]
@@ -112,6 +113,8 @@ def _classes_and_scores(model: nn.Module, batch: Tensor, source: MapsLike, targe
                          "per image, not a callable or several targets.")
     classes = selected.class_indices[:, 0].to(batch.device)
     check_explained_classes(source, classes)
+    if score == "probability":
+        warn_if_probabilities(logits)
     values = class_probabilities(logits) if score == "probability" else logits
     return classes, values.gather(1, classes[:, None])[:, 0]
 

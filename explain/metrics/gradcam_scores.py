@@ -124,6 +124,7 @@ def arcc(
         maps = explainer.explain(batch, target)
     heat = as_maps(maps, batch.shape[-2:]).to(batch.device)
     check_count(heat.shape[0], "maps", batch.shape[0], "images")
+    check_unit_maps(heat)
     classes = fixed_classes(model, batch, maps, target, explainer.output)
     again = as_maps(explainer.explain(batch * heat[:, None].to(batch.dtype), classes.tolist()),
                     batch.shape[-2:]).to(batch.device)
@@ -134,6 +135,20 @@ def arcc(
     scaled_road = (2 * combined).clamp(0, 1)
     harmonic = 3 / (1 / (coherency + 1e-8) + 1 / (1 - complexity + 1e-8) + 1 / (scaled_road + 1e-8))
     return ARCC(complexity=complexity, coherency=coherency, road=combined, arcc=harmonic)
+
+
+def check_unit_maps(heat: Tensor) -> None:
+    """Refuse (N, H, W) maps with a value beyond [−1, 1], naming them: ARCC's complexity, the mean |map|, would
+    exceed 1 and its 1 − complexity turn negative, so that the harmonic mean leaves [0, 1] without a word."""
+    beyond = heat.abs().flatten(1).amax(dim=1) > 1 + 1e-6
+    if bool(beyond.any()):
+        indices = beyond.nonzero()[:, 0].tolist()
+        named = ", ".join(map(str, indices[:8])) + (" and more" if len(indices) > 8 else "")
+        raise ValueError(
+            f"arcc takes maps in [0, 1], but map{'s' if len(indices) > 1 else ''} {named} reach"
+            f"{'' if len(indices) > 1 else 'es'} beyond it (values in [{float(heat.min()):.3g}, "
+            f"{float(heat.max()):.3g}]): the complexity, mean |map|, would exceed 1 and ARCC leave [0, 1]. Give "
+            "the Explanation (its normalised maps), or maps scaled to [0, 1], e.g. m.clamp_min(0) / m.amax().")
 
 
 def pearson(first: Tensor, second: Tensor) -> Tensor:

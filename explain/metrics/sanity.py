@@ -136,26 +136,36 @@ def seeded_rng(seed: int) -> Iterator[None]:
 def reinitialize(module: nn.Module, generator_seed: int) -> None:
     """Re-initialise every parameter (and BatchNorm statistics) of a module, seeded: each submodule's own
     ``reset_parameters`` (``_reset_parameters`` for nn.MultiheadAttention) where it has one, else its own
-    parameters drawn afresh (``reinitialize_free_parameters``)."""
+    parameters drawn afresh (``reinitialize_free_parameters``). A parameter that the reset leaves untouched is
+    drawn afresh too: ``torch.nn.utils.weight_norm``'s ``weight_g`` / ``weight_v`` and ``spectral_norm``'s
+    ``weight_orig``, from which the forward recomputes the ``weight`` that ``reset_parameters`` re-initialises
+    in vain."""
     with seeded_rng(generator_seed):
         for submodule in module.modules():
-            if isinstance(submodule, _ResetsParameters):  # hasattr(submodule, "reset_parameters")
-                submodule.reset_parameters()
-            elif isinstance(submodule, nn.MultiheadAttention):  # its reset is private
-                submodule._reset_parameters()
+            if isinstance(submodule, (_ResetsParameters, nn.MultiheadAttention)):
+                own = {name: (parameter._version, parameter.detach().clone())
+                       for name, parameter in submodule.named_parameters(recurse=False)}
+                if isinstance(submodule, _ResetsParameters):  # hasattr(submodule, "reset_parameters")
+                    submodule.reset_parameters()
+                else:  # nn.MultiheadAttention: its reset is private
+                    submodule._reset_parameters()
+                reinitialize_free_parameters(submodule, [
+                    name for name, parameter in submodule.named_parameters(recurse=False)
+                    if name in own and parameter._version == own[name][0] and torch.equal(parameter, own[name][1])])
             else:
                 if isinstance(submodule, _ResetsRunningStats):
                     submodule.reset_running_stats()
                 reinitialize_free_parameters(submodule)
 
 
-def reinitialize_free_parameters(module: nn.Module) -> None:
-    """Draw the module's own parameters (not its children's) afresh from N(0, FREE_PARAMETER_STD²) truncated at
-    ±2 std, from torch's generator."""
+def reinitialize_free_parameters(module: nn.Module, names: Optional[Sequence[str]] = None) -> None:
+    """Draw the module's own parameters (not its children's; only those ``names`` when given) afresh from
+    N(0, FREE_PARAMETER_STD²) truncated at ±2 std, from torch's generator."""
     with torch.no_grad():
-        for parameter in module.parameters(recurse=False):
-            nn.init.trunc_normal_(parameter, std=FREE_PARAMETER_STD, a=-2 * FREE_PARAMETER_STD,
-                                  b=2 * FREE_PARAMETER_STD)
+        for name, parameter in module.named_parameters(recurse=False):
+            if names is None or name in names:
+                nn.init.trunc_normal_(parameter, std=FREE_PARAMETER_STD, a=-2 * FREE_PARAMETER_STD,
+                                      b=2 * FREE_PARAMETER_STD)
 
 
 def _magnitude(maps: Tensor) -> Tensor:

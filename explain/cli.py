@@ -572,14 +572,14 @@ def run_concepts(argv: Sequence[str]) -> int:
     import matplotlib.pyplot as plt
 
     from .io.inputs import folder_images
-    from .methods.concepts import ConceptRelevance, concept_references, glocal_figure
+    from .methods.concepts import ConceptRelevance, concept_references, glocal_figure, relevance_method_for
 
     parser = Parser(prog="explain concepts", description="Concept Relevance Propagation: for each image, the layer's "
                     "concepts (channels) most relevant to the prediction, where each looked, and (with --references) "
                     "the patches of a folder of images where each concept mattered most. Writes one figure per image.")
     parser.add_argument("images", nargs="+", help="image files; or one folder: build its concept atlas in --out")
     _add_model_options(parser)
-    parser.set_defaults(method="lrp")
+    parser.set_defaults(method=None)  # lrp, or attnlrp for a transformer (relevance_method_for)
     parser.add_argument("--concepts", type=positive_int, help="concepts per image (default 4)")
     parser.add_argument("--references", metavar="FOLDER", help="a folder of images to find reference patches in")
     parser.add_argument("--top", type=positive_int, default=4, help="reference patches per concept (default 4)")
@@ -589,7 +589,7 @@ def run_concepts(argv: Sequence[str]) -> int:
     parser.add_argument("--shard", metavar="I/N", help="atlas: compute only batches b with b %% N == I (merge with a "
                         "run without --shard)")
     arguments = parser.parse_args(argv)
-    if arguments.method not in ("lrp", "attnlrp"):
+    if arguments.method not in (None, "lrp", "attnlrp"):
         raise ValueError(f"explain concepts propagates relevance with --method lrp or attnlrp; got {arguments.method}.")
     if arguments.layer is None:
         raise ValueError("explain concepts needs --layer: the layer whose channels are the concepts (see "
@@ -597,6 +597,8 @@ def run_concepts(argv: Sequence[str]) -> int:
     if arguments.topk is not None or arguments.instances is not None:
         raise ValueError("explain concepts explains one class per image: --topk and --instances do not apply.")
     loaded = load_from_arguments(arguments)
+    if arguments.method is None:
+        arguments.method = relevance_method_for(loaded)
     options = dict(parse_option(text, get_method(arguments.method)) for text in arguments.option)
     if len(arguments.images) == 1 and Path(arguments.images[0]).is_dir():
         given = [option for option, value in (("--target", arguments.target), ("--concepts", arguments.concepts),

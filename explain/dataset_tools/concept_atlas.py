@@ -58,6 +58,7 @@ from ..methods.concepts import (
     _largest_activations,
     _layer_output,
     _uint8,
+    relevance_method_for,
 )
 from ..methods.signatures import setting_text
 from .batch import _broken_link_reason as broken_link_reason
@@ -186,14 +187,15 @@ def _option_text(value: Any) -> str:
 
 
 def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[str, Path, Sequence[Union[str, Path]]],
-                out: Union[str, Path], *, method: Union[str, Explainer] = "lrp", top: int = 8, batch_size: int = 32,
+                out: Union[str, Path], *, method: Union[str, Explainer] = "auto", top: int = 8, batch_size: int = 32,
                 shard: Optional[tuple[int, int]] = None, progress: bool = True, **method_options: Any
                 ) -> Optional[Atlas]:
     """The concept atlas of ``layer`` over the images of ``data`` (a folder, read recursively, or a list of files),
     written to ``out`` (see the module docstring). top: references per concept; batch_size: images per pass.
     Returns the Atlas, or None for a shard's call (the merge is a call without ``shard``).
 
-    method: "lrp" or "attnlrp" (``ConceptRelevance``), its options in ``method_options``; or an LRP / AttnLRP
+    method: "auto" (AttnLRP for a transformer, else LRP; recorded as the one chosen), "lrp" or "attnlrp"
+    (``ConceptRelevance``), its options in ``method_options``; or an LRP / AttnLRP
     explainer built on ``model`` (its composite, options and preprocessing are used; ``method_options`` then holds
     only ConceptRelevance's own, ``directions`` or ``channel_dim``). The record (OUT/atlas-record.json) keeps a name
     as given, with its options; an explainer by its registered name ("lrp") and its settings (``setting_text``: its
@@ -201,6 +203,8 @@ def build_atlas(model: Union[nn.Module, LoadedModel], layer: str, data: Union[st
     explainer of the same class and options (a new one will do) for an atlas begun with one, the same name and
     options for one begun with a name; any other method is refused, saying what differs. A class (``LRP``), an
     explainer built on another model, or anything else is refused before anything is written."""
+    if isinstance(method, str) and method == "auto":
+        method = relevance_method_for(model)
     if inspect.isclass(method):
         name = getattr(method, "name", "") or "lrp"
         raise ValueError(f"method is the class {method.__name__}: give its name (method={name!r}, with its options "

@@ -9,7 +9,7 @@ relevance R_c (the layer's relevance summed over channel c) ranks the concepts f
 linear in the relevance they pass on, so the conditional maps of all concepts of a layer sum to the unconditional map
 (conservation over concepts).
 
-    crp = explain.ConceptRelevance(model, "layer3")                  # LRP with its default composite
+    crp = explain.ConceptRelevance(model, "layer3")                  # LRP (AttnLRP for a transformer), default rules
     e = crp.explain(image, concepts=4)                               # the 4 most relevant channels of layer3
     e.class_indices, e.scores                                        # (N, 4) their channels, their relevance R_c
     e.figure()                                                       # one conditional heatmap per concept
@@ -116,6 +116,20 @@ def _concept_dim(output: Tensor, channel_dim: Optional[int], layer: nn.Module, n
     return 1
 
 
+def relevance_method_for(model: Union[nn.Module, LoadedModel]) -> str:
+    """The method ``ConceptRelevance(method="auto")`` propagates relevance with: "attnlrp" where the model holds a
+    layer norm or an attention module (a ViT, a Swin, a ConvNeXt's LayerNorm2d), which LRP has no rule for (its map
+    would not be LRP, and it warns so), else "lrp"."""
+    module = loaded_model_parts(model)[0]
+    if not isinstance(module, nn.Module):
+        return "lrp"  # (the explainer refuses it)
+    for submodule in module.modules():
+        if isinstance(submodule, (nn.LayerNorm, nn.MultiheadAttention)) or type(submodule).__name__.endswith(
+                ("Attention", "SelfAttention", "RMSNorm")):
+            return "attnlrp"
+    return "lrp"
+
+
 def _one_layer(model: nn.Module, layer: Any, caller: str) -> tuple[str, nn.Module]:
     """The one layer ``layer`` selects (a name, a glob, a module or a module type) and its name in the model; a clear
     error where it selects several (a glob or a type would otherwise silently mean the first of them)."""
@@ -171,8 +185,9 @@ class ConceptRelevance:
 
     model: a module or ``explain.load_model``'s result. layer: the layer whose output holds the concepts (a name
     of ``model.named_modules()``, the module itself, or a glob or module type that selects exactly one layer).
-    method: "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model (its composite and options are
-    used). channel_dim: the dimension of the layer's output that indexes the
+    method: "auto" (default: AttnLRP for a model with layer norms or attention, a transformer's, else LRP;
+    ``relevance_method_for``), "lrp" or "attnlrp", or an LRP / AttnLRP explainer built on the model (its composite and
+    options are used). channel_dim: the dimension of the layer's output that indexes the
     concepts (None: 1 for (N, C, ...) feature maps and (N, D) vectors, the last for (N, T, D) tokens and for
     (N, h, w, C) channels-last maps such as Swin's stages; 0, the batch, is refused).
     directions: None (each channel is a concept) or (K, C) orthonormal rows, each a concept (see the module
@@ -180,9 +195,11 @@ class ConceptRelevance:
     named.
     """
 
-    def __init__(self, model: Union[nn.Module, LoadedModel], layer: LayerSpec, method: Union[str, Explainer] = "lrp", *,
-                 channel_dim: Optional[int] = None, directions: Optional[Tensor] = None, batch_size: int = 16,
+    def __init__(self, model: Union[nn.Module, LoadedModel], layer: LayerSpec, method: Union[str, Explainer] = "auto",
+                 *, channel_dim: Optional[int] = None, directions: Optional[Tensor] = None, batch_size: int = 16,
                  **method_options: Any):
+        if isinstance(method, str) and method == "auto":
+            method = relevance_method_for(model)
         if isinstance(method, str):
             explainer = get_method(method)(model, **method_options)
         else:

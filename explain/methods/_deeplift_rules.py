@@ -118,6 +118,11 @@ VALUE_READS = torch_functions("item", "tolist", "numpy", "__bool__", "__float__"
 PLAIN = object()
 """What a rule returns for a call to be computed as it is."""
 
+GRADIENTS_OFF = ("and what follows it there: computed with gradients off, inside a custom torch.autograd.Function "
+                 "(whose own backward gives the gradient, as in timm's memory-efficient SwishMe, HardSwishMe, MishMe) "
+                 "or a torch.no_grad() block, where DeepLIFT's rules cannot reach the gradient")
+"""Why a call on the input's path computed while autograd records nothing gets no rule."""
+
 
 @dataclass
 class _Call:
@@ -221,6 +226,8 @@ class DeepLiftRules(Rule):
         self.explaining = False
         self.position = 0
         self.unruled: dict[str, str] = {}
+        self.gradients_off: set[str] = set()
+        """The modules that computed on the input's path with gradients off (named once each in ``unruled``)."""
         self.mode: Optional[CallRules] = None
         """The mode this rule is in: entered again to compute a function step by step."""
         self.paused = False
@@ -333,6 +340,14 @@ class DeepLiftRules(Rule):
               values: list[Tensor], in_place: bool) -> Any:
         """The call computed with its rule (on the baselines' forward: plainly, with what the rule of the
         images' forward needs recorded); ``PLAIN`` where it is to be computed plainly."""
+        if not torch.is_grad_enabled():  # the model's own no-grad block, or a custom autograd.Function's forward
+            result = func(*args, **kwargs)
+            module = calling_module(self.module_names) or "model"
+            if self.explaining and module not in self.gradients_off and any(
+                    tensor.is_floating_point() for tensor in tensors_in(result)):
+                self.gradients_off.add(module)  # one entry per module: a custom function runs several steps
+                self._no_rule(func, GRADIENTS_OFF)
+            return result
         composite = COMPOSITES.get(func)
         if composite is not None:
             assert self.mode is not None, "deeplift_rules gives the rule its mode"

@@ -34,7 +34,8 @@ is named in one warning per call, as the summation may then fail there. No modul
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Union
+import contextlib
+from typing import ClassVar, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -52,6 +53,25 @@ from .passes import checked_batch_size
 from .registry import register
 
 # ------------------------------------------------------------------ the methods
+
+
+@contextlib.contextmanager
+def checkpoints_refused(method: str) -> Iterator[None]:
+    """Within the block, a non-reentrant ``torch.utils.checkpoint`` in the model raises, saying why: it recomputes its
+    block during the backward pass with the model's plain functions and hands their saved tensors to DeepLIFT's rules
+    (SiLU's input as the multipliers: attributions that do not sum to the score change, or torch's CheckpointError).
+    Where the caller's own saved-tensor hooks are active (``torch.autograd.graph.save_on_cpu``), they are left so."""
+    scope = contextlib.ExitStack()
+    try:
+        scope.enter_context(torch.autograd.graph.disable_saved_tensors_hooks(
+            f"{method} cannot follow the model through torch.utils.checkpoint: the model's forward calls it (timm's "
+            "and HuggingFace's checkpointing flags are switched off during a call already), and a checkpoint "
+            "recomputes its block during the backward pass without DeepLIFT's rules. Call the block without "
+            "checkpoint while explaining, or explain with IntegratedGradients."))
+    except RuntimeError:  # hooks of the caller's are active: disabling them would refuse the caller's own
+        pass
+    with scope:
+        yield
 
 
 @register
@@ -104,7 +124,8 @@ class DeepLift(GradientExplainer):
         gets the functions that had no rule, with why."""
         rows = len(inputs)
         module_names = {id(module): name for name, module in self.model.named_modules()}
-        with torch.enable_grad():  # both forwards alike: models take other paths without a graph
+        # both forwards with a graph alike (models take other paths without one)
+        with torch.enable_grad(), checkpoints_refused(self.method_name):
             images = inputs.detach().requires_grad_(True)
             references = baselines.detach().requires_grad_(True)
             with deeplift_rules(self.eps, module_names) as rules:

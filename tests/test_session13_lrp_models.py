@@ -8,18 +8,13 @@ EfficientNet-B0: 6e-6 of the logit at the input). Now y / x where y(0) = 0, and 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 import warnings
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 import torchvision
 import transformers
+from test_attnlrp import lxt_efficient, restored  # noqa: F401 (a fixture)
 from torch import Tensor, nn
 
 import explain
@@ -131,41 +126,10 @@ def test_torchvision_cnns_with_tiny_activations_conserve_relevance_with_attnlrp(
 # ------------------------------------------------------------------ lxt 2.x, the authors' library, on DINOv2
 
 
-@contextmanager
-def restored(*attributes: tuple[object, str]) -> Iterator[None]:
-    """Each (owner, name) set back as found when the block ends (deleted if it was not there): lxt patches classes
-    and modules globally."""
-    missing = object()
-    saved = [(owner, name, vars(owner).get(name, missing)) for owner, name in attributes]
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            if value is missing:
-                if name in vars(owner):
-                    delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
 @pytest.fixture
-def lxt_patches():
-    """lxt.efficient.patches, imported without the package __init__ (its model patches fail to import with
-    transformers 5); its modules are removed again afterwards."""
-    spec = importlib.util.find_spec("lxt")
-    if spec is None or spec.origin is None:
-        pytest.skip("lxt is needed")
-    before = set(sys.modules)
-    if "lxt.efficient" not in sys.modules:
-        package = types.ModuleType("lxt.efficient")
-        package.__path__ = [str(Path(spec.origin).parent / "efficient")]
-        sys.modules["lxt.efficient"] = package
-    try:
-        yield importlib.import_module("lxt.efficient.patches")
-    finally:
-        for name in set(sys.modules) - before:
-            if name.startswith("lxt.efficient"):
-                del sys.modules[name]
+def lxt_patches(lxt_efficient):  # noqa: F811 (test_attnlrp's fixture, imported above)
+    """lxt.efficient.patches (``test_attnlrp.lxt_efficient``: imported without lxt's package __init__)."""
+    return lxt_efficient("patches")
 
 
 def hf_dinov2(implementation: str) -> nn.Module:

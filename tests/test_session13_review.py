@@ -51,3 +51,29 @@ def test_concept_relevance_of_a_transformer_uses_attnlrp_unless_told_and_its_con
     assert isinstance(explain.ConceptRelevance(resnet18(num_classes=3), "layer3").explainer, explain.LRP)
     with pytest.warns(RuntimeWarning, match="no rule for"):  # told LRP, it is LRP, and still says what it lacks
         explain.ConceptRelevance(vit, "blocks.1", "lrp").explain(image, target=1, concepts=2)
+
+
+def test_a_resume_says_which_images_of_its_index_are_no_longer_in_the_folder_and_keeps_them(tmp_path, monkeypatch):
+    """Before, a resume after an image was removed from the folder said "2 already done" and nothing else, while
+    the index, the report and the strategies kept showing 3 images."""
+    from PIL import Image
+
+    from explain.cli import main
+    from explain.data import make_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for number, image in enumerate(make_dataset(3, seed=1).images):
+        Image.fromarray(image).save(tmp_path / "data" / f"{number}.png")
+    arguments = ["batch", "data", "--model", "demo", "--out", "out", "--no-progress", "--workers", "0"]
+    assert main(arguments) == 0
+    rows = (tmp_path / "out" / "index.csv").read_bytes()
+    (tmp_path / "data" / "1.png").unlink()
+    with pytest.warns(UserWarning, match=r"1 image\(s\) of out/index.csv are no longer in data \(e\.g\. data/1\.png\): "
+                                         r"their rows and maps are kept"):
+        assert main(arguments) == 0
+    assert (tmp_path / "out" / "index.csv").read_bytes() == rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next resume says it again, and nothing else
+        with pytest.raises(UserWarning, match=r"1 image\(s\) of out/index.csv are no longer in data"):
+            main(arguments)

@@ -689,6 +689,8 @@ def _run(explainer: Explainer, data: Union[str, Path, Iterable[LoaderBatch]], ou
     overlays_note = _overlays_note(out, done, overlays, not isinstance(data, (str, Path))
                                    or any(item not in done for item in file_ids)) if done else None
     summary.notes += [overlays_note] if overlays_note else []
+    if done and isinstance(data, (str, Path)) and shard.rank == 0:
+        summary.notes += _removed_images_note(done, all_ids, folder, summary.index)
     for note in summary.notes:
         warn_at_callers_line(note)
     if done and isinstance(data, (str, Path)) and read is not None:
@@ -1096,6 +1098,19 @@ def merge_shard_indexes(out: Union[str, Path]) -> Path:
     out = Path(out)
     with folder_lock(out):
         return _merge_shard_indexes(out)
+
+
+def _removed_images_note(done: set[str], ids: list[str], folder: Path, index: Path) -> list[str]:
+    """What a resumed run says of the images its index holds that are no longer in the folder: their rows and maps
+    are kept (a folder mounted in part would otherwise lose its results), and the report and strategies read them."""
+    gone = sorted(done - set(ids))
+    if not gone:
+        return []
+    shown = next((row["image"] for row in read_index(index) if row["id"] == gone[0]), gone[0]) if index.exists() \
+        else gone[0]  # its file as the index names it (another rank's row: its id)
+    return [f"{len(gone)} image(s) of {display_name(index)} are no longer in {display_name(folder)} (e.g. "
+            f"{one_line(shown)}): their rows and maps are kept, and the report and strategies still show them. To "
+            "leave them out, delete their rows from the index, or explain the folder into a new --out."]
 
 
 def _merge_shard_indexes(out: Path) -> Path:

@@ -158,6 +158,7 @@ from .run_record import (
     RunRecord,
     _check_and_record_run,
     _file_identities,
+    rank_record_paths,
     read_run_record,
     weights_fingerprint,
 )
@@ -1144,9 +1145,8 @@ def _merge_shard_indexes(out: Path) -> Path:
     for shard_index in shards:
         shard_index.unlink()
     if (out / RUN_RECORD).exists():  # the ranks' records, checked until rank 0 had written run.json
-        for rank_record in out.glob("run.rank*.json"):
-            if re.fullmatch(r"run\.rank\d+\.json", rank_record.name):
-                rank_record.unlink()
+        for rank_record in rank_record_paths(out):
+            rank_record.unlink()
     return index_path
 
 

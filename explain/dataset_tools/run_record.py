@@ -302,12 +302,16 @@ def rank_record_name(rank: int) -> str:
     return f"run.rank{rank}.json"
 
 
+def rank_record_paths(out: Path) -> list[Path]:
+    """The records of the ranks other than 0 in ``out`` (``rank_record_name``), sorted."""
+    return sorted(path for path in out.glob("run.rank*.json") if re.fullmatch(r"run\.rank\d+\.json", path.name))
+
+
 def _rank_records(out: Path) -> list[tuple[Path, RunRecord]]:
     """The records of the ranks other than 0 in ``out`` (``rank_record_name``), by rank; ValueError for one that
     is not a run record."""
-    found = sorted(path for path in out.glob("run.rank*.json") if re.fullmatch(r"run\.rank\d+\.json", path.name))
     records = []
-    for path in found:
+    for path in rank_record_paths(out):
         try:
             records.append((path, RunRecord.from_json(json.loads(path.read_text(encoding="utf-8")),
                                                       display_name(path))))

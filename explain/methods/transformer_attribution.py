@@ -20,7 +20,6 @@ mean of the last stage's rows, lies on the first stage's grid.
 
 from __future__ import annotations
 
-import contextlib
 from abc import abstractmethod
 from typing import Optional
 
@@ -35,7 +34,7 @@ from ._attnlrp_rules import AttnLrpRules, AttnLrpScope
 from ._chefer_rules import CheferRules, CheferScope, OneImageAtATime
 from .attention import AttentionMethod, Recorded, without_autocast
 from .maps import Attribution
-from .passes import autocast_dtype, reduced_precision
+from .passes import reduced_precision
 from .registry import register
 
 
@@ -200,8 +199,7 @@ class TransformerAttribution(RelevanceWeightedRollout):
         """The relevance pass runs outside ``torch.autocast``: the authors' divisions (α1β0's z⁺, their ``Add``'s
         totals) round badly in bfloat16 (on a random 3-block timm ViT the maps moved by up to 0.23 of their maximum,
         against 0.009 with this pass in float32); a model that is itself in reduced precision is warned about."""
-        autocast = autocast_dtype(batch.device.type) is not None
-        with torch.autocast(batch.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        with without_autocast(batch.device):
             precision = reduced_precision(self.model, batch)
             if precision is not None:
                 warn_at_callers_line(
